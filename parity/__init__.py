@@ -1,0 +1,3 @@
+"""parity: precision-consistent reinforcement learning for language models."""
+
+__version__ = "0.1.0"
