@@ -1,0 +1,231 @@
+"""The one typed config of a parity run, and recipes: named presets of it.
+
+Precedence, lowest first: field defaults, the recipe's preset, the task's defaults (for fields left
+unset), a YAML file (`--config`), command-line flags. Every field carries its documentation in
+`metadata["help"]`; the CLI builds its flags from it, so the docs live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from parity.errors import ParityError
+
+DTYPES = ("fp32", "bf16", "fp16")
+RATIO_SOURCES = ("engine", "shadow", "recompute")
+IMPLEMENTED_RATIO_SOURCES = ("engine",)
+CORRECTIONS = ("none",)
+OBJECTIVES = ("ppo-clip",)
+LOSS_AGGS = ("seq-mean",)
+OPTIMIZERS = ("adamw", "adam", "sgd")
+ENGINES = ("hf",)
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Config:
+    # -- what to train
+    recipe: str = _f("bf16-engine", "Named preset of precision, ratio source, clip and correction "
+                     "(`parity recipes` lists them); explicit fields override it.")
+    task: str = _f("neg-length", "Task: `neg-length`, `arith`, or a dataset file (JSONL/parquet "
+                   "with a `prompt` column) used with `--reward`.")
+    reward: str | None = _f(None, "Reward function `module:function` or `path/file.py:function` "
+                            "with TRL's signature reward(prompts, completions, **columns) -> "
+                            "list[float]; required for a dataset task, optional otherwise.")
+    model: str | None = _f(None, "Testbed model name (`parity testbed list`) or a local Hugging "
+                           "Face causal LM directory. None: the task's default testbed model.")
+    # -- precision (the subject of parity)
+    engine: str = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache).")
+    engine_dtype: str = _f("bf16", "Precision of the engine's copy of the weights: fp32|bf16|fp16.")
+    trainer_dtype: str = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast over "
+                            "fp32 master weights.")
+    ratio_source: str = _f("engine", "Denominator of the PPO ratio: `engine` (log r = l_pi - l_mu); "
+                           "`shadow` and `recompute` arrive with the fixes.")
+    correction: str = _f("none", "Behaviour-policy correction with `recompute` (none for now).")
+    eps_low: float | None = _f(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for "
+                               "A < 0. None disables clipping.")
+    eps_high: float | None = _f(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for "
+                                "A > 0. None disables clipping.")
+    loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.")
+    loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
+                                         "scale doubles.")
+    # -- objective
+    objective: str = _f("ppo-clip", "Policy objective: token-level PPO-clip with GRPO advantages.")
+    loss_agg: str = _f("seq-mean", "Loss aggregation: `seq-mean` (token mean per sequence, then "
+                       "mean over sequences, as GRPO).")
+    scale_rewards: bool = _f(True, "Divide group-centred rewards by the group's std (GRPO); "
+                             "False keeps only the centring (Dr.GRPO).")
+    # -- optimisation
+    optimizer: str = _f("adamw", "Optimizer over the fp32 master weights: adamw|adam|sgd.")
+    lr: float | None = _f(None, "Learning rate. None: the task's default.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (<= 0 disables).")
+    steps: int | None = _f(None, "RL steps (rollout + updates). None: the task's default.")
+    prompts_per_step: int = _f(8, "Distinct prompts sampled per step.")
+    samples_per_prompt: int = _f(8, "Completions per prompt (the GRPO group size).")
+    minibatches: int = _f(1, "Optimizer steps per epoch: the step's completions split this many "
+                          "ways (by whole groups).")
+    epochs: int = _f(1, "Passes over the step's completions.")
+    # -- sampling
+    max_new_tokens: int | None = _f(None, "Max completion tokens (EOS included). None: the "
+                                    "task's default.")
+    temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one.")
+    top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables).")
+    top_k: int = _f(0, "Keep the k most likely tokens (0 disables).")
+    # -- bookkeeping
+    seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.")
+    out: str | None = _f(None, "Run directory. None: runs/<task>-<recipe>-s<seed>.")
+    save_every: int = _f(0, "Save a checkpoint every N steps (0: only at the end).")
+    threads: int = _f(0, "torch CPU threads (0: torch's default).")
+    progress: bool = _f(True, "Show a progress bar.")
+
+    def validate(self) -> "Config":
+        """Refuse bad settings before any work starts, with one line naming the field."""
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ParityError(f"{name}={v!r} is not one of: {', '.join(allowed)}")
+        if self.recipe not in RECIPES:
+            raise ParityError(f"unknown recipe {self.recipe!r}; known recipes: "
+                              f"{', '.join(RECIPES)}")
+        for name in ("engine_dtype", "trainer_dtype"):
+            choice(name, DTYPES)
+        choice("engine", ENGINES)
+        choice("ratio_source", RATIO_SOURCES)
+        if self.ratio_source not in IMPLEMENTED_RATIO_SOURCES:
+            raise ParityError(f"ratio_source={self.ratio_source!r} is not available yet; "
+                              f"use one of: {', '.join(IMPLEMENTED_RATIO_SOURCES)}")
+        choice("correction", CORRECTIONS)
+        choice("objective", OBJECTIVES)
+        choice("loss_agg", LOSS_AGGS)
+        choice("optimizer", OPTIMIZERS)
+        for name in ("eps_low", "eps_high"):
+            v = getattr(self, name)
+            if v is not None and not (0 <= v and math.isfinite(v)):
+                raise ParityError(f"{name}={v} must be a finite number >= 0 (or null for no clip)")
+        if self.eps_low is not None and self.eps_low >= 1:
+            raise ParityError(f"eps_low={self.eps_low} must be < 1 (the ratio cannot fall to 0)")
+        positive = ("prompts_per_step", "samples_per_prompt", "minibatches", "epochs",
+                    "loss_scale_growth_interval")
+        for name in positive + ("steps", "max_new_tokens"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ParityError(f"{name}={v} must be > 0")
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ParityError(f"lr={self.lr} must be a finite number > 0")
+        if self.prompts_per_step % self.minibatches:
+            raise ParityError(f"prompts_per_step={self.prompts_per_step} must be divisible by "
+                              f"minibatches={self.minibatches} (minibatches hold whole groups)")
+        if not (self.temperature > 0):
+            raise ParityError(f"temperature={self.temperature} must be > 0")
+        if not (0 < self.top_p <= 1):
+            raise ParityError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ParityError(f"top_k={self.top_k} must be >= 0")
+        if self.save_every < 0:
+            raise ParityError(f"save_every={self.save_every} must be >= 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    settings: dict[str, Any]
+
+
+# DESIGN.md's table. The fixes issue adds shadow, recompute, tis, seq-mis, wide-eps, no-clip.
+RECIPES: dict[str, Recipe] = {r.name: r for r in [
+    Recipe("bf16-engine", "The mismatch: bf16 engine, fp32 trainer, engine log-probs in the ratio.",
+           dict(engine_dtype="bf16", trainer_dtype="fp32", ratio_source="engine",
+                eps_low=0.2, eps_high=0.2, correction="none")),
+    Recipe("fp16", "The FP16 paper: fp16 engine, fp16 autocast trainer over fp32 master weights "
+           "with dynamic loss scaling.",
+           dict(engine_dtype="fp16", trainer_dtype="fp16", ratio_source="engine",
+                eps_low=0.2, eps_high=0.2, correction="none")),
+    Recipe("bf16", "bf16 on both sides: bf16 engine, bf16 autocast trainer.",
+           dict(engine_dtype="bf16", trainer_dtype="bf16", ratio_source="engine",
+                eps_low=0.2, eps_high=0.2, correction="none")),
+    Recipe("fp32", "The reference: fp32 engine and fp32 trainer.",
+           dict(engine_dtype="fp32", trainer_dtype="fp32", ratio_source="engine",
+                eps_low=0.2, eps_high=0.2, correction="none")),
+]}
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert a YAML or flag value to the field's type, or raise ParityError naming the field."""
+    if name not in FIELDS:
+        raise ParityError(f"unknown config field {name!r}")
+    kind = str(FIELDS[name].type)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if "None" in kind:
+            return None
+        raise ParityError(f"{name} cannot be empty")
+    try:
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            s = str(value).lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind.startswith("int"):
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError(value)
+            return int(float(value))
+        if kind.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ParityError(f"{name}={value!r} is not a valid {kind.split(' ')[0]}") from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ParityError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ParityError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ParityError(f"config file {p} must hold a mapping of field: value")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def make_config(explicit: dict[str, Any], task_defaults: dict[str, Any] | None = None) -> Config:
+    """defaults < recipe < task defaults (unset fields only) < explicit values."""
+    explicit = {k: coerce(k, v) for k, v in explicit.items()}
+    recipe = explicit.get("recipe", Config.recipe)
+    if recipe not in RECIPES:
+        raise ParityError(f"unknown recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")
+    values: dict[str, Any] = dict(RECIPES[recipe].settings)
+    for k, v in (task_defaults or {}).items():
+        if explicit.get(k) is None:
+            values[k] = v
+    td = task_defaults or {}
+    values.update({k: v for k, v in explicit.items() if not (v is None and k in td)})
+    values["recipe"] = recipe
+    return Config(**values).validate()
+
+
+def dump_yaml(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,156 @@
+"""Rollout engines, and the sampling distribution they and the trainer share.
+
+The `hf` engine samples from the transformers model in engine precision with a KV cache and
+records, for every sampled token, ℓ_μ: its log-prob under the distribution actually sampled from
+(temperature, top-k and top-p applied, renormalised). The trainer scores tokens with the same
+`logprobs_from_logits`, so with equal weights and equal precision ℓ_π = ℓ_μ up to kernel noise.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from parity.precision import cast_weights_into, torch_dtype
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+def processed_logits(logits: torch.Tensor, s: Sampling,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits of the sampling distribution: temperature, then top-k, then top-p (the order
+    transformers and vLLM use); removed tokens get -inf. `keep` (token ids, shape logits[..., 0])
+    is never removed: the trainer must not score a token the engine really sampled as impossible
+    just because its own logits put it a hair outside the nucleus."""
+    x = logits.float() / s.temperature
+    if not s.truncates:
+        return x
+    remove = torch.zeros_like(x, dtype=torch.bool)
+    if s.top_k > 0 and s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
+        remove |= x < kth
+    if s.top_p < 1.0:
+        sorted_x, order = torch.sort(x.masked_fill(remove, float("-inf")), dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        remove |= torch.zeros_like(remove).scatter(-1, order, mass_before >= s.top_p)
+    if keep is not None:
+        remove.scatter_(-1, keep.unsqueeze(-1), False)
+    return x.masked_fill(remove, float("-inf"))
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling,
+                         keep_sampled: bool = True) -> torch.Tensor:
+    """log p(token) under the sampling distribution defined by `s`; fp32, shape of `tokens`."""
+    x = processed_logits(logits, s, keep=tokens if keep_sampled else None)
+    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+
+@dataclass
+class Rollout:
+    """A batch of completions. Prompts are left-padded, completions right-padded; EOS, when
+    sampled, is the last valid completion token."""
+    prompt_ids: torch.Tensor        # [B, P] long
+    prompt_mask: torch.Tensor       # [B, P] long, 0 on left padding
+    completion_ids: torch.Tensor    # [B, T] long, pad after the end
+    completion_mask: torch.Tensor   # [B, T] float, 1 on valid completion tokens
+    engine_logprobs: torch.Tensor   # [B, T] fp32 ℓ_μ, 0 on padding
+    finished: torch.Tensor          # [B] bool, True where the completion ended with EOS
+
+    def select(self, idx: torch.Tensor | slice) -> "Rollout":
+        return Rollout(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+    def completions(self) -> list[list[int]]:
+        lens = self.completion_mask.sum(-1).long().tolist()
+        return [row[:n] for row, n in zip(self.completion_ids.tolist(), lens)]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding, so a padded prompt sees the positions it would see
+    alone; the engine and the trainer must agree on them token for token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+    """Full forward over prompt + completion; log-probs of the completion tokens, [B, T] fp32.
+    Runs with whatever grad mode and autocast the caller set up."""
+    ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
+    mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
+    T = r.completion_ids.shape[1]
+    # logits at position t predict token t+1: keep only those that predict completion tokens.
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                use_cache=False, logits_to_keep=T + 1)
+    logits = out.logits[:, :T]
+    return logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+
+
+class HFEngine:
+    """Batched sampling with a KV cache on the engine's own engine-precision copy of the model."""
+
+    def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int, pad_id: int):
+        self.dtype = dtype
+        self.model = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.version = 0
+
+    def sync(self, master: torch.nn.Module) -> float:
+        """Cast the fp32 master weights into the engine; returns `sync/changed_frac`."""
+        self.version += 1
+        return cast_weights_into(master, self.model)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                 generator: torch.Generator) -> Rollout:
+        ids, mask = left_pad(prompts, self.pad_id)
+        B = ids.shape[0]
+        cache = DynamicCache()
+        pos = positions(mask)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long)
+        logps = torch.zeros((B, max_new_tokens), dtype=torch.float32)
+        valid = torch.zeros((B, max_new_tokens), dtype=torch.float32)
+        done = torch.zeros(B, dtype=torch.bool)
+        attn, last_pos = mask, pos[:, -1:]
+        for t in range(max_new_tokens):
+            x = processed_logits(out.logits[:, -1], s)
+            logp = torch.log_softmax(x, dim=-1)
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            alive = ~done
+            tokens[:, t] = torch.where(alive, tok, self.pad_id)
+            logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+            valid[:, t] = alive.float()
+            done |= alive & (tok == self.eos_id)
+            if bool(done.all()) or t == max_new_tokens - 1:
+                break
+            # Finished rows keep decoding a pad token; their output is discarded above.
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
+                             position_ids=last_pos, past_key_values=cache, use_cache=True)
+        T = int(valid.sum(0).nonzero().max()) + 1
+        return Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)

@@ -1,0 +1,261 @@
+"""Tasks: prompts plus a reward function with TRL's signature
+
+    reward(prompts: list[str], completions: list[str], **columns) -> list[float]
+
+where `columns` holds every dataset column for each completion's row, plus `completion_ids`
+(token ids, EOS included when sampled), as TRL passes them. Built in:
+
+- `neg-length`: reward = −(completion tokens); the best policy emits EOS at once.
+- `arith`: exact-match arithmetic on problems the model solves 20–80% of the time over 40
+  samples, measured by really sampling from the model before training (cached).
+- a dataset file (JSONL, parquet, or a `datasets` directory) with a `prompt` column, rewarded by
+  the user's `--reward module:function`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from parity import testbed
+from parity.errors import ParityError
+
+RewardFn = Callable[..., list[float]]
+BUILTIN = ("neg-length", "arith")
+
+# Per-task defaults for the Config fields left unset (None); see Config's docs.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "neg-length": dict(model=testbed.DEFAULT_TEXT, lr=1e-4, steps=30, max_new_tokens=24),
+    "arith": dict(model=testbed.DEFAULT_ARITH, lr=1e-4, steps=200, max_new_tokens=8),
+}
+ARITH_CANDIDATES = 512
+ARITH_SAMPLES = 40
+ARITH_BAND = (0.2, 0.8)
+
+
+def task_defaults(task: str) -> dict[str, Any]:
+    return dict(TASK_DEFAULTS.get(task, {}))
+
+
+@dataclass
+class Task:
+    name: str
+    rows: list[dict[str, Any]]                  # each has "prompt" and any other columns
+    reward_fn: RewardFn
+    reward_name: str
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def rewards(self, row_idx: list[int], completions: list[str],
+                completion_ids: list[list[int]]) -> list[float]:
+        """Call the reward function and hold it to its contract; any breach is a ParityError."""
+        rows = [self.rows[i] for i in row_idx]
+        prompts = [r["prompt"] for r in rows]
+        columns = {k: [r.get(k) for r in rows] for k in self.rows[0] if k != "prompt"}
+        try:
+            out = self.reward_fn(prompts, completions, completion_ids=completion_ids, **columns)
+        except Exception as e:  # the user's code: report it, do not crash with its traceback
+            raise ParityError(f"reward function {self.reward_name} raised "
+                              f"{type(e).__name__}: {e}") from None
+        try:
+            values = [float(v) for v in out]
+        except (TypeError, ValueError):
+            raise ParityError(f"reward function {self.reward_name} must return a list of "
+                              f"numbers, got {type(out).__name__}") from None
+        if len(values) != len(completions):
+            raise ParityError(f"reward function {self.reward_name} returned {len(values)} "
+                              f"values for {len(completions)} completions")
+        for i, v in enumerate(values):
+            if not math.isfinite(v):
+                raise ParityError(f"reward function {self.reward_name} returned {v} for "
+                                  f"completion {i} (prompt row {row_idx[i]}); rewards must be "
+                                  f"finite")
+        return values
+
+
+def neg_length_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                      **_: Any) -> list[float]:
+    return [-float(len(ids)) for ids in completion_ids]
+
+
+def arith_reward(prompts: list[str], completions: list[str], answer: list[str],
+                 **_: Any) -> list[float]:
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def load_reward(spec: str) -> tuple[RewardFn, str]:
+    """`module:function` (importable from the working directory) or `path/to/file.py:function`.
+    Only this explicit flag ever imports user code."""
+    mod_name, sep, fn_name = spec.rpartition(":")
+    if not sep or not mod_name or not fn_name:
+        raise ParityError(f"--reward {spec!r} must look like module:function or file.py:function")
+    try:
+        if mod_name.endswith(".py"):
+            path = Path(mod_name)
+            if not path.is_file():
+                raise ParityError(f"reward file {path} does not exist")
+            sp = importlib.util.spec_from_file_location(f"parity_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(sp)
+            sp.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(mod_name)
+    except ParityError:
+        raise
+    except Exception as e:
+        raise ParityError(f"cannot import reward module {mod_name!r}: "
+                          f"{type(e).__name__}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ParityError(f"reward module {mod_name!r} has no function {fn_name!r}")
+    return fn, spec
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """Read a dataset with `datasets`: JSONL/JSON, parquet, or a save_to_disk directory."""
+    import datasets
+    p = Path(path)
+    if not p.exists():
+        raise ParityError(f"task {path!r} is neither a built-in task ({', '.join(BUILTIN)}) "
+                          f"nor an existing dataset file")
+    datasets.disable_progress_bars()
+    try:
+        if p.is_dir():
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        elif p.suffix in (".jsonl", ".json"):
+            ds = datasets.load_dataset("json", data_files=str(p), split="train")
+        elif p.suffix == ".parquet":
+            ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
+        else:
+            raise ParityError(f"dataset {p} must be .jsonl, .json, .parquet or a dataset "
+                              f"directory")
+    except ParityError:
+        raise
+    except Exception as e:
+        raise ParityError(f"cannot read dataset {p}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if len(ds) == 0:
+        raise ParityError(f"dataset {p} has no rows")
+    if "prompt" not in ds.column_names:
+        raise ParityError(f"dataset {p} has no 'prompt' column (columns: "
+                          f"{', '.join(ds.column_names)})")
+    rows = ds.to_list()
+    for i, row in enumerate(rows):
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ParityError(f"dataset {p} row {i}: field 'prompt' is missing or empty")
+    return rows
+
+
+def arith_solve_rates(sample: Callable[[list[str], int], list[str]], problems: list[tuple],
+                      samples: int) -> list[float]:
+    """Fraction of `samples` completions that solve each problem; `sample(prompts, n)` returns
+    n completions per prompt, grouped by prompt."""
+    comps = sample([p for p, _ in problems], samples)
+    return [sum(c.strip() == ans for c in comps[i * samples:(i + 1) * samples]) / samples
+            for i, (_, ans) in enumerate(problems)]
+
+
+def arith_rows(model_dir: Path, sample: Callable[[list[str], int], list[str]], seed: int,
+               temperature: float, cache: Path | None = None) -> tuple[list[dict], dict]:
+    """The filtered arith problem set for this model, cached beside the testbed models."""
+    weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
+    key = hashlib.sha256(json.dumps([str(model_dir.resolve()), stamp, seed, temperature,
+                                     ARITH_CANDIDATES, ARITH_SAMPLES]).encode()).hexdigest()[:16]
+    path = (cache or testbed.cache_dir()) / "tasks" / f"arith-{key}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return data["rows"], data["info"]
+    rng = random.Random(seed)
+    seen: dict[str, str] = {}
+    while len(seen) < ARITH_CANDIDATES:  # distinct problems only
+        q, a = testbed.arith_problem(rng)
+        seen.setdefault(q, a)
+    problems = list(seen.items())
+    rates = arith_solve_rates(sample, problems, ARITH_SAMPLES)
+    lo, hi = ARITH_BAND
+    rows = [{"prompt": q, "answer": a, "solve_rate": r}
+            for (q, a), r in zip(problems, rates) if lo <= r <= hi]
+    info = {"candidates": len(problems), "kept": len(rows), "samples": ARITH_SAMPLES,
+            "band": list(ARITH_BAND), "candidate_solve_rate": sum(rates) / len(rates),
+            "kept_solve_rate": sum(r["solve_rate"] for r in rows) / max(len(rows), 1)}
+    if not rows:
+        raise ParityError(f"arith: none of {len(problems)} problems is solved 20-80% of the time "
+                          f"by {model_dir}; the model is too weak or too strong for this task")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rows": rows, "info": info}))
+    tmp.replace(path)
+    return rows, info
+
+
+def build_task(name: str, reward: str | None, model_dir: Path, tokenizer: Any,
+               max_new_tokens: int, max_positions: int | None, seed: int, temperature: float,
+               sample: Callable[[list[str], int], list[str]]) -> Task:
+    if name == "neg-length":
+        rows = [{"prompt": p} for p in testbed.text_prompts(256, seed=seed)]
+        task = Task(name, rows, neg_length_reward, "neg-length")
+    elif name == "arith":
+        rows, info = arith_rows(model_dir, sample, seed, temperature)
+        task = Task(name, rows, arith_reward, "arith", info=info)
+    else:
+        if reward is None:
+            raise ParityError(f"task {name!r} is a dataset: give its reward function with "
+                              f"--reward module:function")
+        rows = load_rows(name)
+        task = Task(Path(name).name, rows, *load_reward(reward))
+    if reward is not None and name in BUILTIN:
+        task.reward_fn, task.reward_name = load_reward(reward)
+    task.prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in task.rows]
+    for i, ids in enumerate(task.prompt_ids):
+        if not ids:
+            raise ParityError(f"task {name}: row {i}: prompt tokenizes to nothing")
+        if max_positions is not None and len(ids) + max_new_tokens > max_positions:
+            raise ParityError(f"task {name}: row {i}: prompt is {len(ids)} tokens; with "
+                              f"max_new_tokens={max_new_tokens} it exceeds the model's context "
+                              f"of {max_positions} positions")
+    return task
+
+
+class PromptSampler:
+    """Deterministic data order: shuffled epochs over the rows, drawn `n` at a time."""
+
+    def __init__(self, n_rows: int, seed: int):
+        self.n_rows, self.seed, self.epoch, self.pos = n_rows, seed, 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(self.n_rows))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            if self.pos == self.n_rows:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffle()
+            take = min(n - len(out), self.n_rows - self.pos)
+            out += self._order[self.pos:self.pos + take]
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.epoch, self.pos = s["epoch"], s["pos"]
+        self._order = self._shuffle()

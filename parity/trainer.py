@@ -1,0 +1,252 @@
+"""The GRPO loop, top to bottom:
+
+    sync engine ← master weights (cast to engine dtype)
+    rollout: the engine samples G completions per prompt, recording ℓ_μ per token
+    rewards → group-normalised advantages A
+    for each epoch, minibatch: ℓ_π (trainer dtype) → log r per the ratio source → PPO-clip →
+        loss-scaled backward → optimizer step on fp32 master weights (skipped on overflow)
+    metrics.jsonl, progress bar, checkpoints
+
+The ratio source decides the denominator in `old_logprobs`; `shadow` and `recompute` slot in there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from parity import testbed
+from parity.config import Config, dump_yaml
+from parity.engines import HFEngine, Rollout, Sampling, score
+from parity.errors import ParityError
+from parity.objectives import grpo_advantages, ppo_clip_loss
+from parity.precision import LossScaler, autocast
+from parity.tasks import PromptSampler, Task, build_task
+
+
+def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
+    """fp32 master weights and the tokenizer; a directory that is not a causal LM is a user error."""
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    except Exception as e:
+        raise ParityError(f"cannot load a causal LM from {model_dir}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if tok.eos_token_id is None:
+        raise ParityError(f"the tokenizer in {model_dir} has no eos token; completions could "
+                          f"never end")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    cfg = model.config
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+def make_sampler(model: torch.nn.Module, tok: Any, s: Sampling, max_new: int, seed: int):
+    """Sample text completions with an fp32 engine: used to filter a task before training."""
+    engine = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id)
+
+    def sample(prompts: list[str], n: int, batch: int = 2048) -> list[str]:
+        g = torch.Generator().manual_seed(seed)
+        ids = [tok(p)["input_ids"] for p in prompts for _ in range(n)]
+        out: list[str] = []
+        for i in range(0, len(ids), batch):
+            r = engine.generate(ids[i:i + batch], max_new, s, g)
+            out += tok.batch_decode(r.completions(), skip_special_tokens=True)
+        return out
+    return sample
+
+
+def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr)
+    return torch.optim.SGD(params, lr=cfg.lr)
+
+
+def old_logprobs(cfg: Config, r: Rollout) -> torch.Tensor:
+    """The PPO ratio's denominator, as the ratio source defines it."""
+    if cfg.ratio_source == "engine":
+        return r.engine_logprobs
+    raise NotImplementedError(cfg.ratio_source)  # refused earlier by Config.validate
+
+
+def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor
+                     ) -> dict[str, float]:
+    """DESIGN's KL estimates and prob diffs of ℓ_π − ℓ_μ over valid tokens."""
+    m = mask > 0
+    d = (logp_pi - logp_mu)[m].double()
+    if d.numel() == 0:
+        return {}
+    pdiff = (logp_pi.exp() - logp_mu.exp())[m].double()
+    return {"mismatch/kl_k1": float((-d).mean()),
+            "mismatch/kl_k3": float((d.exp() - d - 1).mean()),
+            "mismatch/prob_diff_abs_mean": float(pdiff.abs().mean()),
+            "mismatch/prob_diff_max": float(pdiff.max()),
+            "mismatch/prob_diff_min": float(pdiff.min())}
+
+
+def run_dir_for(cfg: Config) -> Path:
+    if cfg.out:
+        return Path(cfg.out)
+    return Path("runs") / f"{Path(cfg.task).stem}-{cfg.recipe}-s{cfg.seed}"
+
+
+def check_run_dir(path: Path) -> None:
+    """Never overwrite an earlier run: a run directory must stay consistent with its metrics."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ParityError(f"run directory {path} already exists and is not empty; choose "
+                          f"another --out")
+
+
+def save_checkpoint(run: Path, step: int, model: torch.nn.Module, tok: Any,
+                    opt: torch.optim.Optimizer, scaler: LossScaler, prompts: PromptSampler,
+                    engine: HFEngine, gen: torch.Generator) -> Path:
+    """checkpoints/step-N/: an ordinary HF model directory (fp32 safetensors + tokenizer) plus
+    optimizer, scaler and RNG state. Written to a temporary directory and renamed, so a crash
+    mid-write never leaves a checkpoint that looks complete."""
+    final = run / "checkpoints" / f"step-{step}"
+    tmp = run / "checkpoints" / f".tmp-step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    torch.save({"optimizer": opt.state_dict(), "scaler": scaler.state_dict()}, tmp / "train.pt")
+    torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
+                "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "engine_version": engine.version,
+                                                "prompts": prompts.state_dict()}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def progress_bar(enabled: bool):
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"))
+
+
+def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
+    model_dir = testbed.resolve_model(cfg.model)
+    model, tok = load_policy(model_dir)
+    s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    task = build_task(cfg.task, cfg.reward, model_dir, tok, cfg.max_new_tokens,
+                      max_positions(model), cfg.seed, cfg.temperature,
+                      make_sampler(model, tok, s, cfg.max_new_tokens, cfg.seed))
+    return model, tok, model_dir, task
+
+
+def train(cfg: Config) -> Path:
+    """Run GRPO as `cfg` says; returns the run directory. All input is checked before the run
+    directory is touched."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run = run_dir_for(cfg)
+    check_run_dir(run)
+    model, tok, model_dir, task = setup(cfg)
+    check_run_dir(run)
+    run.mkdir(parents=True, exist_ok=True)
+    dump_yaml(cfg, run / "config.yaml")
+    (run / "task.json").write_text(json.dumps({"task": task.name, "model_dir": str(model_dir),
+                                               "rows": len(task.rows), **task.info}, indent=1))
+
+    device = torch.device("cpu")
+    s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    engine = HFEngine(model, cfg.engine_dtype, tok.eos_token_id, tok.pad_token_id)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(cfg, params)
+    scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
+                        cfg.loss_scale_growth_interval)
+    prompts = PromptSampler(len(task.rows), cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    G = cfg.samples_per_prompt
+
+    metrics_file = open(run / "metrics.jsonl", "a", buffering=1)
+    with progress_bar(cfg.progress) as bar:
+        bar_task = bar.add_task("", total=cfg.steps) if bar else None
+        for step in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            changed = engine.sync(model)
+            rows = prompts.next(cfg.prompts_per_step)
+            r = engine.generate([task.prompt_ids[i] for i in rows for _ in range(G)],
+                                cfg.max_new_tokens, s, gen)
+            comp_ids = r.completions()
+            texts = tok.batch_decode(comp_ids, skip_special_tokens=True)
+            rewards = torch.tensor(task.rewards([i for i in rows for _ in range(G)], texts,
+                                                comp_ids))
+            adv = grpo_advantages(rewards, G, cfg.scale_rewards)
+            t1 = time.perf_counter()
+
+            mb_size = cfg.prompts_per_step // cfg.minibatches * G
+            n_tok = r.completion_mask.sum()
+            clipped_tokens, seen_tokens, losses, norms, first = 0.0, 0.0, [], [], {}
+            skipped_before = scaler.skipped
+            old = old_logprobs(cfg, r)
+            for epoch in range(cfg.epochs):
+                for start in range(0, len(rows) * G, mb_size):
+                    idx = slice(start, start + mb_size)
+                    mb = r.select(idx)
+                    with autocast(cfg.trainer_dtype, device):
+                        logp_pi = score(model, mb, s)
+                    loss, clipped = ppo_clip_loss(logp_pi, old[idx], adv[idx], mb.completion_mask,
+                                                  cfg.eps_low, cfg.eps_high)
+                    if epoch == 0:  # each token's first forward: ℓ_π − ℓ_μ before it moves
+                        first[start] = (logp_pi.detach(), mb.engine_logprobs, mb.completion_mask)
+                    scaler.backward(loss)
+                    _, norm = scaler.step(opt, params, cfg.max_grad_norm)
+                    clipped_tokens += float(clipped.sum())
+                    seen_tokens += float(mb.completion_mask.sum())
+                    losses.append(float(loss.detach()))
+                    norms.append(norm)
+            t2 = time.perf_counter()
+
+            lp, lm, mk = (torch.cat([v[i] for v in first.values()]) for i in range(3))
+            m: dict[str, Any] = {
+                "step": step,
+                "reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                "completion/len_mean": float(n_tok / len(comp_ids)),
+                "completion/eos_frac": float(r.finished.float().mean()),
+                "clip/frac": clipped_tokens / max(seen_tokens, 1.0),
+                **mismatch_metrics(lp, lm, mk),
+                "sync/changed_frac": changed,
+                "loss/policy": sum(losses) / len(losses),
+                "loss/scale": scaler.scale,
+                "train/grad_norm": sum(norms) / len(norms),
+                "train/skipped_updates": scaler.skipped,
+                "train/skipped_this_step": scaler.skipped - skipped_before,
+                "time/rollout_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/step_s": t2 - t0,
+                "throughput/tokens_per_s": float(n_tok) / (t2 - t0),
+            }
+            metrics_file.write(json.dumps(m) + "\n")
+            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+                save_checkpoint(run, step, model, tok, opt, scaler, prompts, engine, gen)
+            if bar:
+                bar.update(bar_task, advance=1, description=(
+                    f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
+                    f"clip {m['clip/frac']:.3f}"))
+    metrics_file.close()
+    save_checkpoint(run, cfg.steps, model, tok, opt, scaler, prompts, engine, gen)
+    return run

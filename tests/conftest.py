@@ -1,0 +1,55 @@
+"""Shared fixtures: a private testbed cache with the test-size models, built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run the long end-to-end runs")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="long end-to-end run: pass --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    """PARITY_CACHE for the whole session, so tests never touch the user's cache. A developer
+    can point PARITY_TEST_CACHE at a directory to reuse builds between sessions."""
+    path = Path(os.environ.get("PARITY_TEST_CACHE") or tmp_path_factory.mktemp("parity-cache"))
+    os.environ["PARITY_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_model(cache) -> Path:
+    from parity import testbed
+    return testbed.ensure(testbed.TEST_TEXT, cache, progress=False)
+
+
+@pytest.fixture(scope="session")
+def arith_model(cache) -> Path:
+    from parity import testbed
+    return testbed.ensure(testbed.TEST_ARITH, cache, progress=False)
+
+
+@pytest.fixture
+def tiny_lm():
+    """A randomly initialised real Llama with a 16-token vocabulary: its next-token distribution
+    is spread wide enough for statistical tests of sampling."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
