@@ -1,7 +1,7 @@
 """The one typed config of a parity run, and recipes: named presets of it.
 
-Precedence, lowest first: field defaults, the recipe's preset, the task's defaults (for fields left
-unset), a YAML file (`--config`), command-line flags. Every field carries its documentation in
+Precedence, lowest first: field defaults, the recipe's preset, the built-in task's defaults, a
+YAML file (`--config`), command-line flags. Every field carries its documentation in
 `metadata["help"]`; the CLI builds its flags from it, so the docs live in one place.
 """
 
@@ -44,7 +44,8 @@ class Config:
                             "with TRL's signature reward(prompts, completions, **columns) -> "
                             "list[float]; required for a dataset task, optional otherwise.")
     model: str | None = _f(None, "Testbed model name (`parity testbed list`) or a local Hugging "
-                           "Face causal LM directory. None: the task's default testbed model.")
+                           "Face causal LM directory. None: the built-in task's testbed model "
+                           "(a dataset task must name one).")
     # -- precision (the subject of parity)
     engine: str = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache).")
     engine_dtype: str = _f("bf16", "Precision of the engine's copy of the weights: fp32|bf16|fp16.")
@@ -68,18 +69,19 @@ class Config:
                              "False keeps only the centring (Dr.GRPO).")
     # -- optimisation
     optimizer: str = _f("adamw", "Optimizer over the fp32 master weights: adamw|adam|sgd.")
-    lr: float | None = _f(None, "Learning rate. None: the task's default.")
+    lr: float = _f(1e-5, "Learning rate (built-in tasks set their own default).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (<= 0 disables).")
-    steps: int | None = _f(None, "RL steps (rollout + updates). None: the task's default.")
+    steps: int = _f(100, "RL steps, each a rollout and its updates (built-in tasks set their "
+                    "own default).")
     prompts_per_step: int = _f(8, "Distinct prompts sampled per step.")
     samples_per_prompt: int = _f(8, "Completions per prompt (the GRPO group size).")
     minibatches: int = _f(1, "Optimizer steps per epoch: the step's completions split this many "
                           "ways (by whole groups).")
     epochs: int = _f(1, "Passes over the step's completions.")
     # -- sampling
-    max_new_tokens: int | None = _f(None, "Max completion tokens (EOS included). None: the "
-                                    "task's default.")
+    max_new_tokens: int = _f(64, "Max completion tokens, EOS included (built-in tasks set "
+                             "their own default).")
     temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one.")
     top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables).")
     top_k: int = _f(0, "Keep the k most likely tokens (0 disables).")
@@ -122,7 +124,9 @@ class Config:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ParityError(f"{name}={v} must be > 0")
-        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+        if self.model is None:
+            raise ParityError(f"task {self.task!r} has no default model: give --model NAME|DIR")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ParityError(f"lr={self.lr} must be a finite number > 0")
         if self.prompts_per_step % self.minibatches:
             raise ParityError(f"prompts_per_step={self.prompts_per_step} must be divisible by "
@@ -212,17 +216,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def make_config(explicit: dict[str, Any], task_defaults: dict[str, Any] | None = None) -> Config:
-    """defaults < recipe < task defaults (unset fields only) < explicit values."""
+    """defaults < recipe < task defaults < explicit values (YAML, then flags)."""
     explicit = {k: coerce(k, v) for k, v in explicit.items()}
     recipe = explicit.get("recipe", Config.recipe)
     if recipe not in RECIPES:
         raise ParityError(f"unknown recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")
     values: dict[str, Any] = dict(RECIPES[recipe].settings)
-    for k, v in (task_defaults or {}).items():
-        if explicit.get(k) is None:
-            values[k] = v
-    td = task_defaults or {}
-    values.update({k: v for k, v in explicit.items() if not (v is None and k in td)})
+    values.update(task_defaults or {})
+    values.update(explicit)
     values["recipe"] = recipe
     return Config(**values).validate()
 

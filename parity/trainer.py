@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
@@ -35,6 +36,7 @@ from parity.tasks import PromptSampler, Task, build_task
 
 def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     """fp32 master weights and the tokenizer; a directory that is not a causal LM is a user error."""
+    transformers.utils.logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
