@@ -177,8 +177,9 @@ def coerce(name: str, value: Any) -> Any:
     if name not in FIELDS:
         raise ParityError(f"unknown config field {name!r}")
     kind = str(FIELDS[name].type)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-        if "None" in kind:
+    optional = "None" in kind
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
             return None
         raise ParityError(f"{name} cannot be empty")
     try:

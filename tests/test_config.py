@@ -1,0 +1,66 @@
+"""Config precedence, recipes, YAML round trip and validation."""
+
+import dataclasses
+
+import pytest
+
+from parity.cli import build_parser, config_from_args
+from parity.config import RECIPES, Config, dump_yaml, load_yaml, make_config
+from parity.errors import ParityError
+from parity.tasks import task_defaults
+
+
+def cfg_from(argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_field_is_documented():
+    for f in dataclasses.fields(Config):
+        assert len(f.metadata.get("help", "")) > 15, f.name
+
+
+def test_recipe_sets_precision_and_flags_override():
+    c = cfg_from(["--recipe", "fp16"])
+    assert (c.engine_dtype, c.trainer_dtype, c.ratio_source) == ("fp16", "fp16", "engine")
+    c = cfg_from(["--recipe", "fp16", "--engine-dtype", "bf16", "--eps-high", "0.28"])
+    assert (c.engine_dtype, c.trainer_dtype, c.eps_high, c.eps_low) == ("bf16", "fp16", 0.28, 0.2)
+
+
+def test_task_defaults_then_yaml_then_flags(tmp_path):
+    assert cfg_from(["--task", "arith"]).steps == task_defaults("arith")["steps"]
+    y = tmp_path / "c.yaml"
+    y.write_text("task: arith\nsteps: 7\nlr: 3.0e-4\nrecipe: bf16\neps-low: null\n")
+    c = cfg_from(["--config", str(y)])
+    assert (c.task, c.steps, c.lr, c.recipe, c.trainer_dtype, c.eps_low) == (
+        "arith", 7, 3e-4, "bf16", "bf16", None)
+    c = cfg_from(["--config", str(y), "--steps", "9"])
+    assert c.steps == 9 and c.lr == 3e-4
+
+
+def test_yaml_round_trip(tmp_path):
+    c = cfg_from(["--recipe", "fp32", "--task", "arith", "--top-k", "5", "--no-progress"])
+    dump_yaml(c, tmp_path / "config.yaml")
+    again = make_config(load_yaml(tmp_path / "config.yaml"))
+    assert again == c
+
+
+def test_recipes_are_valid_configs():
+    for name in RECIPES:
+        c = make_config({"recipe": name}, task_defaults("neg-length"))
+        for k, v in RECIPES[name].settings.items():
+            assert getattr(c, k) == v
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("top_p", 0.0, "top_p"), ("temperature", 0, "temperature"), ("minibatches", 3, "divisible"),
+    ("ratio_source", "shadow", "not available yet"), ("optimizer", "lion", "optimizer"),
+    ("eps_low", 1.0, "eps_low"), ("lr", float("nan"), "lr"),
+])
+def test_invalid_values_are_refused(field, value, words):
+    with pytest.raises(ParityError, match=words):
+        make_config({field: value}, task_defaults("neg-length"))
+
+
+def test_dataset_task_needs_a_model():
+    with pytest.raises(ParityError, match="--model"):
+        make_config({"task": "data.jsonl"}, task_defaults("data.jsonl"))
