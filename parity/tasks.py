@@ -35,7 +35,7 @@ BUILTIN = ("neg-length", "arith")
 
 # Per-task defaults for the Config fields left unset (None); see Config's docs.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "neg-length": dict(model=testbed.DEFAULT_TEXT, lr=1e-4, steps=30, max_new_tokens=24),
+    "neg-length": dict(model=testbed.DEFAULT_TEXT, lr=3e-4, steps=30, max_new_tokens=24),
     "arith": dict(model=testbed.DEFAULT_ARITH, lr=1e-4, steps=200, max_new_tokens=8),
 }
 ARITH_CANDIDATES = 512
@@ -159,18 +159,10 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def arith_solve_rates(sample: Callable[[list[str], int], list[str]], problems: list[tuple],
-                      samples: int) -> list[float]:
-    """Fraction of `samples` completions that solve each problem; `sample(prompts, n)` returns
-    n completions per prompt, grouped by prompt."""
-    comps = sample([p for p, _ in problems], samples)
-    return [sum(c.strip() == ans for c in comps[i * samples:(i + 1) * samples]) / samples
-            for i, (_, ans) in enumerate(problems)]
-
-
-def arith_rows(model_dir: Path, sample: Callable[[list[str], int], list[str]], seed: int,
-               temperature: float, cache: Path | None = None) -> tuple[list[dict], dict]:
-    """The filtered arith problem set for this model, cached beside the testbed models."""
+def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperature: float,
+               cache: Path | None = None) -> tuple[list[dict], dict]:
+    """The filtered arith problem set for this model: every candidate really sampled
+    ARITH_SAMPLES times at the run's temperature; cached beside the testbed models."""
     weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
     key = hashlib.sha256(json.dumps([str(model_dir.resolve()), stamp, seed, temperature,
@@ -185,7 +177,8 @@ def arith_rows(model_dir: Path, sample: Callable[[list[str], int], list[str]], s
         q, a = testbed.arith_problem(rng)
         seen.setdefault(q, a)
     problems = list(seen.items())
-    rates = arith_solve_rates(sample, problems, ARITH_SAMPLES)
+    torch.manual_seed(seed)
+    rates = testbed.arith_solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer)
     lo, hi = ARITH_BAND
     rows = [{"prompt": q, "answer": a, "solve_rate": r}
             for (q, a), r in zip(problems, rates) if lo <= r <= hi]
@@ -202,14 +195,14 @@ def arith_rows(model_dir: Path, sample: Callable[[list[str], int], list[str]], s
     return rows, info
 
 
-def build_task(name: str, reward: str | None, model_dir: Path, tokenizer: Any,
-               max_new_tokens: int, max_positions: int | None, seed: int, temperature: float,
-               sample: Callable[[list[str], int], list[str]]) -> Task:
+def build_task(name: str, reward: str | None, model_dir: Path, model: Any, tokenizer: Any,
+               max_new_tokens: int, max_positions: int | None, seed: int,
+               temperature: float) -> Task:
     if name == "neg-length":
         rows = [{"prompt": p} for p in testbed.text_prompts(256, seed=seed)]
         task = Task(name, rows, neg_length_reward, "neg-length")
     elif name == "arith":
-        rows, info = arith_rows(model_dir, sample, seed, temperature)
+        rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature)
         task = Task(name, rows, arith_reward, "arith", info=info)
     else:
         if reward is None:

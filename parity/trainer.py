@@ -56,21 +56,6 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
-def make_sampler(model: torch.nn.Module, tok: Any, s: Sampling, max_new: int, seed: int):
-    """Sample text completions with an fp32 engine: used to filter a task before training."""
-    engine = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id)
-
-    def sample(prompts: list[str], n: int, batch: int = 2048) -> list[str]:
-        g = torch.Generator().manual_seed(seed)
-        ids = [tok(p)["input_ids"] for p in prompts for _ in range(n)]
-        out: list[str] = []
-        for i in range(0, len(ids), batch):
-            r = engine.generate(ids[i:i + batch], max_new, s, g)
-            out += tok.batch_decode(r.completions(), skip_special_tokens=True)
-        return out
-    return sample
-
-
 def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -148,10 +133,8 @@ def progress_bar(enabled: bool):
 def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
     model_dir = testbed.resolve_model(cfg.model)
     model, tok = load_policy(model_dir)
-    s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    task = build_task(cfg.task, cfg.reward, model_dir, tok, cfg.max_new_tokens,
-                      max_positions(model), cfg.seed, cfg.temperature,
-                      make_sampler(model, tok, s, cfg.max_new_tokens, cfg.seed))
+    task = build_task(cfg.task, cfg.reward, model_dir, model, tok, cfg.max_new_tokens,
+                      max_positions(model), cfg.seed, cfg.temperature)
     return model, tok, model_dir, task
 
 

@@ -1,0 +1,477 @@
+"""Tiny language models trained from scratch on this machine, so nothing is ever downloaded.
+
+Every model is an ordinary Hugging Face directory (fp32 safetensors, config, tokenizer) that
+AutoModelForCausalLM / AutoTokenizer load, so the rest of parity cannot tell it from a real
+checkpoint. Builds are deterministic for a given spec and machine, and atomic: a model directory
+either holds a finished build (marked by testbed.json, written last) or does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sysconfig
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from parity.errors import ParityError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Recipe for one testbed model; the same spec and seed give the same weights.
+
+    name: key in SPECS and the directory name under cache/models.
+    kind: "arith" (SFT on `a+b=` problems, char tokenizer) or "text" (LM on stdlib paragraphs).
+    arch: transformers architecture, "llama", "qwen2" or "gpt2".
+    n_layer, d_model, n_head: depth, width and attention heads.
+    vocab_size: byte-level BPE vocab size for text models; ignored for arith (fixed char vocab).
+    seq_len: training sequence length in tokens (max_position_embeddings is at least 256).
+    train_steps, batch_size, lr: optimiser steps, sequences per step, peak AdamW learning rate.
+    seed: seeds data order, initialisation and corpus shuffle.
+    description: one line for listings.
+    """
+
+    name: str
+    kind: str
+    arch: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    train_steps: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+    description: str = ""
+
+
+def _text(name, arch, n_layer, d_model, vocab, steps, batch=16, lr=2e-3, seq=128, n_head=None, desc=""):
+    n_head = n_head or max(2, d_model // 64)
+    return ModelSpec(name, "text", arch, n_layer, d_model, n_head, vocab, seq, steps, batch, lr, 0, desc)
+
+
+_ALL = [
+    ModelSpec("arith-xs", "arith", "llama", 2, 64, 2, 0, 16, 700, 64, 3e-3, 0,
+              "test-size arithmetic model (partially trained on 1-3 digit addition)"),
+    ModelSpec("arith", "arith", "llama", 4, 128, 4, 0, 16, 800, 64, 2e-3, 0,
+              "default model for the arith task (partially trained on 1-3 digit addition)"),
+    _text("text-xs", "llama", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64, desc="test-size text model"),
+    _text("text-gpt2-xs", "gpt2", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64,
+          desc="test-size GPT-2 text model (architecture coverage)"),
+    # Batch 16 x 128: on CPU, batch 32 costs ~3x the time per step of batch 16 (the fp32 logits
+    # fall out of cache), and more, smaller steps learn more in a fixed budget.
+    _text("text", "llama", 6, 256, 4096, 320, desc="default model for the neg-length task"),
+    # The ladder varies one of depth, width, vocab around ladder-base (4 x 256, vocab 4096); every
+    # point sees the same tokens (200 steps), so the points differ only in shape.
+    _text("ladder-d2", "qwen2", 2, 256, 4096, 200, desc="ladder: depth 2"),
+    _text("ladder-base", "qwen2", 4, 256, 4096, 200, desc="ladder base: depth 4, width 256, vocab 4096"),
+    _text("ladder-d8", "qwen2", 8, 256, 4096, 200, desc="ladder: depth 8"),
+    _text("ladder-w128", "qwen2", 4, 128, 4096, 200, desc="ladder: width 128"),
+    _text("ladder-w512", "qwen2", 4, 512, 4096, 200, lr=1e-3, desc="ladder: width 512"),
+    _text("ladder-v1024", "qwen2", 4, 256, 1024, 200, desc="ladder: vocab 1024"),
+    _text("ladder-v16384", "qwen2", 4, 256, 16384, 200, desc="ladder: vocab 16384"),
+]
+SPECS: dict[str, ModelSpec] = {s.name: s for s in _ALL}
+
+TEST_TEXT = "text-xs"
+TEST_ARITH = "arith-xs"
+DEFAULT_TEXT = "text"
+DEFAULT_ARITH = "arith"
+LADDER_AXES: dict[str, list[str]] = {
+    "depth": ["ladder-d2", "ladder-base", "ladder-d8"],
+    "width": ["ladder-w128", "ladder-base", "ladder-w512"],
+    "vocab": ["ladder-v1024", "ladder-base", "ladder-v16384"],
+}
+
+
+_MAX_POS = 256
+_EOS_TEXT, _PAD_TEXT = "<|endoftext|>", "<|pad|>"
+_ARITH_VOCAB = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "-", "*", "=", " "]
+_DONE = "testbed.json"  # written last: its presence marks a finished build
+
+
+def _mlp_width(d: int) -> int:
+    return 32 * math.ceil(8 * d / 3 / 32)  # the usual SwiGLU 8/3 ratio, rounded to 32
+
+
+def _n_params(s: ModelSpec) -> int:
+    """Parameter count (weights only) of the model a spec builds, without building it."""
+    d, v = s.d_model, s.vocab_size or len(_ARITH_VOCAB)
+    if s.arch == "gpt2":  # tied head, learned positions, 4d MLP
+        return s.n_layer * 12 * d * d + (v + _MAX_POS) * d
+    return s.n_layer * (4 * d * d + 3 * d * _mlp_width(d)) + 2 * v * d
+
+
+# Ordered by parameter count, smallest first.
+LADDER: list[str] = sorted({n for names in LADDER_AXES.values() for n in names},
+                           key=lambda n: _n_params(SPECS[n]))
+LARGEST: str = LADDER[-1]
+
+def cache_dir() -> Path:
+    """$PARITY_CACHE, else $XDG_CACHE_HOME/parity, else ~/.cache/parity."""
+    if os.environ.get("PARITY_CACHE"):
+        return Path(os.environ["PARITY_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "parity"
+
+
+# ----------------------------------------------------------------------------- data
+
+def arith_problem(rng: random.Random) -> tuple[str, str]:
+    """One addition problem of two 1-3 digit numbers, e.g. ("37+58=", "95").
+
+    Digit counts are drawn first so short operands are as common as long ones: a briefly trained
+    model gets short sums right and struggles with 3-digit carries, which gives the arith task
+    its band of partially solved problems.
+    """
+    a = rng.randrange(10 ** rng.randint(1, 3))
+    b = rng.randrange(10 ** rng.randint(1, 3))
+    return f"{a}+{b}=", str(a + b)
+
+
+def _held_out(paragraph: str) -> bool:
+    # By content hash, not by position, so the split does not depend on the shuffle seed.
+    return zlib.crc32(paragraph.encode()) % 20 == 0
+
+
+@lru_cache(maxsize=1)
+def _paragraphs() -> tuple[str, ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in skip)
+        files += [Path(d) / n for n in names if n.endswith(".py")]
+    out = []
+    for f in sorted(files):
+        try:
+            src = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for block in src.replace("\r\n", "\n").split("\n\n"):
+            block = block.strip("\n")
+            if 20 <= len(block) <= 400 and block.strip():
+                out.append(block)
+    if not out:
+        raise ParityError(f"no Python sources found under {root}; the text testbed needs the stdlib sources")
+    return tuple(out)
+
+
+def text_corpus(seed: int = 0) -> list[str]:
+    """Training paragraphs (stdlib .py blocks between blank lines), shuffled by seed, ~4 MB.
+
+    Held-out paragraphs (the source of text_prompts) are never included.
+    """
+    paras = [p for p in _paragraphs() if not _held_out(p)]
+    random.Random(seed).shuffle(paras)
+    out, size = [], 0
+    for p in paras:
+        if size > 4_000_000:
+            break
+        out.append(p)
+        size += len(p) + 1
+    return out
+
+
+def text_prompts(n: int, seed: int = 0) -> list[str]:
+    """n short prompts: the first line (cut to <= 40 chars at a space) of held-out paragraphs."""
+    cands = []
+    for p in _paragraphs():
+        if not _held_out(p):
+            continue
+        line = p.split("\n", 1)[0].rstrip()
+        if len(line) > 40:
+            cut = line.rfind(" ", 0, 41)
+            line = line[:cut] if cut >= 8 else line[:40]
+        if len(line.strip()) >= 8:
+            cands.append(line)
+    random.Random(seed).shuffle(cands)
+    return [cands[i % len(cands)] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def _arith_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(_ARITH_VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join characters back with nothing in between
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def _text_tokenizer(spec: ModelSpec, corpus: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=[_EOS_TEXT, _PAD_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # A slice of the corpus is plenty for a small vocab, and keeps tiny builds fast.
+    budget = min(4_000_000, 300 * spec.vocab_size)
+    sample, size = [], 0
+    for p in corpus:
+        if size > budget:
+            break
+        sample.append(p)
+        size += len(p)
+    tok.train_from_iterator(sample, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=_EOS_TEXT, pad_token=_PAD_TEXT,
+                                   clean_up_tokenization_spaces=False)
+
+
+# ----------------------------------------------------------------------------- models
+
+def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
+    import transformers as tf
+
+    ids = dict(vocab_size=vocab, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    if spec.arch == "gpt2":
+        cfg = tf.GPT2Config(n_layer=spec.n_layer, n_embd=spec.d_model, n_head=spec.n_head,
+                            n_positions=_MAX_POS, **ids)
+    elif spec.arch in ("llama", "qwen2"):
+        cls = tf.LlamaConfig if spec.arch == "llama" else tf.Qwen2Config
+        # Untied head: the head's precision behaviour is one of the things parity studies.
+        cfg = cls(num_hidden_layers=spec.n_layer, hidden_size=spec.d_model, num_attention_heads=spec.n_head,
+                  num_key_value_heads=spec.n_head, intermediate_size=_mlp_width(spec.d_model),
+                  max_position_embeddings=max(_MAX_POS, spec.seq_len), tie_word_embeddings=False, **ids)
+    else:
+        raise ParityError(f"unknown testbed arch {spec.arch!r}; expected llama, qwen2 or gpt2")
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.generation_config.bos_token_id = None
+    return model.float()
+
+
+def _arith_batches(spec: ModelSpec, tok):
+    import torch
+
+    rng = random.Random(spec.seed)
+    vocab, eos, pad = tok.get_vocab(), tok.eos_token_id, tok.pad_token_id
+    while True:
+        ids = torch.full((spec.batch_size, spec.seq_len), pad)
+        labels = torch.full_like(ids, -100)
+        for i in range(spec.batch_size):
+            prompt, answer = arith_problem(rng)
+            seq = [vocab[c] for c in prompt + answer] + [eos]
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(prompt): len(seq)] = ids[i, len(prompt): len(seq)]  # answer + eos only
+        yield ids, (ids != pad).long(), labels
+
+
+def _text_batches(spec: ModelSpec, tok, corpus: list[str]):
+    import torch
+
+    # One stream of paragraph<eos>paragraph<eos>..., cut into seq_len blocks: the model sees EOS
+    # at the natural end of each paragraph and so learns to stop.
+    need = spec.train_steps * spec.batch_size * spec.seq_len
+    stream: list[int] = []
+    enc = tok._tokenizer  # the raw tokenizers object: batch encoding without Python overhead
+    for start in range(0, len(corpus), 2000):
+        for e in enc.encode_batch(corpus[start: start + 2000], add_special_tokens=False):
+            stream += e.ids + [tok.eos_token_id]
+        if len(stream) >= need:
+            break
+    blocks = torch.tensor(stream[: len(stream) // spec.seq_len * spec.seq_len]).view(-1, spec.seq_len)
+    g = torch.Generator().manual_seed(spec.seed)
+    while True:
+        for idx in torch.randperm(len(blocks), generator=g).split(spec.batch_size):
+            if len(idx) == spec.batch_size:
+                b = blocks[idx]
+                yield b, torch.ones_like(b), b.clone()
+
+
+def _train(model, batches, spec: ModelSpec, progress: bool) -> float:
+    """AdamW with warmup and cosine decay, bf16 autocast over fp32 master weights."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, spec.train_steps // 10)
+
+    def lr_at(step):
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, spec.train_steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    losses: list[float] = []
+    model.train()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), disable=not progress, transient=False) as bar:
+        task = bar.add_task(f"building {spec.name}", total=spec.train_steps)
+        for step in range(spec.train_steps):
+            ids, mask, labels = next(batches)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.update(task, advance=1, description=f"building {spec.name} loss {losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-10:]
+    return sum(tail) / len(tail)
+
+
+# ----------------------------------------------------------------------------- arith evaluation
+
+def arith_solve_rates(model_or_dir, problems: list[tuple[str, str]], samples: int = 40,
+                      temperature: float = 1.0, tok=None, batch: int = 4096) -> list[float]:
+    """Fraction of `samples` completions that equal the answer, per problem (temperature 0 = greedy)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = model_or_dir
+    if not hasattr(model, "generate"):
+        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(model_or_dir)
+    side, tok.padding_side = tok.padding_side, "left"
+    prompts = [p for p, _ in problems for _ in range(samples)]
+    answers = [a for _, a in problems for _ in range(samples)]
+    correct: list[bool] = []
+    for i in range(0, len(prompts), batch):
+        enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
+        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=6, **kw)
+        for row, ans in zip(out[:, enc["input_ids"].shape[1]:].tolist(), answers[i: i + batch]):
+            if tok.eos_token_id in row:
+                text = tok.decode(row[: row.index(tok.eos_token_id)])
+                correct.append(text == ans)
+            else:
+                correct.append(False)
+    tok.padding_side = side
+    return [sum(correct[j * samples:(j + 1) * samples]) / samples for j in range(len(problems))]
+
+
+# ----------------------------------------------------------------------------- build / cache
+
+def _is_built(path: Path, spec: ModelSpec) -> bool:
+    """A finished build of this exact spec (a spec edited since the build counts as stale)."""
+    try:
+        return (path / "config.json").is_file() and json.loads((path / _DONE).read_text())["spec"] == asdict(spec)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in SPECS:
+        raise ParityError(f"unknown testbed model {name!r}; known: {', '.join(SPECS)}")
+    return SPECS[name]
+
+
+def build(name: str, cache: Path | None = None, force: bool = False, progress: bool = True) -> Path:
+    """Train testbed model `name` and save it to cache/models/NAME; returns that directory.
+
+    An already built model is returned as is unless force=True.
+    """
+    import torch
+    import transformers
+
+    spec = _spec(name)
+    final = Path(cache or cache_dir()) / "models" / name
+    if _is_built(final, spec) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    t0, c0 = time.time(), time.process_time()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+    try:
+        random.seed(spec.seed)
+        torch.manual_seed(spec.seed)
+        if spec.kind == "arith":
+            tok = _arith_tokenizer()
+            batches = _arith_batches(spec, tok)
+        elif spec.kind == "text":
+            corpus = text_corpus(spec.seed)
+            tok = _text_tokenizer(spec, corpus)
+            batches = _text_batches(spec, tok, corpus)
+        else:
+            raise ParityError(f"unknown testbed kind {spec.kind!r}")
+        model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
+        loss = _train(model, batches, spec, progress)
+        info = {"spec": asdict(spec), "torch": torch.__version__, "transformers": transformers.__version__,
+                "threads": torch.get_num_threads(), "final_train_loss": loss,
+                "n_params": sum(p.numel() for p in model.parameters())}
+        if spec.kind == "arith":
+            rng = random.Random(spec.seed + 1_000_003)  # fresh problems, not the training stream
+            probs = [arith_problem(rng) for _ in range(500)]
+            for key, temp in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
+                rates = arith_solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
+                info[key] = sum(rates) / len(rates)
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        if not progress:
+            hf_logging.disable_progress_bar()  # save_pretrained draws its own bar
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        tok.save_pretrained(tmp)
+        info["build_seconds"] = round(time.time() - t0, 2)
+        # Summed over threads; well below threads x build_seconds means other work shared the
+        # CPU, so build_seconds overstates what the build costs on an idle machine.
+        info["cpu_seconds"] = round(time.process_time() - c0, 2)
+        (tmp / _DONE).write_text(json.dumps(info, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache is meant to be shared
+        if final.exists():  # rename cannot replace a non-empty directory: move the old one aside
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=final.parent))
+            os.replace(final, old / name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not _is_built(final, spec):  # another process finished the same build first: keep theirs
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def ensure(name: str, cache: Path | None = None, progress: bool = True) -> Path:
+    """The finished model directory for `name`, building it first if needed."""
+    spec = _spec(name)
+    final = Path(cache or cache_dir()) / "models" / spec.name
+    return final if _is_built(final, spec) else build(name, cache, force=True, progress=progress)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_model(name_or_path: str, cache: Path | None = None) -> Path:
+    """A Hugging Face causal LM directory for a path or a testbed model name."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        missing = [] if (path / "config.json").is_file() else ["config.json"]
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
+        if missing:
+            raise ParityError(f"{path} is not a Hugging Face model directory: missing {' and '.join(missing)}")
+        return path
+    if name_or_path in SPECS:
+        return ensure(name_or_path, cache)
+    if path.exists():
+        raise ParityError(f"{path} is a file, not a model directory")
+    raise ParityError(f"no model directory {name_or_path!r} and no testbed model of that name; "
+                      f"testbed models: {', '.join(SPECS)}")
