@@ -58,6 +58,9 @@ class Config:
                                "A < 0. None disables clipping.")
     eps_high: float | None = _f(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for "
                                 "A > 0. None disables clipping.")
+    cpu_fp16: str = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 inputs, "
+                       "fp32 accumulation, fp16 output, as GPU tensor cores; fast) or `native` "
+                       "(torch's CPU fp16 kernels; 10-25x slower here).")
     loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.")
     loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
                                          "scale doubles.")
@@ -104,6 +107,7 @@ class Config:
         for name in ("engine_dtype", "trainer_dtype"):
             choice(name, DTYPES)
         choice("engine", ENGINES)
+        choice("cpu_fp16", ("emulate", "native"))
         choice("ratio_source", RATIO_SOURCES)
         if self.ratio_source not in IMPLEMENTED_RATIO_SOURCES:
             raise ParityError(f"ratio_source={self.ratio_source!r} is not available yet; "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from parity.precision import cast_weights_into, torch_dtype
+from parity.precision import cast_weights_into, fp16_kernels, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,9 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
 class HFEngine:
     """Batched sampling with a KV cache on the engine's own engine-precision copy of the model."""
 
-    def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int, pad_id: int):
-        self.dtype = dtype
+    def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int, pad_id: int,
+                 cpu_fp16: str = "emulate"):
+        self.dtype, self.cpu_fp16 = dtype, cpu_fp16
         self.model = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -125,6 +126,12 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                  generator: torch.Generator) -> Rollout:
+        device = next(self.model.parameters()).device
+        with fp16_kernels(self.dtype, device, self.cpu_fp16):
+            return self._generate(prompts, max_new_tokens, s, generator)
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                  generator: torch.Generator) -> Rollout:
         ids, mask = left_pad(prompts, self.pad_id)
         B = ids.shape[0]
         cache = DynamicCache()

@@ -156,7 +156,7 @@ def train(cfg: Config) -> Path:
 
     device = torch.device("cpu")
     s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    engine = HFEngine(model, cfg.engine_dtype, tok.eos_token_id, tok.pad_token_id)
+    engine = HFEngine(model, cfg.engine_dtype, tok.eos_token_id, tok.pad_token_id, cfg.cpu_fp16)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params)
@@ -191,7 +191,7 @@ def train(cfg: Config) -> Path:
                 for start in range(0, len(rows) * G, mb_size):
                     idx = slice(start, start + mb_size)
                     mb = r.select(idx)
-                    with autocast(cfg.trainer_dtype, device):
+                    with autocast(cfg.trainer_dtype, device, cfg.cpu_fp16):
                         logp_pi = score(model, mb, s)
                     loss, clipped = ppo_clip_loss(logp_pi, old[idx], adv[idx], mb.completion_mask,
                                                   cfg.eps_low, cfg.eps_high)

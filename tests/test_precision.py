@@ -70,3 +70,31 @@ def test_cast_weights_changed_fraction():
     assert cast_weights_into(master, engine) == 1 / n
     assert engine.weight.dtype == torch.bfloat16
     assert torch.equal(engine.weight, master.weight.to(torch.bfloat16))
+
+
+def test_fp16_matmul_emulation_is_fp16_numerics():
+    """Emulated fp16 products equal the float64 product of the fp16-rounded inputs, rounded to
+    fp16 (tensor-core numerics), within one fp16 ulp; and agree with torch's native CPU kernel."""
+    import torch.nn.functional as F
+
+    from parity.precision import FP16MatmulOnCPU, autocast
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 96), torch.randn(48, 96)
+    x16, w16 = x.half(), w.half()
+    ref = (x16.double() @ w16.double().t()).half()
+    with FP16MatmulOnCPU():
+        out = F.linear(x16, w16)
+    assert out.dtype == torch.float16
+    ulp = torch.finfo(torch.float16).eps * ref.float().abs().clamp(min=2**-14)
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+    native = F.linear(x16, w16)
+    assert ((out.float() - native.float()).abs() <= ulp).all()
+    # under the trainer's fp16 autocast, fp32 tensors are rounded to fp16 first, as autocast does
+    with autocast("fp16", torch.device("cpu"), "emulate"):
+        out_ac = x @ w.t()
+    assert out_ac.dtype == torch.float16 and torch.equal(out_ac, out)
+    # gradients flow, in fp32 master dtype
+    wp = torch.nn.Parameter(w.clone())
+    with autocast("fp16", torch.device("cpu"), "emulate"):
+        F.linear(x, wp).float().sum().backward()
+    assert wp.grad.dtype == torch.float32 and torch.isfinite(wp.grad).all()

@@ -80,16 +80,18 @@ def test_neg_length_small(tmp_path, text_model):
 
 def test_arith_small(tmp_path, arith_model):
     """CI-size version of the arith run: the filtered start is partial, and reward rises."""
-    out, rows = run(tmp_path, model="arith-xs", task="arith", recipe="fp16", steps=30, lr=1e-3)
+    out, rows = run(tmp_path, model="arith-xs", task="arith", recipe="fp16", steps=80,
+                    prompts_per_step=16)
     info = json.loads((out / "task.json").read_text())
     assert info["kept"] > 0 and 0.2 <= info["kept_solve_rate"] <= 0.8
-    first = sum(r["reward/mean"] for r in rows[:5]) / 5
-    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    first = sum(r["reward/mean"] for r in rows[:10]) / 10
+    last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert last > first + 0.1, (first, last)
 
 
-def test_module_entry_point(tmp_path, text_model):
-    p = subprocess.run([sys.executable, "-m", "parity", "train", "--model", "text-xs",
+def test_module_entry_point_with_a_model_directory(tmp_path, text_model):
+    """`python -m parity` works, and --model takes any local HF causal LM directory."""
+    p = subprocess.run([sys.executable, "-m", "parity", "train", "--model", str(text_model),
                         "--steps", "1", "--prompts-per-step", "1", "--samples-per-prompt", "2",
                         "--max-new-tokens", "4", "--out", str(tmp_path / "r"), "--no-progress"],
                        capture_output=True, text=True, env=dict(os.environ), timeout=300)
