@@ -421,8 +421,7 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
         from transformers.utils import logging as hf_logging
 
         bars = hf_logging.is_progress_bar_enabled()
-        if not progress:
-            hf_logging.disable_progress_bar()  # save_pretrained draws its own bar
+        hf_logging.disable_progress_bar()  # save_pretrained draws a bar of its own otherwise
         try:
             model.save_pretrained(tmp, safe_serialization=True)
         finally:
