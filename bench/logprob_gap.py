@@ -46,7 +46,7 @@ def main() -> None:
         d = (r.engine_logprobs - lp)[m].double()
         t.add_row(dtype, str(int(m.sum())), f"{d.abs().max():.2e}", f"{d.abs().mean():.2e}",
                   f"{d.mean():+.2e}")
-    Console().print(t)
+    Console(width=160).print(t)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def main() -> None:
                       f"{mean['time/step_s']:.3f}",
                       f"{mean['time/train_s'] / mean['time/step_s']:.0%}",
                       f"{mean['throughput/tokens_per_s']:.0f}")
-    Console().print(t)
+    Console(width=160).print(t)
 
 
 if __name__ == "__main__":
