@@ -166,8 +166,9 @@ def train(cfg: Config) -> Path:
     gen = torch.Generator().manual_seed(cfg.seed)
     G = cfg.samples_per_prompt
 
-    metrics_file = open(run / "metrics.jsonl", "a", buffering=1)
-    with progress_bar(cfg.progress) as bar:
+    # Line-buffered: every finished step is on disk, whatever happens to the next one.
+    with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
+            progress_bar(cfg.progress) as bar:
         bar_task = bar.add_task("", total=cfg.steps) if bar else None
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -232,6 +233,5 @@ def train(cfg: Config) -> Path:
                 bar.update(bar_task, advance=1, description=(
                     f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
                     f"clip {m['clip/frac']:.3f}"))
-    metrics_file.close()
     save_checkpoint(run, cfg.steps, model, tok, opt, scaler, prompts, engine, gen)
     return run
