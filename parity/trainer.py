@@ -87,9 +87,16 @@ def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.T
 
 
 def run_dir_for(cfg: Config) -> Path:
+    """--out as given; otherwise runs/<task>-<recipe>-s<seed>, numbered -2, -3, ... when taken,
+    so repeating a command never collides with the run before it."""
     if cfg.out:
         return Path(cfg.out)
-    return Path("runs") / f"{Path(cfg.task).stem}-{cfg.recipe}-s{cfg.seed}"
+    base = Path("runs") / f"{Path(cfg.task).stem}-{cfg.recipe}-s{cfg.seed}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def check_run_dir(path: Path) -> None:

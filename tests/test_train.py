@@ -114,3 +114,14 @@ def test_must_show_arith_fp16(tmp_path, cache):
     assert rows[0]["reward/mean"] < 0.8
     best5 = max(sum(r["reward/mean"] for r in rows[i:i + 5]) / 5 for i in range(len(rows) - 4))
     assert best5 >= 0.9
+
+
+def test_default_run_directories_never_collide(tmp_path, text_model, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kw = dict(model="text-xs", steps=1, prompts_per_step=1, samples_per_prompt=2,
+              max_new_tokens=4, progress=False)
+    a = train(make_config(kw, task_defaults("neg-length")))
+    b = train(make_config(kw, task_defaults("neg-length")))
+    assert a.resolve() == (tmp_path / "runs" / "neg-length-bf16-engine-s0").resolve()
+    assert b.resolve() == (tmp_path / "runs" / "neg-length-bf16-engine-s0-2").resolve()
+    assert (a / "metrics.jsonl").is_file() and (b / "metrics.jsonl").is_file()
