@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity import testbed  # noqa: E402
 from parity.config import make_config  # noqa: E402
-from parity.tasks import task_defaults  # noqa: E402
 from parity.trainer import train  # noqa: E402
 
 
@@ -46,8 +45,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = make_config({"recipe": recipe, "task": "neg-length", "model": model,
                                    "steps": args.steps, "max_new_tokens": args.max_new_tokens,
-                                   "lr": 1e-6, "out": f"{tmp}/run", "progress": False},
-                                  task_defaults("neg-length"))
+                                   "lr": 1e-6, "out": f"{tmp}/run", "progress": False})
                 run = train(cfg)
                 rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
             rows = rows[1:] or rows

@@ -35,14 +35,12 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from parity.config import Config, load_yaml, make_config
-    from parity.tasks import task_defaults
     explicit: dict[str, Any] = load_yaml(args.config) if args.config else {}
     for f in dataclasses.fields(Config):
         v = getattr(args, f.name, None)
         if v is not None:
             explicit[f.name] = v
-    task = str(explicit.get("task", Config.task))
-    return make_config(explicit, task_defaults(task))
+    return make_config(explicit)
 
 
 def cmd_train(args: argparse.Namespace) -> None:

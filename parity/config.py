@@ -173,6 +173,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
                 eps_low=0.2, eps_high=0.2, correction="none")),
 ]}
 
+# The built-in tasks' own defaults, applied over the recipe and under YAML and flag values. The
+# model names are testbed models (parity/testbed.py SPECS).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "neg-length": dict(model="text", lr=3e-4, steps=30, max_new_tokens=24),
+    "arith": dict(model="arith", lr=3e-4, steps=800, prompts_per_step=16, max_new_tokens=8),
+}
+
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
@@ -220,14 +227,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
-def make_config(explicit: dict[str, Any], task_defaults: dict[str, Any] | None = None) -> Config:
-    """defaults < recipe < task defaults < explicit values (YAML, then flags)."""
+def make_config(explicit: dict[str, Any]) -> Config:
+    """defaults < recipe < the built-in task's defaults < explicit values (YAML, then flags)."""
     explicit = {k: coerce(k, v) for k, v in explicit.items()}
     recipe = explicit.get("recipe", Config.recipe)
     if recipe not in RECIPES:
         raise ParityError(f"unknown recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")
     values: dict[str, Any] = dict(RECIPES[recipe].settings)
-    values.update(task_defaults or {})
+    values.update(TASK_DEFAULTS.get(explicit.get("task", Config.task), {}))
     values.update(explicit)
     values["recipe"] = recipe
     return Config(**values).validate()

@@ -33,19 +33,9 @@ from parity.errors import ParityError
 RewardFn = Callable[..., list[float]]
 BUILTIN = ("neg-length", "arith")
 
-# Per-task defaults, applied under explicit YAML and flag values (see config.make_config).
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "neg-length": dict(model=testbed.DEFAULT_TEXT, lr=3e-4, steps=30, max_new_tokens=24),
-    "arith": dict(model=testbed.DEFAULT_ARITH, lr=3e-4, steps=800, prompts_per_step=16,
-                  max_new_tokens=8),
-}
 ARITH_CANDIDATES = 512
 ARITH_SAMPLES = 40
 ARITH_BAND = (0.2, 0.8)
-
-
-def task_defaults(task: str) -> dict[str, Any]:
-    return dict(TASK_DEFAULTS.get(task, {}))
 
 
 @dataclass

@@ -5,9 +5,8 @@ import dataclasses
 import pytest
 
 from parity.cli import build_parser, config_from_args
-from parity.config import RECIPES, Config, dump_yaml, load_yaml, make_config
+from parity.config import RECIPES, TASK_DEFAULTS, Config, dump_yaml, load_yaml, make_config
 from parity.errors import ParityError
-from parity.tasks import task_defaults
 
 
 def cfg_from(argv):
@@ -27,7 +26,7 @@ def test_recipe_sets_precision_and_flags_override():
 
 
 def test_task_defaults_then_yaml_then_flags(tmp_path):
-    assert cfg_from(["--task", "arith"]).steps == task_defaults("arith")["steps"]
+    assert cfg_from(["--task", "arith"]).steps == TASK_DEFAULTS["arith"]["steps"]
     y = tmp_path / "c.yaml"
     y.write_text("task: arith\nsteps: 7\nlr: 3.0e-4\nrecipe: bf16\neps-low: null\n")
     c = cfg_from(["--config", str(y)])
@@ -46,7 +45,7 @@ def test_yaml_round_trip(tmp_path):
 
 def test_recipes_are_valid_configs():
     for name in RECIPES:
-        c = make_config({"recipe": name}, task_defaults("neg-length"))
+        c = make_config({"recipe": name})
         for k, v in RECIPES[name].settings.items():
             assert getattr(c, k) == v
 
@@ -58,9 +57,17 @@ def test_recipes_are_valid_configs():
 ])
 def test_invalid_values_are_refused(field, value, words):
     with pytest.raises(ParityError, match=words):
-        make_config({field: value}, task_defaults("neg-length"))
+        make_config({field: value})
 
 
 def test_dataset_task_needs_a_model():
     with pytest.raises(ParityError, match="--model"):
-        make_config({"task": "data.jsonl"}, task_defaults("data.jsonl"))
+        make_config({"task": "data.jsonl"})
+
+
+def test_task_default_models_are_testbed_models():
+    from parity import testbed
+    for task, d in TASK_DEFAULTS.items():
+        assert d["model"] in testbed.SPECS, task
+    assert TASK_DEFAULTS["neg-length"]["model"] == testbed.DEFAULT_TEXT
+    assert TASK_DEFAULTS["arith"]["model"] == testbed.DEFAULT_ARITH

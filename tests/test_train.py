@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from parity.config import load_yaml, make_config
-from parity.tasks import task_defaults
 from parity.trainer import train
 
 CONTRACT = ["step", "reward/mean", "reward/std", "completion/len_mean", "clip/frac",
@@ -23,7 +22,7 @@ CONTRACT = ["step", "reward/mean", "reward/std", "completion/len_mean", "clip/fr
 
 def run(tmp_path, **kw):
     explicit = {"out": str(tmp_path / "run"), "progress": False, **kw}
-    cfg = make_config(explicit, task_defaults(explicit.get("task", "neg-length")))
+    cfg = make_config(explicit)
     out = train(cfg)
     return out, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -120,8 +119,8 @@ def test_default_run_directories_never_collide(tmp_path, text_model, monkeypatch
     monkeypatch.chdir(tmp_path)
     kw = dict(model="text-xs", steps=1, prompts_per_step=1, samples_per_prompt=2,
               max_new_tokens=4, progress=False)
-    a = train(make_config(kw, task_defaults("neg-length")))
-    b = train(make_config(kw, task_defaults("neg-length")))
+    a = train(make_config(kw))
+    b = train(make_config(kw))
     assert a.resolve() == (tmp_path / "runs" / "neg-length-bf16-engine-s0").resolve()
     assert b.resolve() == (tmp_path / "runs" / "neg-length-bf16-engine-s0-2").resolve()
     assert (a / "metrics.jsonl").is_file() and (b / "metrics.jsonl").is_file()
