@@ -60,7 +60,7 @@ class Config:
                                 "A > 0. None disables clipping.")
     cpu_fp16: str = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 inputs, "
                        "fp32 accumulation, fp16 output, as GPU tensor cores; fast) or `native` "
-                       "(torch's CPU fp16 kernels; 10-25x slower here).")
+                       "(torch's CPU fp16 kernels; several times slower: bench/fp16_cpu.py).")
     loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.")
     loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
                                          "scale doubles.")

@@ -22,8 +22,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class FP16MatmulOnCPU(TorchFunctionMode):
     """fp16 matrix products as GPU tensor cores compute them: fp16 inputs, fp32 accumulation,
-    fp16 output. On CPU, torch's native fp16 GEMM has no fast kernel (10-25x slower than fp32 on
-    the small shapes of the testbed), so we compute the product of the fp16-rounded inputs in
+    fp16 output. On CPU, torch's native fp16 GEMM has no fast kernel (4-11x slower than this
+    emulation, bench/fp16_cpu.py), so we compute the product of the fp16-rounded inputs in
     fp32 and round the result to fp16. A product of two fp16 numbers is exact in fp32, so this is
     the tensor-core numerics up to accumulation order. Covers what fp16 autocast would have
     lowered (linear, matmul, bmm, mm, attention); backward runs the same way, through the casts.
