@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from parity.errors import ParityError
@@ -80,7 +81,7 @@ def cmd_testbed(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
     from parity import testbed
-    cache = testbed.cache_dir() if args.cache is None else __import__("pathlib").Path(args.cache)
+    cache = testbed.cache_dir() if args.cache is None else Path(args.cache)
     if args.action == "list":
         t = Table(title=f"testbed models (cache: {cache})")
         for col in ("name", "kind", "arch", "layers", "width", "vocab", "built", "about"):
@@ -100,9 +101,7 @@ def cmd_testbed(args: argparse.Namespace) -> None:
             raise ParityError(f"unknown testbed model {name!r}; known: "
                               f"{', '.join(testbed.SPECS)}")
     for name in names:
-        path = testbed.build(name, cache, force=args.force) if args.force else \
-            testbed.ensure(name, cache)
-        print(path)
+        print(testbed.build(name, cache, force=args.force))
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:

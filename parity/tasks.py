@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from parity import testbed
 from parity.errors import ParityError
 
@@ -81,7 +79,7 @@ def neg_length_reward(prompts: list[str], completions: list[str], completion_ids
 
 def arith_reward(prompts: list[str], completions: list[str], answer: list[str],
                  **_: Any) -> list[float]:
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    return [float(testbed.arith_correct(c, a)) for c, a in zip(completions, answer)]
 
 
 def load_reward(spec: str) -> tuple[RewardFn, str]:
@@ -156,8 +154,10 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
     ARITH_SAMPLES times at the run's temperature; cached beside the testbed models."""
     weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
+    # "engine": filters made by the earlier model.generate sampler must not be reused.
     key = hashlib.sha256(json.dumps([str(model_dir.resolve()), stamp, seed, temperature,
-                                     ARITH_CANDIDATES, ARITH_SAMPLES]).encode()).hexdigest()[:16]
+                                     ARITH_CANDIDATES, ARITH_SAMPLES, "engine"]
+                                    ).encode()).hexdigest()[:16]
     path = (cache or testbed.cache_dir()) / "tasks" / f"arith-{key}.json"
     if path.is_file():
         data = json.loads(path.read_text())
@@ -168,8 +168,8 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
         q, a = testbed.arith_problem(rng)
         seen.setdefault(q, a)
     problems = list(seen.items())
-    torch.manual_seed(seed)
-    rates = testbed.arith_solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer)
+    rates = testbed.arith_solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
+                                      seed=seed)
     lo, hi = ARITH_BAND
     rows = [{"prompt": q, "answer": a, "solve_rate": r}
             for (q, a), r in zip(problems, rates) if lo <= r <= hi]

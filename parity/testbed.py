@@ -334,34 +334,35 @@ def _train(model, batches, spec: ModelSpec, progress: bool) -> float:
 
 # ----------------------------------------------------------------------------- arith evaluation
 
+def arith_correct(completion: str, answer: str) -> bool:
+    """The arith task's check: the completion text, EOS removed, is the answer."""
+    return completion.strip() == answer
+
+
 def arith_solve_rates(model_or_dir, problems: list[tuple[str, str]], samples: int = 40,
-                      temperature: float = 1.0, tok=None, batch: int = 4096) -> list[float]:
-    """Fraction of `samples` completions that equal the answer, per problem (temperature 0 = greedy)."""
+                      temperature: float = 1.0, tok=None, seed: int = 0,
+                      batch: int = 4096) -> list[float]:
+    """Fraction of `samples` completions that solve each problem, sampled with parity's own
+    engine in fp32 (temperature 0 = greedy), exactly as the arith task then samples them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from parity.engines import HFEngine, Sampling
+
     model = model_or_dir
-    if not hasattr(model, "generate"):
+    if isinstance(model_or_dir, (str, Path)):
         model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(model_or_dir)
-    side, tok.padding_side = tok.padding_side, "left"
-    prompts = [p for p, _ in problems for _ in range(samples)]
-    answers = [a for _, a in problems for _ in range(samples)]
-    correct: list[bool] = []
-    for i in range(0, len(prompts), batch):
-        enc = tok(prompts[i: i + batch], return_tensors="pt", padding=True)
-        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
-            else dict(do_sample=False)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=6, **kw)
-        for row, ans in zip(out[:, enc["input_ids"].shape[1]:].tolist(), answers[i: i + batch]):
-            if tok.eos_token_id in row:
-                text = tok.decode(row[: row.index(tok.eos_token_id)])
-                correct.append(text == ans)
-            else:
-                correct.append(False)
-    tok.padding_side = side
-    return [sum(correct[j * samples:(j + 1) * samples]) / samples for j in range(len(problems))]
+    engine = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id)
+    s = Sampling(temperature) if temperature > 0 else Sampling(1.0, top_k=1)
+    g = torch.Generator().manual_seed(seed)
+    ids = [tok(p)["input_ids"] for p, _ in problems for _ in range(samples)]
+    texts: list[str] = []
+    for i in range(0, len(ids), batch):
+        r = engine.generate(ids[i: i + batch], 8, s, g)
+        texts += tok.batch_decode(r.completions(), skip_special_tokens=True)
+    return [sum(arith_correct(texts[j * samples + k], ans) for k in range(samples)) / samples
+            for j, (_, ans) in enumerate(problems)]
 
 
 # ----------------------------------------------------------------------------- build / cache
@@ -450,9 +451,7 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
 
 def ensure(name: str, cache: Path | None = None, progress: bool = True) -> Path:
     """The finished model directory for `name`, building it first if needed."""
-    spec = _spec(name)
-    final = Path(cache or cache_dir()) / "models" / spec.name
-    return final if _is_built(final, spec) else build(name, cache, force=True, progress=progress)
+    return build(name, cache, progress=progress)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
