@@ -30,6 +30,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         if str(f.type).startswith("bool"):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=None, help=doc)
+        elif "const" in f.metadata:  # `--dump-rollouts` alone, or `--dump-rollouts 5`
+            p.add_argument(flag, dest=f.name, default=None, nargs="?", const=f.metadata["const"],
+                           metavar=f.name.upper(), help=doc)
         else:
             p.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=doc)
 
@@ -116,6 +119,57 @@ def cmd_recipes(args: argparse.Namespace) -> None:
     Console().print(t)
 
 
+def cmd_audit(args: argparse.Namespace) -> None:
+    from parity import audit as au
+    from parity import testbed
+    from parity.config import DTYPES
+    for name in ("engine_dtype", "trainer_dtype"):
+        if getattr(args, name) not in DTYPES:
+            raise ParityError(f"--{name.replace('_', '-')}={getattr(args, name)!r} is not one "
+                              f"of: {', '.join(DTYPES)}")
+    if args.eps <= 0 or args.eps >= 1:
+        raise ParityError(f"--eps={args.eps} must be in (0, 1)")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    fields = {k: v for k, v in vars(args).items() if k in au.AuditSettings.__dataclass_fields__}
+    if args.scale:
+        if args.rollouts:
+            raise ParityError("--scale audits the testbed ladder; it does not take --rollouts")
+        if not (args.task or args.prompts):
+            fields["task"] = "neg-length"
+        models = args.models.split(",") if args.models else None
+        out = Path(args.out) if args.out else Path("audits") / (
+            f"scale-{args.engine_dtype}-vs-{args.trainer_dtype}")
+        fields["model"] = (models or ["ladder"])[0]
+        result = au.scale(au.AuditSettings(**fields), out, models)
+        au.print_scale(result)
+        print(f"wrote {out}/scale.json, {out}/scale.png, {out}/report.html")
+        return
+    if not (args.task or args.prompts or args.rollouts):
+        fields["task"] = "neg-length"
+    if fields.get("model") is None:
+        fields["model"] = testbed.DEFAULT_TEXT if fields.get("task") in (None, "neg-length") \
+            else testbed.DEFAULT_ARITH if fields.get("task") == "arith" else None
+        if fields["model"] is None:
+            raise ParityError("audit: give --model NAME|DIR")
+    a = au.AuditSettings(**fields)
+    out = Path(args.out) if args.out else au.default_out(a)
+    result = au.audit(a, out)
+    au.print_audit(result)
+    print(f"wrote {out}/audit.json, {out}/tokens.parquet, plots and {out}/report.html")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from parity.reports import run_report
+    runs = [Path(r) for r in args.runs]
+    for r in runs:
+        if not r.is_dir():
+            raise ParityError(f"run directory {r} does not exist")
+    out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 else Path("report"))
+    print(f"wrote {run_report(runs, out)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="Precision-consistent RL for language models.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -131,7 +185,53 @@ def build_parser() -> argparse.ArgumentParser:
     tb.set_defaults(func=cmd_testbed)
     rc = sub.add_parser("recipes", help="List the recipes and what they set.")
     rc.set_defaults(func=cmd_recipes)
+    _add_audit_parser(sub)
+    rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
+                        "directories, overlaid.")
+    rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--out", default=None, help="where to write (default: the run directory "
+                    "for one run, ./report for several)")
+    rp.set_defaults(func=cmd_report)
     return p
+
+
+def _add_audit_parser(sub) -> None:
+    au = sub.add_parser("audit", help="Measure alpha/beta and phantom clipping of a model "
+                        "offline, on sampled or given rollouts; or across the size ladder.")
+    au.add_argument("--model", default=None, help="testbed model name or HF model directory "
+                    "(default: the task's testbed model)")
+    au.add_argument("--engine-dtype", default="bf16", help="engine precision (default bf16)")
+    au.add_argument("--trainer-dtype", default="fp32", help="trainer precision (default fp32)")
+    src = au.add_mutually_exclusive_group()
+    src.add_argument("--task", default=None, help="sample prompts of a task: neg-length, arith, "
+                     "or a dataset with --reward (default: neg-length)")
+    src.add_argument("--prompts", default=None, metavar="FILE", help="sample these prompts "
+                     "(.txt, one per line, or JSONL/parquet with a `prompt` column)")
+    src.add_argument("--rollouts", default=None, metavar="FILE", help="audit completions and "
+                     "engine log-probs another system wrote (JSONL/parquet: prompt_token_ids, "
+                     "completion_token_ids, engine_logprobs[, advantage|reward])")
+    au.add_argument("--reward", default=None, help="reward function for a dataset --task")
+    au.add_argument("--scale", action="store_true", help="audit every model of the testbed "
+                    "size ladder and fit the trend against size")
+    au.add_argument("--models", default=None, help="with --scale: comma-separated models "
+                    "instead of the ladder")
+    au.add_argument("--samples", type=int, default=256, help="completions to sample (256)")
+    au.add_argument("--group", type=int, default=8, help="completions per prompt (8)")
+    au.add_argument("--max-new-tokens", type=int, default=64)
+    au.add_argument("--temperature", type=float, default=1.0)
+    au.add_argument("--top-p", type=float, default=1.0)
+    au.add_argument("--top-k", type=int, default=0)
+    au.add_argument("--eps", type=float, default=0.2, help="clip range for the headline "
+                    "fractions (a sweep is always added)")
+    au.add_argument("--batch-size", type=int, default=64)
+    au.add_argument("--kl-exact-rows", type=int, default=8, help="completions per batch whose "
+                    "whole distribution is compared (exact KL)")
+    au.add_argument("--cpu-fp16", default="emulate", choices=("emulate", "native"))
+    au.add_argument("--seed", type=int, default=0)
+    au.add_argument("--threads", type=int, default=0)
+    au.add_argument("--out", default=None, help="output directory (default: audits/...)")
+    au.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    au.set_defaults(func=cmd_audit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

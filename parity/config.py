@@ -88,6 +88,16 @@ class Config:
     temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one.")
     top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables).")
     top_k: int = _f(0, "Keep the k most likely tokens (0 disables).")
+    # -- diagnostics (parity/diagnostics.py)
+    diagnostics: bool = _f(True, "Shadow forward on every update (one no-grad forward in engine "
+                           "precision): alpha/beta per token and every clip attributed to "
+                           "policy change or numerics. Off: clip/frac and the KL estimates only.")
+    kl_exact_rows: int = _f(4, "Completions per step whose whole engine distribution is kept for "
+                            "the exact KL(mu||pi) over the vocabulary (costs rows x length x "
+                            "vocab floats; 0 disables).")
+    dump_rollouts: int = _f(0, "Write rollouts/step-N.parquet (one row per token per update) "
+                            "every N steps; `--dump-rollouts` alone means every step; 0: off.",
+                            const=1)
     # -- bookkeeping
     seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.")
     out: str | None = _f(None, "Run directory. None: runs/<task>-<recipe>-s<seed>.")
@@ -141,6 +151,9 @@ class Config:
             raise ParityError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ParityError(f"top_k={self.top_k} must be >= 0")
+        for name in ("kl_exact_rows", "dump_rollouts"):
+            if getattr(self, name) < 0:
+                raise ParityError(f"{name}={getattr(self, name)} must be >= 0")
         if self.save_every < 0:
             raise ParityError(f"save_every={self.save_every} must be >= 0")
         return self

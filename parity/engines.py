@@ -68,9 +68,17 @@ class Rollout:
     completion_mask: torch.Tensor   # [B, T] float, 1 on valid completion tokens
     engine_logprobs: torch.Tensor   # [B, T] fp32 ℓ_μ, 0 on padding
     finished: torch.Tensor          # [B] bool, True where the completion ended with EOS
+    # The engine's whole sampling distribution at every position of a few rows, for the exact
+    # KL(μ‖π): `dist_rows` [k] indexes the batch, `dists` [k, T, V] fp32 log-probs.
+    dist_rows: torch.Tensor | None = None
+    dists: torch.Tensor | None = None
+
+    _BATCHED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                "engine_logprobs", "finished")
 
     def select(self, idx: torch.Tensor | slice) -> "Rollout":
-        return Rollout(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+        """The completions `idx` picks (the recorded distributions stay with the full batch)."""
+        return Rollout(*(getattr(self, f)[idx] for f in self._BATCHED))
 
     def completions(self) -> list[list[int]]:
         lens = self.completion_mask.sum(-1).long().tolist()
@@ -93,9 +101,11 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
-    """Full forward over prompt + completion; log-probs of the completion tokens, [B, T] fp32.
-    Runs with whatever grad mode and autocast the caller set up."""
+def score(model: torch.nn.Module, r: Rollout, s: Sampling, return_logits: bool = False
+          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Full forward over prompt + completion; log-probs of the completion tokens, [B, T] fp32,
+    and with `return_logits` the detached raw logits [B, T, V] that predicted them (for the
+    exact KL, at no extra forward). Runs with whatever grad mode and autocast the caller set."""
     ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
     mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
     T = r.completion_ids.shape[1]
@@ -103,7 +113,8 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                 use_cache=False, logits_to_keep=T + 1)
     logits = out.logits[:, :T]
-    return logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+    logp = logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+    return (logp, logits.detach()) if return_logits else logp
 
 
 class HFEngine:
@@ -125,13 +136,15 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
-                 generator: torch.Generator) -> Rollout:
+                 generator: torch.Generator, record_rows: list[int] | None = None) -> Rollout:
+        """Sample one completion per prompt. For the batch rows in `record_rows` the whole
+        sampling distribution at every position is kept as well (`Rollout.dists`)."""
         device = next(self.model.parameters()).device
         with fp16_kernels(self.dtype, device, self.cpu_fp16):
-            return self._generate(prompts, max_new_tokens, s, generator)
+            return self._generate(prompts, max_new_tokens, s, generator, record_rows or [])
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
-                  generator: torch.Generator) -> Rollout:
+                  generator: torch.Generator, record_rows: list[int]) -> Rollout:
         ids, mask = left_pad(prompts, self.pad_id)
         B = ids.shape[0]
         cache = DynamicCache()
@@ -143,9 +156,12 @@ class HFEngine:
         valid = torch.zeros((B, max_new_tokens), dtype=torch.float32)
         done = torch.zeros(B, dtype=torch.bool)
         attn, last_pos = mask, pos[:, -1:]
+        recorded = []
         for t in range(max_new_tokens):
             x = processed_logits(out.logits[:, -1], s)
             logp = torch.log_softmax(x, dim=-1)
+            if record_rows:
+                recorded.append(logp[record_rows])
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
@@ -160,4 +176,8 @@ class HFEngine:
             out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
                              position_ids=last_pos, past_key_values=cache, use_cache=True)
         T = int(valid.sum(0).nonzero().max()) + 1
-        return Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
+        r = Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
+        if record_rows:
+            r.dist_rows = torch.tensor(record_rows, dtype=torch.long)
+            r.dists = torch.stack(recorded[:T], dim=1)
+        return r

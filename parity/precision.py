@@ -124,16 +124,17 @@ class LossScaler:
 
 
 @torch.no_grad()
-def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module) -> float:
+def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: bool = True
+                      ) -> float:
     """Copy fp32 master weights into `target` in its own dtype; return the fraction of target
-    values that changed (`sync/changed_frac`). Small updates can leave a bf16 cast unchanged."""
+    values that changed (`sync/changed_frac`; 0.0 when not `count`ed). Small updates can leave a
+    bf16 cast unchanged."""
     src = dict(master.state_dict())
     changed = total = 0
     for name, t in target.state_dict().items():
         new = src[name].to(t.dtype)
-        if t.is_floating_point():
+        if count and t.is_floating_point():
             changed += int((new != t).sum())
             total += t.numel()
         t.copy_(new)
     return changed / max(total, 1)
-

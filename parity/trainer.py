@@ -3,9 +3,10 @@
     sync engine ← master weights (cast to engine dtype)
     rollout: the engine samples G completions per prompt, recording ℓ_μ per token
     rewards → group-normalised advantages A
-    for each epoch, minibatch: ℓ_π (trainer dtype) → log r per the ratio source → PPO-clip →
+    for each epoch, minibatch: ℓ_π (trainer dtype), ℓ_s (shadow forward, engine dtype, no grad)
+        → log r per the ratio source → PPO-clip → α, β and clip attribution (diagnostics) →
         loss-scaled backward → optimizer step on fp32 master weights (skipped on overflow)
-    metrics.jsonl, progress bar, checkpoints
+    metrics.jsonl, rollout dumps, progress bar, checkpoints
 
 The ratio source decides the denominator in `old_logprobs`; `shadow` and `recompute` slot in there.
 """
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
 from parity.config import Config, dump_yaml
+from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
 from parity.engines import HFEngine, Rollout, Sampling, score
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages, ppo_clip_loss
@@ -71,19 +73,23 @@ def old_logprobs(cfg: Config, r: Rollout) -> torch.Tensor:
     raise NotImplementedError(cfg.ratio_source)  # refused earlier by Config.validate
 
 
-def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor
-                     ) -> dict[str, float]:
-    """DESIGN's KL estimates and prob diffs of ℓ_π − ℓ_μ over valid tokens."""
-    m = mask > 0
-    d = (logp_pi - logp_mu)[m].double()
-    if d.numel() == 0:
-        return {}
-    pdiff = (logp_pi.exp() - logp_mu.exp())[m].double()
-    return {"mismatch/kl_k1": float((-d).mean()),
-            "mismatch/kl_k3": float((d.exp() - d - 1).mean()),
-            "mismatch/prob_diff_abs_mean": float(pdiff.abs().mean()),
-            "mismatch/prob_diff_max": float(pdiff.max()),
-            "mismatch/prob_diff_min": float(pdiff.min())}
+def exact_kl_rows(batch: int, k: int) -> list[int]:
+    """k rows spread over the batch (so over k different prompt groups where k <= prompts)."""
+    k = min(k, batch)
+    return [i * batch // k for i in range(k)] if k else []
+
+
+def _exact_kl_in(r: Rollout, start: int, logits: torch.Tensor, mask: torch.Tensor,
+                 s: Sampling) -> torch.Tensor:
+    """Exact KL(μ‖π) at the valid positions of the recorded rows that fall in this minibatch,
+    from the trainer's own logits (no extra forward)."""
+    kls = []
+    for j, row in enumerate(r.dist_rows.tolist()):
+        i = row - start
+        if 0 <= i < logits.shape[0]:
+            n = int(mask[i].sum())
+            kls.append(exact_kl(r.dists[j, :n], logits[i, :n], s))
+    return torch.cat(kls) if kls else torch.empty(0)
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -172,6 +178,9 @@ def train(cfg: Config) -> Path:
     prompts = PromptSampler(len(task.rows), cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     G = cfg.samples_per_prompt
+    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16)
+              if cfg.diagnostics else None)
+    kl_rows = exact_kl_rows(cfg.prompts_per_step * G, cfg.kl_exact_rows)
 
     # Line-buffered: every finished step is on disk, whatever happens to the next one.
     with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
@@ -182,7 +191,7 @@ def train(cfg: Config) -> Path:
             changed = engine.sync(model)
             rows = prompts.next(cfg.prompts_per_step)
             r = engine.generate([task.prompt_ids[i] for i in rows for _ in range(G)],
-                                cfg.max_new_tokens, s, gen)
+                                cfg.max_new_tokens, s, gen, kl_rows)
             comp_ids = r.completions()
             texts = tok.batch_decode(comp_ids, skip_special_tokens=True)
             rewards = torch.tensor(task.rewards([i for i in rows for _ in range(G)], texts,
@@ -192,36 +201,49 @@ def train(cfg: Config) -> Path:
 
             mb_size = cfg.prompts_per_step // cfg.minibatches * G
             n_tok = r.completion_mask.sum()
-            clipped_tokens, seen_tokens, losses, norms, first = 0.0, 0.0, [], [], {}
+            losses, norms, diag, dump, update = [], [], StepDiagnostics(), [], 0
             skipped_before = scaler.skipped
+            dumping = cfg.dump_rollouts and step % cfg.dump_rollouts == 0
+            sample_ids = torch.arange(len(comp_ids))
+            prompt_ids = torch.tensor([i for i in rows for _ in range(G)])
             old = old_logprobs(cfg, r)
             for epoch in range(cfg.epochs):
                 for start in range(0, len(rows) * G, mb_size):
                     idx = slice(start, start + mb_size)
                     mb = r.select(idx)
                     with autocast(cfg.trainer_dtype, device, cfg.cpu_fp16):
-                        logp_pi = score(model, mb, s)
+                        logp_pi, logits = score(model, mb, s, return_logits=True)
+                    # ℓ_s on the weights ℓ_π just saw, before this update moves them.
+                    logp_s = shadow.logprobs(model, mb, s, logp_pi) if shadow else logp_pi
                     loss, clipped = ppo_clip_loss(logp_pi, old[idx], adv[idx], mb.completion_mask,
                                                   cfg.eps_low, cfg.eps_high)
-                    if epoch == 0:  # each token's first forward: ℓ_π − ℓ_μ before it moves
-                        first[start] = (logp_pi.detach(), mb.engine_logprobs, mb.completion_mask)
+                    att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv[idx],
+                                    mb.completion_mask, cfg.eps_low, cfg.eps_high, clipped)
+                    diag.add(att, logp_pi, mb.engine_logprobs, adv[idx], mb.completion_mask,
+                             first=epoch == 0)
+                    if epoch == 0 and r.dists is not None:
+                        diag.add_exact_kl(_exact_kl_in(r, start, logits, mb.completion_mask, s))
+                    if dumping:
+                        dump.append(dump_table(step, update, epoch, sample_ids[idx],
+                                               prompt_ids[idx], mb, adv[idx], logp_pi, logp_s,
+                                               att, cfg.eps_low, cfg.eps_high))
+                    del logits
                     scaler.backward(loss)
                     _, norm = scaler.step(opt, params, cfg.max_grad_norm)
-                    clipped_tokens += float(clipped.sum())
-                    seen_tokens += float(mb.completion_mask.sum())
                     losses.append(float(loss.detach()))
                     norms.append(norm)
+                    update += 1
+            if dump:
+                write_dump(run / "rollouts" / f"step-{step}.parquet", dump)
             t2 = time.perf_counter()
 
-            lp, lm, mk = (torch.cat([v[i] for v in first.values()]) for i in range(3))
             m: dict[str, Any] = {
                 "step": step,
                 "reward/mean": float(rewards.mean()),
                 "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
                 "completion/len_mean": float(n_tok / len(comp_ids)),
                 "completion/eos_frac": float(r.finished.float().mean()),
-                "clip/frac": clipped_tokens / max(seen_tokens, 1.0),
-                **mismatch_metrics(lp, lm, mk),
+                **diag.metrics(),
                 "sync/changed_frac": changed,
                 "loss/policy": sum(losses) / len(losses),
                 "loss/scale": scaler.scale,

@@ -1,0 +1,519 @@
+"""`parity audit`: how much of a model's clipping is numerical, measured offline.
+
+    completions + ℓ_μ   sampled here by the engine in engine dtype, or read from another
+                        system's file (DESIGN's audit input schema)
+    ℓ_π                 the trainer's forward in trainer dtype, no grad, θ = θ_old
+    ℓ_s                 the shadow forward in engine dtype on the same weights
+    → α, β, clip attribution at ε and over a sweep of ε, exact KL(μ‖π) where μ is known
+    → audit.json, tokens.parquet, plots, report.html, a verdict table
+
+`scale` repeats the audit over the testbed's size ladder and fits the trend against size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity import testbed
+from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
+                                dump_table, exact_kl, write_dump)
+from parity.engines import HFEngine, Rollout, Sampling, left_pad, score
+from parity.errors import ParityError
+from parity.objectives import grpo_advantages
+from parity.precision import autocast
+
+REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
+
+
+@dataclass
+class AuditSettings:
+    model: str
+    engine_dtype: str = "bf16"
+    trainer_dtype: str = "fp32"
+    task: str | None = None          # built-in task or dataset (with reward) to sample prompts
+    reward: str | None = None
+    prompts: str | None = None       # a file of prompts: .txt lines, or JSONL/parquet `prompt`
+    rollouts: str | None = None      # another system's completions and ℓ_μ
+    samples: int = 256
+    group: int = 8                   # completions per prompt (GRPO groups for advantages)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eps: float = 0.2
+    batch_size: int = 64
+    kl_exact_rows: int = 8           # per batch
+    cpu_fp16: str = "emulate"
+    seed: int = 0
+    progress: bool = True
+
+
+# ---- input ---------------------------------------------------------------------------------
+
+def read_rollouts(path: str | Path, vocab_size: int) -> list[dict[str, Any]]:
+    """Read and check an audit input file; every problem names its row and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ParityError(f"rollouts file {p} does not exist")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        try:
+            table = pq.read_table(p)
+        except Exception as e:
+            raise ParityError(f"{p}: not a readable parquet file: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        missing = [c for c in REQUIRED if c not in table.column_names]
+        if missing:
+            raise ParityError(f"{p}: missing column {missing[0]!r} (an audit file needs "
+                              f"{', '.join(REQUIRED)}; it has {', '.join(table.column_names)})")
+        rows = table.to_pylist()
+        where = [f"{p} row {i}" for i in range(len(rows))]
+    elif p.suffix in (".jsonl", ".json"):
+        rows, where = [], []
+        for n, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ParityError(f"{p} line {n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ParityError(f"{p} line {n}: a row must be a JSON object")
+            rows.append(row)
+            where.append(f"{p} row {len(rows) - 1} (line {n})")
+    else:
+        raise ParityError(f"rollouts file {p} must be .jsonl or .parquet")
+    if not rows:
+        raise ParityError(f"rollouts file {p} has no rows")
+    for row, at in zip(rows, where):
+        _check_row(row, at, vocab_size)
+    return rows
+
+
+def _check_row(row: dict[str, Any], at: str, vocab_size: int) -> None:
+    for c in REQUIRED:
+        if row.get(c) is None:
+            raise ParityError(f"{at}: missing column {c!r}")
+    for c in ("prompt_token_ids", "completion_token_ids"):
+        ids = row[c]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in ids):
+            raise ParityError(f"{at}, column {c!r}: must be a list of integer token ids")
+        if not ids:
+            what = "empty completion" if c == "completion_token_ids" else "empty prompt"
+            raise ParityError(f"{at}, column {c!r}: {what}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ParityError(f"{at}, column {c!r}: token id {bad[0]} is outside the model's "
+                              f"vocabulary (0..{vocab_size - 1})")
+    lp = row["engine_logprobs"]
+    if not isinstance(lp, list) or not all(isinstance(v, (int, float)) and
+                                           not isinstance(v, bool) for v in lp):
+        raise ParityError(f"{at}, column 'engine_logprobs': must be a list of numbers")
+    n = len(row["completion_token_ids"])
+    if len(lp) != n:
+        raise ParityError(f"{at}, column 'engine_logprobs': {len(lp)} values for {n} completion "
+                          f"tokens (one log-prob per completion token)")
+    for t, v in enumerate(lp):
+        if not math.isfinite(v):
+            raise ParityError(f"{at}, column 'engine_logprobs': non-finite value {v} at token {t}")
+        if v > 1e-3:
+            raise ParityError(f"{at}, column 'engine_logprobs': {v} at token {t} is positive; "
+                              f"a log-probability is <= 0")
+    for c in ("advantage", "reward"):
+        v = row.get(c)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                  and math.isfinite(v)):
+            raise ParityError(f"{at}, column {c!r}: must be a finite number, got {v!r}")
+
+
+def rollout_advantages(rows: list[dict[str, Any]]) -> torch.Tensor | None:
+    """`advantage` as given; else `reward` centred and scaled within each group of identical
+    prompts (GRPO); else None (no advantages: clip fractions count both signs)."""
+    if all(r.get("advantage") is not None for r in rows):
+        return torch.tensor([float(r["advantage"]) for r in rows])
+    if not all(r.get("reward") is not None for r in rows):
+        return None
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(tuple(r["prompt_token_ids"]), []).append(i)
+    adv = torch.zeros(len(rows))
+    for idx in groups.values():
+        if len(idx) > 1:
+            rw = torch.tensor([float(rows[i]["reward"]) for i in idx], dtype=torch.float64)
+            adv[idx] = ((rw - rw.mean()) / (rw.std() + 1e-4)).float()
+    return adv
+
+
+def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
+    ids, mask = left_pad([r["prompt_token_ids"] for r in rows], pad_id)
+    T = max(len(r["completion_token_ids"]) for r in rows)
+    comp = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    cmask = torch.zeros((len(rows), T))
+    lp = torch.zeros((len(rows), T))
+    for i, r in enumerate(rows):
+        n = len(r["completion_token_ids"])
+        comp[i, :n] = torch.tensor(r["completion_token_ids"])
+        cmask[i, :n] = 1
+        lp[i, :n] = torch.tensor(r["engine_logprobs"], dtype=torch.float32)
+    finished = torch.tensor([r["completion_token_ids"][-1] == eos_id for r in rows])
+    return Rollout(ids, mask, comp, cmask, lp, finished)
+
+
+def read_prompts(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise ParityError(f"prompts file {p} does not exist")
+    if p.suffix == ".txt":
+        prompts = [line for line in p.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ParityError(f"prompts file {p} has no non-empty lines")
+        return prompts
+    from parity.tasks import load_rows
+    return [r["prompt"] for r in load_rows(str(p))]
+
+
+# ---- measurement ---------------------------------------------------------------------------
+
+class Measurement:
+    """Accumulates α/β, clip attribution, KLs and per-token columns over the audit's batches."""
+
+    def __init__(self, a: AuditSettings):
+        self.a, self.diag, self.tables = a, StepDiagnostics(), []
+        self.adv: list[torch.Tensor] = []
+        self.has_adv = True
+        self.cols: dict[str, list[torch.Tensor]] = {k: [] for k in (
+            "engine_logprob", "trainer_logprob", "shadow_logprob", "position")}
+        self.seq_len: list[torch.Tensor] = []
+        self.seq_lr: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, adv: torch.Tensor | None,
+            s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
+        a = self.a
+        with autocast(a.trainer_dtype, torch.device("cpu"), a.cpu_fp16):
+            logp_pi, logits = score(model, r, s, return_logits=True)
+        logp_s = shadow.logprobs(model, r, s, logp_pi)
+        self.has_adv &= adv is not None
+        adv_t = adv if adv is not None else torch.zeros(len(r.completion_ids))
+        mask = r.completion_mask
+        att = attribute(logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
+        self.diag.add(att, logp_pi, r.engine_logprobs, adv_t, mask, first=True)
+        if r.dists is not None:
+            for j, row in enumerate(r.dist_rows.tolist()):
+                n = int(mask[row].sum())
+                self.diag.add_exact_kl(exact_kl(r.dists[j, :n], logits[row, :n], s))
+        m = mask > 0
+        self.adv.append(adv_t[:, None].expand_as(mask)[m])
+        for k, v in (("engine_logprob", r.engine_logprobs), ("trainer_logprob", logp_pi),
+                     ("shadow_logprob", logp_s),
+                     ("position", torch.arange(mask.shape[1]).expand_as(mask))):
+            self.cols[k].append(v[m].float())
+        self.seq_len.append(mask.sum(-1))
+        self.seq_lr.append(((logp_pi - r.engine_logprobs) * mask).sum(-1))
+        sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids))
+        self.tables.append(dump_table(0, len(self.tables), 0, sample_ids, prompt_ids, r, adv_t,
+                                      logp_pi, logp_s, att, a.eps, a.eps))
+
+    def results(self) -> dict[str, Any]:
+        tok = self.diag.tokens()
+        adv = torch.cat(self.adv) if self.has_adv else None
+        metrics = self.diag.metrics()
+        # Clip fractions at ε with the advantages' signs, or both signs when there are none.
+        head = clip_fractions(tok["alpha"], tok["beta"], adv, self.a.eps, self.a.eps)
+        metrics.update({"clip/frac": head["clip"], "clip/phantom_frac": head["phantom"],
+                        "clip/hidden_frac": head["hidden"], "clip/alpha_frac": head["alpha"]})
+        if adv is None:
+            metrics.pop("mismatch/beta_adv_corr", None)
+        sweep = []
+        for eps in sorted(set(EPS_SWEEP) | {self.a.eps}):
+            f = clip_fractions(tok["alpha"], tok["beta"], adv, eps, eps)
+            sweep.append({"eps": eps, "clip_frac": f["clip"], "phantom_frac": f["phantom"],
+                          "hidden_frac": f["hidden"], "alpha_frac": f["alpha"]})
+        return {"metrics": metrics, "phantom_vs_eps": sweep, "advantages": adv is not None,
+                "tokens": int(tok["beta"].numel()), "completions": int(sum(len(x) for x in
+                                                                           self.seq_len))}
+
+    def arrays(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        tokens = {k: torch.cat(v).numpy() for k, v in self.cols.items()}
+        seqs = {"length": torch.cat(self.seq_len).numpy(),
+                "log_ratio": torch.cat(self.seq_lr).numpy()}
+        return tokens, seqs
+
+
+def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
+            s: Sampling, bar) -> str:
+    from parity.tasks import PromptSampler, build_task
+    from parity.trainer import exact_kl_rows, max_positions
+    if a.prompts:
+        texts = read_prompts(a.prompts)
+        prompt_ids = [tok(t)["input_ids"] for t in texts]
+        limit = max_positions(model)
+        for i, ids in enumerate(prompt_ids):
+            if not ids:
+                raise ParityError(f"prompts file {a.prompts}: prompt {i} tokenizes to nothing")
+            if limit is not None and len(ids) + a.max_new_tokens > limit:
+                raise ParityError(f"prompts file {a.prompts}: prompt {i} is {len(ids)} tokens; "
+                                  f"with max_new_tokens={a.max_new_tokens} it exceeds the "
+                                  f"model's context of {limit}")
+        task, source = None, f"prompts file {a.prompts}"
+    else:
+        task = build_task(a.task, a.reward, model_dir, model, tok, a.max_new_tokens,
+                          max_positions(model), a.seed, a.temperature)
+        prompt_ids, source = task.prompt_ids, f"task {a.task}"
+    engine = HFEngine(model, a.engine_dtype, tok.eos_token_id, tok.pad_token_id, a.cpu_fp16)
+    order = PromptSampler(len(prompt_ids), a.seed)
+    gen = torch.Generator().manual_seed(a.seed)
+    per_batch = max(1, a.batch_size // a.group)
+    done = 0
+    while done < a.samples:
+        n_prompts = min(per_batch, math.ceil((a.samples - done) / a.group))
+        rows = order.next(n_prompts)
+        batch = [prompt_ids[i] for i in rows for _ in range(a.group)]
+        r = engine.generate(batch, a.max_new_tokens, s, gen,
+                            exact_kl_rows(len(batch), a.kl_exact_rows))
+        adv = None
+        if task is not None:
+            comp = r.completions()
+            texts = tok.batch_decode(comp, skip_special_tokens=True)
+            rewards = torch.tensor(task.rewards([i for i in rows for _ in range(a.group)],
+                                                texts, comp))
+            adv = grpo_advantages(rewards, a.group)
+        pids = torch.tensor([i for i in rows for _ in range(a.group)])
+        meas.add(model, shadow, r, adv, s, pids, done)
+        done += len(batch)
+        if bar is not None:
+            bar[0].update(bar[1], completed=min(done, a.samples))
+    return source
+
+
+def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
+            bar) -> str:
+    from parity.trainer import max_positions
+    vocab = model.get_output_embeddings().weight.shape[0]
+    rows = read_rollouts(a.rollouts, vocab)
+    limit = max_positions(model)
+    for i, r in enumerate(rows):
+        n = len(r["prompt_token_ids"]) + len(r["completion_token_ids"])
+        if limit is not None and n > limit:
+            raise ParityError(f"{a.rollouts} row {i}: prompt + completion is {n} tokens, beyond "
+                              f"the model's context of {limit}")
+    adv = rollout_advantages(rows)
+    keys = {}
+    prompt_index = torch.tensor([keys.setdefault(tuple(r["prompt_token_ids"]), len(keys))
+                                 for r in rows])
+    for start in range(0, len(rows), a.batch_size):
+        chunk = rows[start:start + a.batch_size]
+        r = to_rollout(chunk, tok.pad_token_id, tok.eos_token_id)
+        meas.add(model, shadow, r, None if adv is None else adv[start:start + len(chunk)], s,
+                 prompt_index[start:start + len(chunk)], start)
+        if bar is not None:
+            bar[0].update(bar[1], completed=start + len(chunk))
+    return f"rollouts file {a.rollouts}"
+
+
+def default_out(a: AuditSettings) -> Path:
+    base = Path("audits") / f"{Path(a.model).name}-{a.engine_dtype}-vs-{a.trainer_dtype}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
+    """Run one audit; returns audit.json's content. Input is checked before `out` is written."""
+    from parity.trainer import check_run_dir, load_policy
+    t0 = time.perf_counter()
+    out = out or default_out(a)
+    check_run_dir(out)
+    sources = [x for x in (a.task, a.prompts, a.rollouts) if x]
+    if len(sources) != 1:
+        raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
+    if a.samples <= 0 or a.group <= 0 or a.batch_size <= 0:
+        raise ParityError("audit: --samples, --group and --batch-size must be > 0")
+    model_dir = testbed.resolve_model(a.model)
+    model, tok = load_policy(model_dir)
+    model.eval()
+    torch.manual_seed(a.seed)
+    s = Sampling(a.temperature, a.top_p, a.top_k)
+    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16)
+    meas = Measurement(a)
+    with _bar(a.progress, "audit", None if a.rollouts else a.samples) as bar:
+        if a.rollouts:
+            source = _replay(a, model, tok, meas, shadow, s, bar)
+        else:
+            source = _sample(a, model, tok, model_dir, meas, shadow, s, bar)
+    res = meas.results()
+    result = {"model": a.model, "model_dir": str(model_dir),
+              "n_params": sum(p.numel() for p in model.parameters()),
+              "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
+              "input": source, "eps": a.eps,
+              "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
+              **res, "seconds": time.perf_counter() - t0}
+    result["verdict"] = verdict(result)
+    out.mkdir(parents=True, exist_ok=True)
+    write_dump(out / "tokens.parquet", meas.tables)
+    (out / "audit.json").write_text(json.dumps(result, indent=1))
+    if report:
+        from parity.reports import audit_report
+        tokens, seqs = meas.arrays()
+        summary = {k: v for k, v in result["metrics"].items() if "/" in k and
+                   not k.startswith(("beta_by_", ))}
+        audit_report(tokens, seqs, result["phantom_vs_eps"], summary, out,
+                     f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
+                     f"trainer ({source})")
+    return result
+
+
+def verdict(result: dict[str, Any]) -> str:
+    m, eps = result["metrics"], result["eps"]
+    ph = m.get("clip/phantom_frac", 0.0)
+    reach = next((row["eps"] for row in sorted(result["phantom_vs_eps"], key=lambda r: -r["eps"])
+                  if row["phantom_frac"] >= 0.01), None)
+    if ph >= 0.01:
+        return (f"numerics alone clip {ph:.1%} of tokens at eps={eps:g}: take beta out of the "
+                f"ratio (bf16-shadow) or match precisions (fp16)")
+    where = f"; it reaches 1% at eps={reach:g}" if reach is not None else ""
+    return f"phantom clipping at eps={eps:g} is {ph:.2%} of tokens{where}"
+
+
+def _bar(enabled: bool, label: str, total: int | None):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def cm():
+        if not enabled:
+            yield None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                      transient=True) as p:
+            yield p, p.add_task("", total=total)
+    return cm()
+
+
+def print_audit(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    m = result["metrics"]
+    t = Table(title=f"{result['model']}: {result['engine_dtype']} engine vs "
+                    f"{result['trainer_dtype']} trainer, {result['completions']} completions, "
+                    f"{result['tokens']} tokens")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for label, key, fmt in (
+            ("|beta| mean", "mismatch/beta_abs_mean", ".3g"),
+            ("beta mean", "mismatch/beta_mean", ".3g"),
+            ("beta std", "mismatch/beta_std", ".3g"),
+            ("max |beta|", "mismatch/beta_abs_max", ".3g"),
+            ("KL(mu||pi) exact", "mismatch/kl_exact", ".3g"),
+            ("KL k1", "mismatch/kl_k1", ".3g"),
+            ("KL k3", "mismatch/kl_k3", ".3g"),
+            ("max |pi - mu|", "mismatch/prob_diff_max", ".3g"),
+            ("kernel gap |alpha| (theta = theta_old)", "mismatch/alpha_abs_mean", ".3g"),
+            ("corr(beta, A)", "mismatch/beta_adv_corr", ".3f"),
+            ("seq log-ratio slope per 1k tokens", "mismatch/seq_log_ratio_slope", "per1k"),
+            (f"clipped at eps={result['eps']:g}", "clip/frac", ".2%"),
+            (f"phantom-clipped at eps={result['eps']:g}", "clip/phantom_frac", ".2%"),
+            (f"hidden at eps={result['eps']:g}", "clip/hidden_frac", ".2%")):
+        if key in m:
+            v = m[key]
+            t.add_row(label, f"{v * 1000:.3g}" if fmt == "per1k" else format(v, fmt))
+    for row in result["phantom_vs_eps"]:
+        if row["eps"] in (0.01, 0.05):
+            t.add_row(f"phantom-clipped at eps={row['eps']:g}", f"{row['phantom_frac']:.2%}")
+    t.caption = f"verdict: {result['verdict']}"
+    Console().print(t)
+
+
+# ---- the size ladder -------------------------------------------------------------------------
+
+FIT_METRICS = ("beta_abs_mean", "kl_k3", "kl_exact", "phantom_frac")
+EXTRAPOLATE = (0.6e9, 1.5e9)
+
+
+def fit_loglog(xs: list[float], ys: list[float]) -> dict[str, float] | None:
+    """log10(y) = intercept + slope · log10(x) by least squares; None without two positive y."""
+    pts = [(math.log10(x), math.log10(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    slope = (sum((x - mx) * (y - my) for x, y in pts) /
+             sum((x - mx) ** 2 for x, _ in pts))
+    return {"slope": slope, "intercept": my - slope * mx, "points": len(pts)}
+
+
+def scale(a: AuditSettings, out: Path, models: list[str] | None = None) -> dict[str, Any]:
+    """Audit every model of the size ladder on the same prompts and fit each metric against
+    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters."""
+    from parity.trainer import check_run_dir
+    check_run_dir(out)
+    models = models or list(testbed.LADDER)
+    axis_of = {}
+    for axis, names in testbed.LADDER_AXES.items():
+        for n in names:
+            axis_of[n] = "base" if n in axis_of else axis
+    points = []
+    for name in models:
+        if name in testbed.SPECS:
+            testbed.ensure(name, progress=a.progress)
+        sub = AuditSettings(**{**a.__dict__, "model": name})
+        res = audit(sub, out / "models" / Path(name).name, report=False)
+        m = res["metrics"]
+        small = next((row["phantom_frac"] for row in res["phantom_vs_eps"]
+                      if row["eps"] == 0.01), None)
+        points.append({"model": name, "axis": axis_of.get(name, "other"),
+                       "n_params": res["n_params"],
+                       "beta_abs_mean": m.get("mismatch/beta_abs_mean", 0.0),
+                       "kl_k3": m.get("mismatch/kl_k3", 0.0),
+                       "kl_exact": m.get("mismatch/kl_exact", 0.0),
+                       "phantom_frac": m.get("clip/phantom_frac", 0.0),
+                       "phantom_frac_eps_0.01": small})
+    fits = {}
+    for key in FIT_METRICS:
+        f = fit_loglog([p["n_params"] for p in points], [p[key] for p in points])
+        if f is not None:
+            f["at"] = {f"{x:g}": 10 ** (f["intercept"] + f["slope"] * math.log10(x))
+                       for x in EXTRAPOLATE}
+            fits[key] = f
+    per_axis = {}
+    for axis, names in testbed.LADDER_AXES.items():
+        pts = [p for p in points if p["model"] in names]
+        f = fit_loglog([p["n_params"] for p in pts], [p["beta_abs_mean"] for p in pts])
+        if f is not None:
+            per_axis[axis] = f["slope"]
+    result = {"engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype, "eps": a.eps,
+              "samples": a.samples, "points": points, "fits": fits,
+              "beta_abs_slope_by_axis": per_axis}
+    (out / "scale.json").write_text(json.dumps(result, indent=1))
+    from parity.reports import scale_report
+    scale_report(points, fits, out)
+    return result
+
+
+def print_scale(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"mismatch against size: {result['engine_dtype']} engine vs "
+                    f"{result['trainer_dtype']} trainer, eps={result['eps']:g}")
+    for col in ("model", "axis", "params", "|beta| mean", "KL k3", "KL exact",
+                f"phantom @{result['eps']:g}", "phantom @0.01"):
+        t.add_column(col, justify="left" if col in ("model", "axis") else "right")
+    for p in result["points"]:
+        small = p.get("phantom_frac_eps_0.01")
+        t.add_row(p["model"], p["axis"], f"{p['n_params'] / 1e6:.2f}M",
+                  f"{p['beta_abs_mean']:.3g}", f"{p['kl_k3']:.3g}", f"{p['kl_exact']:.3g}",
+                  f"{p['phantom_frac']:.2%}", "" if small is None else f"{small:.2%}")
+    for key, f in result["fits"].items():
+        at = ", ".join(f"{float(x) / 1e9:g}B: {v:.3g}" for x, v in f["at"].items())
+        t.add_row(f"fit {key}", "", "", f"slope {f['slope']:+.2f}", "", "", "", at)
+    Console().print(t)

@@ -1,0 +1,297 @@
+"""Phantom-clipping diagnostics: every log-ratio split into policy change and precision gap.
+
+    log r = ℓ_π − ℓ_μ = α + β,   α = ℓ_s − ℓ_μ   policy change, both sides in engine precision
+                                 β = ℓ_π − ℓ_s   precision gap on the same weights
+
+ℓ_s comes from the shadow forward: the trainer's current weights cast to engine precision, one
+no-grad forward per update. Every clip is then attributed (DESIGN.md):
+
+    clipped  C(α + β, A)      phantom  C(α + β, A) ∧ ¬C(α, A)      hidden  ¬C(α + β, A) ∧ C(α, A)
+
+The same functions serve the trainer (every update) and `parity audit` (offline, one update at
+θ = θ_old); `StepDiagnostics` turns a step's tokens into DESIGN's metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.engines import Rollout, Sampling, processed_logits, score
+from parity.objectives import clip_predicate
+from parity.precision import cast_weights_into, fp16_kernels, torch_dtype
+
+# Buckets for β by the trainer's token probability and by position in the completion: where
+# the gap lives (rare tokens? late positions?) decides which fix helps.
+PROB_BUCKETS = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
+POS_BUCKETS = (0, 8, 32, 128, 512, math.inf)
+EPS_SWEEP = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
+
+
+class Shadow:
+    """The shadow forward: ℓ_s = log π_θ(y) in engine precision on the trainer's current weights.
+
+    It keeps its own engine-dtype copy of the model (the engine's copy must keep the weights it
+    sampled with, for `sync/changed_frac`). An fp32 engine against an fp32 trainer runs the very
+    same forward as the trainer, so there ℓ_s = ℓ_π and no extra forward is run."""
+
+    def __init__(self, master: torch.nn.Module, engine_dtype: str, trainer_dtype: str,
+                 cpu_fp16: str = "emulate"):
+        self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32"
+        self.dtype, self.cpu_fp16 = engine_dtype, cpu_fp16
+        self.model = None
+        if not self.identity:
+            self.model = copy.deepcopy(master).to(torch_dtype(engine_dtype)).eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,
+                 logp_pi: torch.Tensor | None = None) -> torch.Tensor:
+        if self.identity:
+            if logp_pi is None:
+                return score(master, r, s)
+            return logp_pi.detach()
+        cast_weights_into(master, self.model, count=False)
+        device = next(self.model.parameters()).device
+        with fp16_kernels(self.dtype, device, self.cpu_fp16):
+            return score(self.model, r, s)
+
+
+@dataclass
+class Attribution:
+    """Per-token decomposition and clip attribution of one update, [B, T]; 0/False on padding."""
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    clipped: torch.Tensor
+    phantom: torch.Tensor
+    hidden: torch.Tensor
+    alpha_clipped: torch.Tensor
+
+
+def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor,
+              adv: torch.Tensor, mask: torch.Tensor, eps_low: float | None,
+              eps_high: float | None, clipped: torch.Tensor | None = None) -> Attribution:
+    """α, β and the clip attribution. `clipped` is what the objective really clipped when its
+    ratio is not ℓ_π − ℓ_μ (the shadow ratio clips on α alone); by default C(α + β, A)."""
+    valid = mask > 0
+    alpha = (logp_s - logp_mu).detach() * mask
+    beta = (logp_pi - logp_s).detach() * mask
+    a = adv[:, None] if adv.dim() == 1 else adv
+    c_alpha = clip_predicate(alpha, a, eps_low, eps_high) & valid
+    c = clip_predicate(alpha + beta, a, eps_low, eps_high) if clipped is None else clipped
+    c = c & valid
+    return Attribution(alpha, beta, c, c & ~c_alpha, ~c & c_alpha, c_alpha)
+
+
+def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor
+                 ) -> dict[str, float]:
+    """DESIGN's sampled estimates over valid tokens, Δ = ℓ_π − ℓ_μ: k1 = mean(−Δ),
+    k3 = mean(exp(Δ) − Δ − 1), and the probability differences exp(ℓ_π) − exp(ℓ_μ)."""
+    m = mask > 0
+    d = (logp_pi - logp_mu)[m].double()
+    if d.numel() == 0:
+        return {}
+    pdiff = (logp_pi.double().exp() - logp_mu.double().exp())[m]
+    return {"mismatch/kl_k1": float((-d).mean()),
+            "mismatch/kl_k3": float((d.exp() - d - 1).mean()),
+            "mismatch/prob_diff_abs_mean": float(pdiff.abs().mean()),
+            "mismatch/prob_diff_max": float(pdiff.max()),
+            "mismatch/prob_diff_min": float(pdiff.min())}
+
+
+def exact_kl(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """KL(μ‖π) = Σ_v μ_v (log μ_v − log π_v) over the whole vocabulary at each of N positions.
+    `mu_logp` [N, V] is the engine's sampling distribution (−inf outside its top-k/top-p
+    support); π is the trainer's, processed the same way, except that a token μ can sample is
+    never excluded from π (as when scoring), so the KL stays finite."""
+    x = processed_logits(pi_logits, s)
+    support = torch.isfinite(mu_logp)
+    x = torch.where(support & ~torch.isfinite(x), pi_logits.float() / s.temperature, x)
+    log_pi = torch.log_softmax(x.double(), dim=-1)
+    mu_l = mu_logp.double()
+    terms = torch.where(support, mu_l.exp() * (mu_l - log_pi), torch.zeros_like(mu_l))
+    return terms.sum(-1)
+
+
+def clip_fractions(alpha: torch.Tensor, beta: torch.Tensor, adv: torch.Tensor | None,
+                   eps_low: float | None, eps_high: float | None) -> dict[str, float]:
+    """clip / phantom / hidden / α-clipped fractions of flat valid tokens at one clip range.
+    With no advantages (an audit of bare completions) each token counts half as A > 0 and half
+    as A < 0: the expectation under an advantage of random sign."""
+    signs = [adv] if adv is not None else [torch.ones_like(alpha), -torch.ones_like(alpha)]
+    out = {"clip": 0.0, "phantom": 0.0, "hidden": 0.0, "alpha": 0.0}
+    for a in signs:
+        c = clip_predicate(alpha + beta, a, eps_low, eps_high)
+        ca = clip_predicate(alpha, a, eps_low, eps_high)
+        for k, v in (("clip", c), ("phantom", c & ~ca), ("hidden", ~c & ca), ("alpha", ca)):
+            out[k] += float(v.double().mean()) / len(signs) if v.numel() else 0.0
+    return out
+
+
+def _corr(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = float(x.norm() * y.norm())
+    return float((x * y).sum()) / denom if denom > 0 else None
+
+
+def _slope(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    """Least-squares slope of y against x; None when x does not vary."""
+    x, y = x.double(), y.double()
+    var = float(((x - x.mean()) ** 2).sum())
+    return float(((x - x.mean()) * (y - y.mean())).sum()) / var if var > 0 else None
+
+
+def _bucket_name(lo: float, hi: float) -> str:
+    return f"{lo:g}-{hi:g}" if math.isfinite(hi) else f"{lo:g}+"
+
+
+class StepDiagnostics:
+    """Collects the tokens of one step's updates and returns its metrics.
+
+    Clip fractions, α and β pool every update of the step (so tokens seen in several epochs count
+    once per update); the KL estimates, the sequence log-ratio and the exact KL use each token's
+    first forward (epoch 0), where ℓ_π − ℓ_μ is the mismatch before the policy moves. The kernel
+    gap is |α| on the step's first update, at θ = θ_old: what the engine's and the shadow's
+    kernels disagree on with equal weights and precision."""
+
+    def __init__(self) -> None:
+        self.tok: dict[str, list[torch.Tensor]] = {k: [] for k in (
+            "alpha", "beta", "adv", "prob", "pos", "clipped", "phantom", "hidden",
+            "alpha_clipped")}
+        self.first: dict[str, list[torch.Tensor]] = {"logp_pi": [], "logp_mu": [], "mask": []}
+        self.kl_exact: list[torch.Tensor] = []
+        self.kernel_gap: float | None = None
+
+    def add(self, att: Attribution, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
+            adv: torch.Tensor, mask: torch.Tensor, first: bool) -> None:
+        m = mask > 0
+        pos = torch.arange(mask.shape[1]).expand_as(mask)
+        a = (adv[:, None] if adv.dim() == 1 else adv).expand_as(mask)
+        for k, v in (("alpha", att.alpha), ("beta", att.beta), ("adv", a),
+                     ("prob", logp_pi.detach().exp()), ("pos", pos), ("clipped", att.clipped),
+                     ("phantom", att.phantom), ("hidden", att.hidden),
+                     ("alpha_clipped", att.alpha_clipped)):
+            self.tok[k].append(v[m].detach().cpu())
+        if self.kernel_gap is None and m.any():
+            self.kernel_gap = float(att.alpha[m].abs().double().mean())
+        if first:
+            for k, v in (("logp_pi", logp_pi), ("logp_mu", logp_mu), ("mask", mask)):
+                self.first[k].append(v.detach().cpu())
+
+    def add_exact_kl(self, kl: torch.Tensor) -> None:
+        self.kl_exact.append(kl.detach().cpu())
+
+    def metrics(self) -> dict[str, float]:
+        t = {k: torch.cat(v) if v else torch.empty(0) for k, v in self.tok.items()}
+        out: dict[str, float] = {}
+        n = t["beta"].numel()
+        if n:
+            for name, key in (("clip/frac", "clipped"), ("clip/phantom_frac", "phantom"),
+                              ("clip/hidden_frac", "hidden"), ("clip/alpha_frac", "alpha_clipped")):
+                out[name] = float(t[key].double().mean())
+            alpha, beta = t["alpha"].double(), t["beta"].double()
+            out["mismatch/alpha_mean"] = float(alpha.mean())
+            out["mismatch/alpha_abs_mean"] = float(alpha.abs().mean())
+            out["mismatch/beta_mean"] = float(beta.mean())
+            out["mismatch/beta_abs_mean"] = float(beta.abs().mean())
+            out["mismatch/beta_std"] = float(beta.std()) if n > 1 else 0.0
+            out["mismatch/beta_abs_max"] = float(beta.abs().max())
+            corr = _corr(beta, t["adv"])
+            if corr is not None:
+                out["mismatch/beta_adv_corr"] = corr
+            if self.kernel_gap is not None:
+                out["mismatch/kernel_gap_abs_mean"] = self.kernel_gap
+            out.update(_bucketed(beta, t["prob"], PROB_BUCKETS, "beta_by_prob"))
+            out.update(_bucketed(beta, t["pos"], POS_BUCKETS, "beta_by_pos"))
+        if self.first["mask"]:
+            lp, lm, mk = (_cat_padded(self.first[k]) for k in ("logp_pi", "logp_mu", "mask"))
+            out.update(kl_estimates(lp, lm, mk))
+            seq = ((lp - lm) * mk).sum(-1)
+            length = mk.sum(-1)
+            out["mismatch/seq_log_ratio_mean"] = float(seq.double().mean())
+            slope = _slope(length, seq)
+            if slope is not None:
+                out["mismatch/seq_log_ratio_slope"] = slope
+        if self.kl_exact:
+            kl = torch.cat(self.kl_exact)
+            out["mismatch/kl_exact"] = float(kl.mean())
+            out["mismatch/kl_exact_positions"] = float(kl.numel())
+        return out
+
+    def tokens(self) -> dict[str, torch.Tensor]:
+        """Flat per-token tensors over every update (for plots)."""
+        return {k: torch.cat(v) if v else torch.empty(0) for k, v in self.tok.items()}
+
+
+def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate [B_i, T_i] batches along B, right-padding T with zeros."""
+    T = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts])
+
+
+def _bucketed(beta: torch.Tensor, key: torch.Tensor, edges: tuple, name: str) -> dict[str, float]:
+    out = {}
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        last = i == len(edges) - 2
+        sel = (key >= lo) & ((key <= hi) if last else (key < hi))
+        if sel.any():
+            b = beta[sel].double()
+            label = _bucket_name(lo, hi)
+            out[f"{name}/{label}/mean"] = float(b.mean())
+            out[f"{name}/{label}/abs_mean"] = float(b.abs().mean())
+            out[f"{name}/{label}/tokens"] = float(sel.sum())
+    return out
+
+
+# ---- rollout dumps -----------------------------------------------------------------------
+
+DUMP_COLUMNS = ("step", "update", "epoch", "sample_id", "prompt_id", "position", "token_id",
+                "advantage", "engine_logprob", "trainer_logprob", "shadow_logprob", "eps_low",
+                "eps_high", "clipped", "phantom_clipped", "hidden", "alpha_clipped")
+
+
+def dump_table(step: int, update: int, epoch: int, sample_ids: torch.Tensor,
+               prompt_ids: torch.Tensor, mb: Rollout, adv: torch.Tensor, logp_pi: torch.Tensor,
+               logp_s: torch.Tensor, att: Attribution, eps_low: float | None,
+               eps_high: float | None) -> Any:
+    """DESIGN's rollout-dump rows for one update: one row per valid completion token."""
+    import pyarrow as pa
+    m = mb.completion_mask > 0
+    n = int(m.sum())
+    rows, pos = m.nonzero(as_tuple=True)
+
+    def col(x: torch.Tensor) -> Any:
+        return x[m].detach().cpu().numpy()
+
+    def const(v, typ) -> Any:
+        return pa.array([v] * n, type=typ)
+
+    return pa.table({
+        "step": const(step, pa.int32()), "update": const(update, pa.int32()),
+        "epoch": const(epoch, pa.int32()),
+        "sample_id": sample_ids[rows].numpy(), "prompt_id": prompt_ids[rows].numpy(),
+        "position": pos.numpy().astype("int32"), "token_id": col(mb.completion_ids),
+        "advantage": adv[rows].detach().cpu().numpy(),
+        "engine_logprob": col(mb.engine_logprobs), "trainer_logprob": col(logp_pi),
+        "shadow_logprob": col(logp_s),
+        "eps_low": const(eps_low, pa.float64()), "eps_high": const(eps_high, pa.float64()),
+        "clipped": col(att.clipped), "phantom_clipped": col(att.phantom),
+        "hidden": col(att.hidden), "alpha_clipped": col(att.alpha_clipped),
+    })
+
+
+def write_dump(path: Path, tables: list) -> None:
+    """One parquet file, written beside and renamed: a crash never leaves half a dump."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    pq.write_table(pa.concat_tables(tables), tmp)
+    os.replace(tmp, path)

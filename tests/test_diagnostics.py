@@ -1,0 +1,261 @@
+"""α/β decomposition, clip attribution and the KL estimates, against hand-computed cases and an
+exact enumeration of every completion of a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parity.diagnostics import (Shadow, StepDiagnostics, attribute, clip_fractions, exact_kl,
+                                kl_estimates)
+from parity.engines import Rollout, Sampling, score
+from parity.objectives import clip_predicate
+
+
+def test_decomposition_by_hand():
+    # Three tokens, one padding: ℓ_μ, ℓ_s, ℓ_π chosen so α and β are known exactly.
+    mu = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    s = torch.tensor([[-0.9, -2.0, -0.75, 0.0]])
+    pi = torch.tensor([[-0.85, -2.25, -0.75, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    att = attribute(pi, s, mu, torch.tensor([1.0]), mask, 0.2, 0.2)
+    assert torch.allclose(att.alpha, torch.tensor([[0.1, 0.0, -0.25, 0.0]]), atol=1e-6)
+    assert torch.allclose(att.beta, torch.tensor([[0.05, -0.25, 0.0, 0.0]]), atol=1e-6)
+    # α + β is the log-ratio ℓ_π − ℓ_μ on valid tokens.
+    assert torch.allclose((att.alpha + att.beta) * mask, (pi - mu) * mask, atol=1e-6)
+
+
+def _c(x: float, a: float, lo: float, hi: float) -> bool:
+    """DESIGN's C(x, A), written out separately from the library's vectorised version."""
+    return (a > 0 and x > math.log(1 + hi)) or (a < 0 and x < math.log(1 - lo))
+
+
+# (α, β, A): chosen on both sides of asymmetric bounds log(1 − 0.1) = −0.105, log(1.3) = 0.262.
+CASES = [
+    (0.0, 0.3, 1.0),     # phantom: β alone pushes past 1 + ε_high
+    (0.3, -0.1, 1.0),    # hidden: α is past the bound, β pulls it back inside
+    (0.3, 0.1, 1.0),     # clipped by α, and still clipped: neither phantom nor hidden
+    (0.0, -0.2, 1.0),    # A > 0 never clips on the low side
+    (0.0, -0.2, -1.0),   # phantom on the low side (ε_low = 0.1)
+    (-0.15, 0.1, -1.0),  # hidden on the low side
+    (0.0, 0.2, -1.0),    # A < 0 never clips on the high side (0.2 < 0.262 anyway)
+    (0.0, 0.5, 0.0),     # A = 0: nothing ever clips
+    (0.0, -0.5, 0.0),
+    (0.2, 0.0, 1.0),     # 0.2 < log 1.3: inside with ε_high = 0.3 (with 0.2 it would clip)
+]
+EXPECTED = [  # clipped, phantom, hidden, alpha_clipped
+    (1, 1, 0, 0), (0, 0, 1, 1), (1, 0, 0, 1), (0, 0, 0, 0), (1, 1, 0, 0),
+    (0, 0, 1, 1), (0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0),
+]
+
+
+def test_clip_attribution_truth_table():
+    lo, hi = 0.1, 0.3
+    alpha = torch.tensor([[c[0] for c in CASES]])
+    beta = torch.tensor([[c[1] for c in CASES]])
+    adv = torch.tensor([[c[2] for c in CASES]])
+    mu = torch.zeros_like(alpha) - 1.0
+    att = attribute(mu + alpha + beta, mu + alpha, mu, adv, torch.ones_like(alpha), lo, hi)
+    got = list(zip(att.clipped[0].tolist(), att.phantom[0].tolist(), att.hidden[0].tolist(),
+                   att.alpha_clipped[0].tolist()))
+    assert [tuple(int(v) for v in g) for g in got] == EXPECTED
+    for (a, b, A), (clipped, _, _, a_clipped) in zip(CASES, EXPECTED):
+        assert _c(a + b, A, lo, hi) == bool(clipped)
+        assert _c(a, A, lo, hi) == bool(a_clipped)
+    # The library's predicate agrees with the written-out one on a grid, including the bounds.
+    xs = torch.linspace(-0.5, 0.5, 101)
+    for A in (-2.0, 0.0, 3.0):
+        got = clip_predicate(xs, torch.full_like(xs, A), lo, hi).tolist()
+        assert got == [_c(float(x), A, lo, hi) for x in xs]
+
+
+def test_padding_and_no_clip():
+    att = attribute(torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.full((1, 2), -5.0),
+                    torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), None, None)
+    assert not att.clipped.any() and not att.phantom.any()     # eps None: no clip at all
+    assert float(att.beta[0, 1]) == 0.0                        # padding contributes nothing
+
+
+def test_two_sided_fractions_without_advantages():
+    alpha = torch.zeros(4)
+    beta = torch.tensor([0.5, -0.5, 0.01, -0.01])
+    f = clip_fractions(alpha, beta, None, 0.2, 0.2)
+    # token 0 clips only as A > 0, token 1 only as A < 0: each counts half.
+    assert f["phantom"] == pytest.approx(0.25) and f["clip"] == pytest.approx(0.25)
+    g = clip_fractions(alpha, beta, torch.tensor([1.0, 1.0, -1.0, -1.0]), 0.2, 0.2)
+    assert g["phantom"] == pytest.approx(0.25)
+
+
+def test_kl_estimates_against_formulas():
+    g = torch.Generator().manual_seed(1)
+    mu = -torch.rand(3, 5, generator=g) * 3
+    pi = mu + torch.randn(3, 5, generator=g) * 0.3
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.float)
+    k1 = k3 = 0.0
+    pd = []
+    n = 0
+    for i in range(3):
+        for t in range(5):
+            if mask[i, t]:
+                d = float(pi[i, t]) - float(mu[i, t])
+                k1 += -d
+                k3 += math.exp(d) - d - 1
+                pd.append(math.exp(float(pi[i, t])) - math.exp(float(mu[i, t])))
+                n += 1
+    m = kl_estimates(pi, mu, mask)
+    assert m["mismatch/kl_k1"] == pytest.approx(k1 / n, rel=1e-5)
+    assert m["mismatch/kl_k3"] == pytest.approx(k3 / n, rel=1e-4)
+    assert m["mismatch/prob_diff_max"] == pytest.approx(max(pd), abs=1e-6)
+    assert m["mismatch/prob_diff_min"] == pytest.approx(min(pd), abs=1e-6)
+    assert m["mismatch/prob_diff_abs_mean"] == pytest.approx(sum(map(abs, pd)) / n, abs=1e-7)
+
+
+def test_exact_kl_against_loops():
+    g = torch.Generator().manual_seed(2)
+    mu_logits, pi_logits = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
+    for s in (Sampling(), Sampling(temperature=0.7, top_k=3), Sampling(top_p=0.8)):
+        from parity.engines import processed_logits
+        mu = torch.log_softmax(processed_logits(mu_logits, s), -1)
+        got = exact_kl(mu, pi_logits, s)
+        for n in range(4):
+            # π as the trainer samples it, but never excluding what μ can sample.
+            x = processed_logits(pi_logits[n], s).tolist()
+            for v in range(7):
+                if math.isfinite(float(mu[n, v])) and not math.isfinite(x[v]):
+                    x[v] = float(pi_logits[n, v]) / s.temperature
+            z = math.log(sum(math.exp(xv) for xv in x if math.isfinite(xv)))
+            ref = sum(math.exp(float(mu[n, v])) * (float(mu[n, v]) - (x[v] - z))
+                      for v in range(7) if math.isfinite(float(mu[n, v])))
+            assert float(got[n]) == pytest.approx(ref, abs=1e-6)
+            assert float(got[n]) >= -1e-9
+
+
+def _sharp_gap_model():
+    """A tiny real Llama whose logits share a large common offset: softmax ignores the offset,
+    bf16 rounding of the big logits does not, so β is large enough to test statistically."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.model.embed_tokens.weight[:, 0] = 1.0
+        m.lm_head.weight.mul_(20)
+        m.lm_head.weight[:, 0] = 16.0
+    return m
+
+
+@torch.no_grad()
+def test_beta_mean_matches_exact_kl_by_enumeration():
+    """Sampling from μ makes E_μ[ℓ_π − ℓ_μ] = −KL(μ‖π): enumerate every completion (vocab 6,
+    up to 3 tokens, EOS = 1) for the exact sequence KL, then sample completions from μ and check
+    the diagnostics' token mean of β (α = 0 here: μ is the bf16 forward itself)."""
+    model = _sharp_gap_model()
+    shadow = Shadow(model, "bf16", "fp32")
+    prompt, V, L, eos = [2, 3], 6, 3, 1
+
+    def dists(prefixes, m):
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        return torch.log_softmax(m(input_ids=ids).logits[:, -1].float().double(), -1)
+
+    # Walk the tree of prefixes: node log-probs under μ (bf16) and π (fp32).
+    table, kl_seq, exp_len, frontier, leaf_mass = {}, 0.0, 0.0, [((), 0.0)], 0.0
+    for _ in range(L):
+        prefixes = [p for p, _ in frontier]
+        lmu, lpi = dists(prefixes, shadow.model), dists(prefixes, model)
+        nxt = []
+        for (p, logp), mu_row, pi_row in zip(frontier, lmu, lpi):
+            table[p] = mu_row
+            w = math.exp(logp)
+            kl_seq += w * float((mu_row.exp() * (mu_row - pi_row)).sum())
+            exp_len += w
+            leaf_mass += w * float(mu_row[eos].exp())
+            nxt += [(p + (v,), logp + float(mu_row[v])) for v in range(V) if v != eos]
+        frontier = nxt
+    leaf_mass += sum(math.exp(lp) for _, lp in frontier)
+    assert leaf_mass == pytest.approx(1.0, abs=1e-9)  # every completion enumerated exactly once
+    assert kl_seq > 0
+
+    # Ancestral sampling from the exact μ table.
+    g = torch.Generator().manual_seed(0)
+    N = 10000
+    comps, lps = [], []
+    for _ in range(N):
+        p, lp = (), []
+        while len(p) < L:
+            v = int(torch.multinomial(table[p].exp(), 1, generator=g))
+            lp.append(float(table[p][v]))
+            p = p + (v,)
+            if v == eos:
+                break
+        comps.append(p)
+        lps.append(lp)
+    T = L
+    ids = torch.zeros(N, T, dtype=torch.long)
+    mask, mu = torch.zeros(N, T), torch.zeros(N, T)
+    for i, (c, lp) in enumerate(zip(comps, lps)):
+        ids[i, :len(c)] = torch.tensor(c)
+        mask[i, :len(c)] = 1
+        mu[i, :len(c)] = torch.tensor(lp)
+    r = Rollout(torch.tensor([prompt] * N), torch.ones(N, 2, dtype=torch.long), ids, mask, mu,
+                torch.zeros(N, dtype=torch.bool))
+    s = Sampling()
+    logp_pi = score(model, r, s)
+    logp_s = shadow.logprobs(model, r, s, logp_pi)
+    diag = StepDiagnostics()
+    att = attribute(logp_pi, logp_s, mu, torch.zeros(N), mask, 0.2, 0.2)
+    diag.add(att, logp_pi, mu, torch.zeros(N), mask, first=True)
+    m = diag.metrics()
+
+    # The shadow forward reproduces μ: α is the bf16 kernel noise of a longer sequence only.
+    assert m["mismatch/alpha_abs_mean"] < 0.02 * m["mismatch/beta_abs_mean"]
+    target = -kl_seq / exp_len           # E[Σ_t β] / E[length]: what the token mean estimates
+    seq_beta = (att.beta * mask).sum(-1).double()
+    lens = mask.sum(-1).double()
+    resid = seq_beta - target * lens     # delta-method standard error of a ratio estimator
+    se = float(resid.std() / math.sqrt(N) / lens.mean())
+    assert abs(m["mismatch/beta_mean"] - target) < 4 * se + 1e-3 * abs(target)
+    assert target < -8 * se              # the effect is far beyond noise: the test can fail
+    assert m["mismatch/kl_k1"] == pytest.approx(-m["mismatch/beta_mean"]
+                                                - m["mismatch/alpha_mean"], rel=1e-6)
+
+
+@torch.no_grad()
+def test_shadow_follows_trainer_weights(tiny_lm):
+    """ℓ_s is on the trainer's current weights: after the weights move, the shadow moves too."""
+    model = tiny_lm
+    shadow = Shadow(model, "bf16", "fp32")
+    r = Rollout(torch.tensor([[2, 3]]), torch.ones(1, 2, dtype=torch.long),
+                torch.tensor([[4, 5]]), torch.ones(1, 2), torch.zeros(1, 2),
+                torch.zeros(1, dtype=torch.bool))
+    before = shadow.logprobs(model, r, Sampling())
+    model.lm_head.weight[4:6] *= 1.5
+    after = shadow.logprobs(model, r, Sampling())
+    fp32 = score(model, r, Sampling())
+    assert (after - before).abs().max() > 0.05
+    assert (after - fp32).abs().max() < (before - fp32).abs().max()
+    assert Shadow(model, "fp32", "fp32").identity  # fp32 on both sides: the trainer's own forward
+
+
+def test_step_metrics_buckets_and_slope():
+    """Pooled fractions, buckets by probability and position, and the sequence slope."""
+    diag = StepDiagnostics()
+    mu = torch.tensor([[-0.05, -3.0, -0.2, 0.0], [-0.05, -3.0, 0.0, 0.0]])
+    beta = torch.tensor([[0.3, 0.0, -0.1, 0.0], [0.0, 0.2, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    pi = (mu + beta) * mask
+    att = attribute(pi, mu, mu, torch.tensor([1.0, -1.0]), mask, 0.2, 0.2)
+    diag.add(att, pi, mu, torch.tensor([1.0, -1.0]), mask, first=True)
+    m = diag.metrics()
+    assert m["clip/frac"] == pytest.approx(1 / 5)          # only token (0, 0): 0.3 > log 1.2
+    assert m["clip/phantom_frac"] == pytest.approx(1 / 5)
+    assert m["mismatch/beta_mean"] == pytest.approx(0.4 / 5)
+    assert m["beta_by_pos/0-8/tokens"] == 5
+    # exp(-3.0 + β) < 0.1: tokens 1 of each row are the low-probability bucket.
+    assert m["beta_by_prob/0-0.1/tokens"] == 2
+    assert m["beta_by_prob/0-0.1/mean"] == pytest.approx(0.1)
+    # Sequence log-ratios 0.2 (3 tokens) and 0.2 (2 tokens): no slope.
+    assert m["mismatch/seq_log_ratio_slope"] == pytest.approx(0.0, abs=1e-7)
