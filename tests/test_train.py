@@ -13,8 +13,11 @@ from transformers import AutoModelForCausalLM
 from parity.config import load_yaml, make_config
 from parity.trainer import train
 
+# DESIGN.md's metric names, all of them.
 CONTRACT = ["step", "reward/mean", "reward/std", "completion/len_mean", "clip/frac",
-            "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/prob_diff_abs_mean",
+            "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
+            "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
+            "mismatch/beta_std", "mismatch/beta_adv_corr", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/prob_diff_abs_mean",
             "mismatch/prob_diff_max", "mismatch/prob_diff_min", "sync/changed_frac",
             "loss/scale", "train/skipped_updates", "time/rollout_s", "time/train_s",
             "time/step_s", "throughput/tokens_per_s"]
@@ -52,6 +55,38 @@ def test_run_directory_contract(tmp_path, text_model):
     assert state["step"] == 3
     torch.load(final / "train.pt", weights_only=True)
     torch.load(final / "rng.pt", weights_only=True)
+
+
+def test_rollout_dump_matches_metrics(tmp_path, text_model):
+    """--dump-rollouts 2: DESIGN's per-token parquet on steps 2 and 4, one row per token per
+    update, consistent with the step's metrics and with the decomposition."""
+    import pyarrow.parquet as pq
+    from parity.diagnostics import DUMP_COLUMNS
+    out, rows = run(tmp_path, model="text-xs", recipe="bf16-engine", steps=4, lr=1e-3,
+                    prompts_per_step=4, samples_per_prompt=4, minibatches=2, epochs=2,
+                    eps_low=0.005, eps_high=0.005, dump_rollouts=2)
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step-2.parquet",
+                                                                     "step-4.parquet"]
+    t = pq.read_table(out / "rollouts" / "step-2.parquet").to_pandas()
+    assert list(t.columns) == list(DUMP_COLUMNS)
+    assert sorted(t["update"].unique()) == [0, 1, 2, 3]        # 2 epochs x 2 minibatches
+    m = rows[1]
+    assert len(t) == 2 * m["completion/len_mean"] * 16          # every token, in both epochs
+    assert t["clipped"].mean() == pytest.approx(m["clip/frac"])
+    assert t["phantom_clipped"].mean() == pytest.approx(m["clip/phantom_frac"])
+    assert t["hidden"].mean() == pytest.approx(m["clip/hidden_frac"])
+    beta = t["trainer_logprob"] - t["shadow_logprob"]
+    assert beta.mean() == pytest.approx(m["mismatch/beta_mean"], abs=1e-6)
+    # Recompute the attribution from the dumped columns (DESIGN's predicates, by hand).
+    import math
+    hi, lo = math.log(1 + 0.005), math.log(1 - 0.005)
+    x = t["trainer_logprob"] - t["engine_logprob"]
+    a = t["shadow_logprob"] - t["engine_logprob"]
+    c = ((t["advantage"] > 0) & (x > hi)) | ((t["advantage"] < 0) & (x < lo))
+    ca = ((t["advantage"] > 0) & (a > hi)) | ((t["advantage"] < 0) & (a < lo))
+    assert (c == t["clipped"]).all() and ((c & ~ca) == t["phantom_clipped"]).all()
+    assert m["clip/phantom_frac"] > 0   # at eps 0.005 a bf16 engine clips by numerics alone
+    assert m["mismatch/kl_exact_positions"] > 0 and m["mismatch/kl_exact"] > 0
 
 
 def test_fp16_recipe_reports_loss_scale(tmp_path, text_model):

@@ -1,0 +1,513 @@
+"""Plots and self-contained HTML report pages for training runs, offline audits and scale sweeps.
+
+Every page is ONE file with its PNGs inlined as base64: a report can be attached to an issue or
+copied out of a run directory without its siblings, and it loads nothing from the network. Each
+page counts its own decoded plots into `<body data-plots-total data-plots-rendered>` on load, so
+a headless browser's `--dump-dom` proves that every plot actually rendered.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # reports are written on headless machines and inside training loops
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.collections import PathCollection
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from parity.errors import ParityError
+
+__all__ = ["Heading", "Plot", "Table", "audit_report", "html_page", "load_metrics", "run_report",
+           "scale_report"]
+
+MAX_SCATTER = 20_000  # more points add nothing visible and make the PNG (and the page) huge
+
+
+# ---------------------------------------------------------------------------- page building
+
+@dataclass
+class Plot:
+    """A PNG file to embed; `alt` is what a reader without the image (or a test) sees."""
+    path: Path
+    alt: str
+    caption: str = ""
+
+
+@dataclass
+class Table:
+    headers: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    caption: str = ""
+
+
+@dataclass
+class Heading:
+    text: str
+
+
+Section = str | Path | Plot | Table | Heading  # a str is a paragraph, a Path a PNG
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.5em;border-bottom:1px solid #ddd}
+img.plot{max-width:100%;display:block;margin:.5em 0}figure{margin:1em 0}
+figcaption{color:#555;font-size:.9em}table{border-collapse:collapse;margin:.5em 0 1em}
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f4f4f4}td:first-child,th:first-child{text-align:left;white-space:nowrap}caption{text-align:left;color:#555}"""
+
+# Set on load, never in the markup: a page whose script did not run must not claim success.
+_SCRIPT = """window.addEventListener("load", function () {
+  var imgs = document.querySelectorAll("img.plot"), ok = 0;
+  for (var i = 0; i < imgs.length; i++) { if (imgs[i].complete && imgs[i].naturalWidth > 0) ok++; }
+  document.body.setAttribute("data-plots-total", String(imgs.length));
+  document.body.setAttribute("data-plots-rendered", String(ok));
+});"""
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.4g}"
+    return str(v)
+
+
+def _section_html(s: Section) -> str:
+    e = html.escape
+    if isinstance(s, Path):
+        s = Plot(s, alt=s.stem.replace("_", " "))
+    if isinstance(s, Plot):
+        data = s.path.read_bytes()
+        if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+            raise ValueError(f"{s.path} is not a PNG file")
+        src = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+        cap = f"<figcaption>{e(s.caption)}</figcaption>" if s.caption else ""
+        return f'<figure><img class="plot" alt="{e(s.alt)}" src="{src}">{cap}</figure>'
+    if isinstance(s, Table):
+        cap = f"<caption>{e(s.caption)}</caption>" if s.caption else ""
+        head = "".join(f"<th>{e(str(h))}</th>" for h in s.headers)
+        body = "".join("<tr>" + "".join(f"<td>{e(_fmt(c))}</td>" for c in row) + "</tr>"
+                       for row in s.rows)
+        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    if isinstance(s, Heading):
+        return f"<h2>{e(s.text)}</h2>"
+    return f"<p>{e(str(s))}</p>"
+
+
+def html_page(title: str, sections: Sequence[Section], out: Path) -> Path:
+    """Write one self-contained HTML page to `out` (a file path; an existing directory gets
+    `report.html` inside it) and return its path."""
+    out = Path(out)
+    if out.is_dir():
+        out = out / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = "\n".join(_section_html(s) for s in sections)
+    out.write_text(
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+        f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n"
+        f"<body>\n<h1>{html.escape(title)}</h1>\n{body}\n<script>{_SCRIPT}</script>\n"
+        f"</body></html>\n", encoding="utf-8")
+    return out
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    """Write and always close: pyplot keeps every open figure alive, which leaks across sweeps."""
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _finish(fig: Figure, ax: Any, path: Path, alt: str, loc: str = "best", **labels: Any) -> Plot:
+    ax.set(**labels)
+    ax.grid(alpha=0.3, which="both")
+    # Faint scatter points make invisible legend keys: draw the keys bigger and opaque.
+    for handle in ax.legend(loc=loc, fontsize=8).legend_handles:
+        if isinstance(handle, PathCollection):
+            handle.set_sizes([16])
+            handle.set_alpha(1)
+    return Plot(_save(fig, path), alt)
+
+
+# ---------------------------------------------------------------------------- run reports
+
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a run's metrics.jsonl; anything unreadable is a ParityError naming file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParityError(f"{path}: metrics file not found (a run directory holds metrics.jsonl)")
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # a trailing newline, or a blank line left by an interrupted writer
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ParityError(f"{path}:{n}: malformed JSON ({err.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+                raise ParityError(f"{path}:{n}: expected a JSON object with a numeric 'step'")
+            rows.append(row)
+    if not rows:
+        raise ParityError(f"{path}: empty metrics file (no steps recorded)")
+    return rows
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    # A resumed run can log a step twice: the later line wins. Non-numbers (null, NaN) are gaps.
+    by_step: dict[float, float] = {}
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            by_step[r["step"]] = float(v)
+    if not by_step:
+        return None
+    steps = sorted(by_step)
+    return np.asarray(steps, dtype=float), np.asarray([by_step[s] for s in steps])
+
+
+def _labels(run_dirs: list[Path], labels: list[str] | None) -> list[str]:
+    if labels is None:
+        labels = [d.resolve().name or str(d) for d in run_dirs]
+        # Same directory name under different parents (two sweeps): the parent tells them apart.
+        labels = [f"{d.resolve().parent.name}/{lab}" if labels.count(lab) > 1 else lab
+                  for d, lab in zip(run_dirs, labels)]
+    elif len(labels) != len(run_dirs):
+        raise ParityError(f"{len(labels)} labels given for {len(run_dirs)} run directories")
+    out: list[str] = []
+    for lab in labels:
+        k, name = 2, lab
+        while name in out:
+            name, k = f"{lab} ({k})", k + 1
+        out.append(name)
+    return out
+
+
+def _band(ax: Any, s: tuple[np.ndarray, np.ndarray], sd: tuple | None, color: str) -> None:
+    # A light ± band over the steps where both the mean and its spread were logged.
+    if sd is not None:
+        common, i, j = np.intersect1d(s[0], sd[0], return_indices=True)
+        ax.fill_between(common, s[1][i] - sd[1][j], s[1][i] + sd[1][j], color=color, alpha=0.15)
+
+
+def _steps_axis(ax: Any) -> None:
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
+def _overlay(ax: Any, runs: dict[str, list[dict]], styles: dict[str, str]) -> np.ndarray:
+    """Colour says which run, linestyle which metric; returns every value drawn."""
+    values = []
+    for i, rows in enumerate(runs.values()):
+        for m, ls in styles.items():
+            if (s := _series(rows, m)) is not None:
+                ax.plot(*s, color=f"C{i % 10}", linestyle=ls, lw=1.2)
+                values.append(s[1])
+    _steps_axis(ax)
+    return np.concatenate(values)
+
+
+def _legends(ax: Any, labels: Sequence[str], styles: dict[str, str]) -> None:
+    # Two small legends (runs by colour, metrics by linestyle) beside the axes, never over data.
+    run_keys = [Line2D([], [], color=f"C{i % 10}", label=lab) for i, lab in enumerate(labels)]
+    first = ax.legend(handles=run_keys, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8,
+                      title="run", title_fontsize=8)
+    if len(styles) > 1:
+        ax.add_artist(first)  # only then: as both legend_ and artist it drops out of the tight bbox
+        kinds = [Line2D([], [], color="k", linestyle=ls, label=m) for m, ls in styles.items()]
+        ax.legend(handles=kinds, loc="lower left", bbox_to_anchor=(1.02, 0), fontsize=8,
+                  title="metric", title_fontsize=8)
+
+
+def _present(runs: dict[str, list[dict]], metrics: dict[str, str]) -> dict[str, str]:
+    return {m: v for m, v in metrics.items() if any(_series(r, m) for r in runs.values())}
+
+
+def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]:
+    plots = []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (lab, rows) in enumerate(runs.items()):
+        s = _series(rows, "reward/mean")
+        assert s is not None  # run_report checked
+        ax.plot(*s, color=f"C{i % 10}", label=lab)
+        _band(ax, s, _series(rows, "reward/std"), f"C{i % 10}")
+    _steps_axis(ax)
+    plots.append(_finish(fig, ax, out / "reward.png", "reward/mean against step, one line per run",
+                         ylabel="reward/mean", title="Reward (band: ± reward/std)"))
+
+    if clip := _present(runs, {"clip/frac": "-", "clip/phantom_frac": "--",
+                               "clip/hidden_frac": ":"}):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        _overlay(ax, runs, clip)
+        _legends(ax, list(runs), clip)
+        ax.set(ylabel="fraction of tokens", ylim=(0, None),
+               title="Clipped tokens: all, phantom (numerics only), hidden (let through)")
+        plots.append(Plot(_save(fig, out / "clip.png"), "clip fractions against step"))
+
+    if beta := list(_present(runs, {"mismatch/beta_mean": "β token mean (band: ± beta_std)",
+                                    "mismatch/beta_abs_mean": "|β| token mean"}).items()):
+        fig, axes = plt.subplots(1, len(beta), figsize=(6 * len(beta), 4.5), squeeze=False)
+        for ax, (m, title) in zip(axes[0], beta):
+            for i, (lab, rows) in enumerate(runs.items()):
+                if (s := _series(rows, m)) is not None:
+                    ax.plot(*s, color=f"C{i % 10}", label=lab, lw=1.2)
+                    if m == "mismatch/beta_mean":
+                        _band(ax, s, _series(rows, "mismatch/beta_std"), f"C{i % 10}")
+            if m == "mismatch/beta_mean":
+                ax.axhline(0, color="k", lw=0.6)
+            _steps_axis(ax)
+            ax.set(ylabel=m, title=title)
+        _legends(axes[0][-1], list(runs), {})
+        fig.tight_layout()
+        plots.append(Plot(_save(fig, out / "beta.png"), "precision gap beta against step"))
+
+    # k1 is an unbiased estimate that swings through 0 while k3 is second order and positive:
+    # one shared axis (even symlog) turns both into a barcode, so each gets its own panel.
+    panels = [p for p in (_present(runs, {"mismatch/kl_k1": "-"}),
+                          _present(runs, {"mismatch/kl_k3": "-", "mismatch/kl_exact": "--"})) if p]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+        for ax, styles in zip(axes[0], panels):
+            v = _overlay(ax, runs, styles)
+            if (v > 0).all():
+                ax.set_yscale("log")
+            elif "mismatch/kl_k1" in styles:
+                ax.axhline(0, color="k", lw=0.6)
+            elif (nz := np.abs(v[v != 0])).size:
+                ax.set_yscale("symlog", linthresh=float(np.quantile(nz, 0.1)))
+            ax.set(ylabel="KL(μ‖π) estimate", title=" and ".join(styles))
+        _legends(axes[0][-1], list(runs), panels[-1])
+        fig.tight_layout()
+        plots.append(Plot(_save(fig, out / "kl.png"), "KL estimates against step"))
+    return plots
+
+
+_SUMMARY = [("final reward/mean", "reward/mean", "final"), ("best reward/mean", "reward/mean", "max"),
+            ("mean clip/frac", "clip/frac", "mean"),
+            ("mean clip/phantom_frac", "clip/phantom_frac", "mean"),
+            ("mean mismatch/beta_mean", "mismatch/beta_mean", "mean"),
+            ("mean mismatch/kl_k3", "mismatch/kl_k3", "mean")]
+
+
+def run_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
+    """Overlay the metrics of one or more runs in PNGs under `out` and a page `out/report.html`."""
+    run_dirs = [Path(d) for d in run_dirs]
+    if not run_dirs:
+        raise ParityError("run_report needs at least one run directory")
+    names = _labels(run_dirs, labels)
+    runs = {lab: load_metrics(d / "metrics.jsonl") for lab, d in zip(names, run_dirs)}
+    for (lab, rows), d in zip(runs.items(), run_dirs):
+        if _series(rows, "reward/mean") is None:
+            raise ParityError(f"run {lab!r} ({d}): no 'reward/mean' in its metrics.jsonl")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = _run_figures(runs, out)
+
+    cols = [c for c in _SUMMARY if any(_series(r, c[1]) for r in runs.values())]
+    rows = []
+    for lab, data in runs.items():
+        row: list[Any] = [lab, len({r["step"] for r in data})]
+        for _, key, how in cols:
+            s = _series(data, key)
+            row.append(None if s is None else
+                       {"final": s[1][-1], "max": s[1].max(), "mean": s[1].mean()}[how])
+        rows.append(row)
+    sources = Table(["run", "metrics file"], [[lab, str(d / "metrics.jsonl")]
+                                              for lab, d in zip(names, run_dirs)])
+    return html_page(f"parity run report: {', '.join(names)}",
+                     [Heading("Summary"), Table(["run", "steps"] + [c[0] for c in cols], rows),
+                      Heading("Metrics"), *plots, Heading("Sources"), sources], out)
+
+
+# ---------------------------------------------------------------------------- audit reports
+
+def _subsample(n: int, k: int = MAX_SCATTER) -> np.ndarray:
+    # Fixed seed: the same audit must give the same picture, run after run.
+    return np.arange(n) if n <= k else np.sort(np.random.default_rng(0).choice(n, k, replace=False))
+
+
+def _arrays(d: Mapping[str, np.ndarray], keys: Sequence[str], what: str) -> list[np.ndarray]:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ParityError(f"{what}: missing arrays {missing}")
+    arrs = [np.asarray(d[k], dtype=float).ravel() for k in keys]
+    if len({a.size for a in arrs}) != 1 or arrs[0].size == 0:
+        raise ParityError(f"{what}: arrays {list(keys)} must be non-empty and of equal length, got "
+                          f"{[a.size for a in arrs]}")
+    return arrs
+
+
+def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps_table: list[dict],
+                 summary: dict[str, float], out: Path, title: str) -> Path:
+    """Token- and sequence-level pictures of the engine–trainer gap, and `out/report.html`."""
+    l_mu, l_pi, l_s, _pos = _arrays(tokens, ["engine_logprob", "trainer_logprob", "shadow_logprob",
+                                             "position"], "audit tokens")
+    length, seq_lr = _arrays(seqs, ["length", "log_ratio"], "audit seqs")
+    # A token one precision gives probability 0 has ℓ = −inf: count it, keep it out of the plots.
+    finite = np.isfinite(l_mu) & np.isfinite(l_pi) & np.isfinite(l_s)
+    dropped = int(finite.size - finite.sum())
+    if not finite.any():
+        raise ParityError("audit tokens: no token has finite log-probs on all three sides")
+    l_mu, l_pi, l_s = l_mu[finite], l_pi[finite], l_s[finite]
+    alpha, beta, log_r = l_s - l_mu, l_pi - l_s, l_pi - l_mu
+    p_mu, p_pi = np.exp(l_mu), np.exp(l_pi)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots: list[Plot] = []
+    idx = _subsample(beta.size)
+    shown = f"{idx.size:,} of {beta.size:,} tokens"
+
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    ax.plot([0, 1], [0, 1], color="0.4", lw=0.7, ls="--", label="π = μ", zorder=1)
+    ax.scatter(p_mu[idx], p_pi[idx], s=3, alpha=0.3, linewidths=0, rasterized=True, zorder=2,
+               label="tokens")
+    ax.set_aspect("equal")
+    plots.append(_finish(fig, ax, out / "prob_scatter.png", "trainer against engine probability",
+                         "upper left", xlabel="engine probability exp(ℓ_μ)", xlim=(0, 1),
+                         ylabel="trainer probability exp(ℓ_π)", ylim=(0, 1),
+                         title=f"Token probabilities ({shown})"))
+
+    mean, std = float(beta.mean()), float(beta.std())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.hist(beta, bins=100, log=True, color="C0")
+    ax.axvline(mean, color="C3", lw=1, label="mean")
+    ax.text(0.98, 0.95, f"mean = {mean:.3g}\nstd = {std:.3g}\nn = {beta.size:,}",
+            transform=ax.transAxes, ha="right", va="top", fontsize=9,
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#ccc"})
+    plots.append(_finish(fig, ax, out / "beta_hist.png", "histogram of beta", "upper left",
+                         xlabel="β = ℓ_π − ℓ_s (precision gap, nats)", ylabel="tokens (log)",
+                         title="Precision gap per token"))
+
+    edges = np.linspace(0, 1, 11)
+    which = np.clip(np.digitize(p_pi, edges) - 1, 0, 9)
+    filled = [b for b in range(10) if (which == b).any()]
+    centres = (edges[:-1] + edges[1:])[filled] / 2
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(p_pi[idx], beta[idx], s=2, alpha=0.2, color="0.5", linewidths=0, rasterized=True,
+               label=f"tokens ({shown})")
+    ax.plot(centres, [np.abs(beta[which == b]).mean() for b in filled], "o-", color="C3",
+            label="binned mean |β|")
+    ax.plot(centres, [beta[which == b].mean() for b in filled], "s-", color="C0",
+            label="binned mean β")
+    ax.axhline(0, color="k", lw=0.6)
+    plots.append(_finish(fig, ax, out / "beta_vs_prob.png", "beta against token probability",
+                         xlabel="trainer probability exp(ℓ_π)", ylabel="β (nats)",
+                         title="Precision gap against token probability"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    si = _subsample(length.size)
+    ax.scatter(length[si], seq_lr[si], s=6, alpha=0.4, linewidths=0, label="completions")
+    if np.unique(length).size >= 2:
+        slope, icpt = np.polyfit(length, seq_lr, 1)
+        xs = np.array([length.min(), length.max()])
+        ax.plot(xs, icpt + slope * xs, color="C3",
+                label=f"least squares: {1000 * slope:.3g} per 1k tokens")
+    ax.axhline(0, color="k", lw=0.6)
+    plots.append(_finish(fig, ax, out / "seq_log_ratio.png", "sequence log-ratio against length",
+                         xlabel="completion length (tokens)", ylabel="Σ_t (ℓ_π − ℓ_μ)",
+                         title="Sequence log-ratio against length"))
+
+    table = sorted(eps_table, key=lambda r: r["eps"])
+    if table:
+        eps = np.array([r["eps"] for r in table], dtype=float)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key, mk in (("clip_frac", "o-"), ("phantom_frac", "s--"), ("hidden_frac", "^:")):
+            ax.plot(eps, [r[key] for r in table], mk, label=key)
+        if (eps > 0).all():
+            ax.set_xscale("log")
+        plots.append(_finish(fig, ax, out / "phantom_vs_eps.png", "clip fractions against eps",
+                             xlabel="clip range ε", ylabel="fraction of tokens", ylim=(0, None),
+                             title="Clipped, phantom and hidden fractions against ε"))
+
+    kl_k3 = np.expm1(log_r) - log_r
+    derived = [("tokens", beta.size), ("tokens left out (non-finite ℓ)", dropped),
+               ("completions", length.size),
+               ("mean α (policy change; kernel gap at θ = θ_old)", alpha.mean()),
+               ("mean |α|", np.abs(alpha).mean()), ("mean β", mean), ("std β", std),
+               ("mean |β|", np.abs(beta).mean()), ("mean log r", log_r.mean()),
+               ("kl_k1", -log_r.mean()), ("kl_k3", kl_k3.mean())]
+    sections: list[Section] = [
+        Heading("Summary"), Table(["metric", "value"], [[k, v] for k, v in summary.items()]),
+        Heading("Token statistics"),
+        Table(["quantity", "value"], [list(r) for r in derived],
+              caption="α = ℓ_s − ℓ_μ, β = ℓ_π − ℓ_s, log r = ℓ_π − ℓ_μ"),
+        Heading("Plots"), *plots]
+    if table:
+        sections += [Heading("Clip fractions by ε"),
+                     Table(["eps", "clip_frac", "phantom_frac", "hidden_frac"],
+                           [[r["eps"], r["clip_frac"], r["phantom_frac"], r["hidden_frac"]]
+                            for r in table])]
+    else:
+        sections.append("No ε table given: the clip-fraction plot is left out.")
+    return html_page(title, sections, out)
+
+
+# ---------------------------------------------------------------------------- scale reports
+
+_SCALE_METRICS = [("beta_abs_mean", "mean |β|"), ("kl_k3", "KL k3"), ("phantom_frac", "phantom fraction")]
+
+
+def scale_report(points: list[dict], fits: dict[str, dict], out: Path) -> Path:
+    """How the gap grows with model size: `out/scale.png` and `out/report.html`."""
+    if not points:
+        raise ParityError("scale_report needs at least one point")
+    need = ["model", "axis", "n_params"] + [m for m, _ in _SCALE_METRICS]
+    for p in points:
+        if missing := [k for k in need if k not in p]:
+            raise ParityError(f"scale point {p.get('model', p)!r}: missing {missing}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    axes_names = list(dict.fromkeys(p["axis"] for p in points))
+    color = {a: f"C{i % 10}" for i, a in enumerate(axes_names)}
+    n = np.array([p["n_params"] for p in points], dtype=float)
+
+    fig, axs = plt.subplots(1, 3, figsize=(16, 5))
+    for ax, (m, name) in zip(axs, _SCALE_METRICS):
+        y = np.array([p[m] for p in points], dtype=float)
+        for a in axes_names:
+            sel = [i for i, p in enumerate(points) if p["axis"] == a]
+            ax.scatter(n[sel], y[sel], color=color[a], label=f"axis: {a}", zorder=3)
+        for p, xi, yi in zip(points, n, y):
+            ax.annotate(str(p["model"]), (xi, yi), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+        ax.set_xscale("log")
+        # A phantom fraction of exactly 0 has no logarithm: show it honestly on a linear axis.
+        log_y = bool((y > 0).all())
+        ax.set_yscale("log" if log_y else "linear")
+        fit = fits.get(m)
+        if fit is not None:
+            xs = np.geomspace(n.min(), n.max(), 50) if n.min() > 0 else np.array([])
+            ax.plot(xs, 10 ** (fit["intercept"] + fit["slope"] * np.log10(xs)), "k--", lw=1,
+                    label=f"fit: slope {fit['slope']:.3g} (log–log)")
+        ax.set(xlabel="parameters", ylabel=m,
+               title=name + ("" if log_y else " (linear y: some values are 0)"))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    plot = Plot(_save(fig, out / "scale.png"), "gap metrics against parameter count")
+
+    rows = [[p["model"], p["axis"], int(p["n_params"])] + [p[m] for m, _ in _SCALE_METRICS]
+            for p in sorted(points, key=lambda p: (p["axis"], p["n_params"]))]
+    fit_rows = [[m, f["slope"], f["intercept"]] for m, f in fits.items()]
+    return html_page("parity scale report", [
+        Heading("Gap against model size"), plot,
+        Table(["model", "axis", "n_params"] + [m for m, _ in _SCALE_METRICS], rows),
+        Heading("Fits: log10(metric) = intercept + slope · log10(n_params)"),
+        Table(["metric", "slope", "intercept"], fit_rows) if fit_rows else "No fits given."], out)

@@ -1,0 +1,201 @@
+"""`parity audit`: sampled audits, another system's rollouts, the size ladder, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from parity.audit import AuditSettings, audit, scale
+from parity.diagnostics import DUMP_COLUMNS
+
+DESIGN_METRICS = ["clip/frac", "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
+                  "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
+                  "mismatch/beta_std", "mismatch/beta_adv_corr", "mismatch/kl_k1",
+                  "mismatch/kl_k3", "mismatch/prob_diff_abs_mean", "mismatch/prob_diff_max",
+                  "mismatch/prob_diff_min", "mismatch/kl_exact"]
+PLOTS = ["prob_scatter.png", "beta_hist.png", "beta_vs_prob.png", "seq_log_ratio.png",
+         "phantom_vs_eps.png"]
+
+
+def parity_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True,
+                          text=True, cwd=cwd, env={**os.environ}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory, text_model):
+    out = tmp_path_factory.mktemp("audit") / "a"
+    res = audit(AuditSettings(model=str(text_model), task="neg-length", samples=48, group=8,
+                              max_new_tokens=16, batch_size=16, progress=False), out)
+    return out, res
+
+
+def test_sampled_audit_writes_everything(sampled):
+    out, res = sampled
+    saved = json.loads((out / "audit.json").read_text())
+    assert saved["metrics"] == res["metrics"]
+    assert set(DESIGN_METRICS) <= set(res["metrics"]), set(DESIGN_METRICS) - set(res["metrics"])
+    assert res["completions"] == 48 and res["advantages"]
+    eps = [row["eps"] for row in res["phantom_vs_eps"]]
+    assert 0.2 in eps and 0.01 in eps and eps == sorted(eps)
+    # Fewer tokens leave the trust region as it widens.
+    ph = [row["clip_frac"] for row in res["phantom_vs_eps"]]
+    assert all(a >= b for a, b in zip(ph, ph[1:]))
+    for name in PLOTS + ["report.html"]:
+        assert (out / name).stat().st_size > 1000, name
+    t = pq.read_table(out / "tokens.parquet")
+    assert list(t.column_names) == list(DUMP_COLUMNS)
+    assert t.num_rows == res["tokens"]
+    assert res["metrics"]["mismatch/beta_abs_mean"] > 0          # bf16 vs fp32 disagree
+    assert res["metrics"]["mismatch/kl_exact"] > 0
+
+
+def test_rollouts_from_another_system_give_the_same_audit(sampled, tmp_path, text_model):
+    """Write the sampled audit's completions as an audit input file, as another system would;
+    `--rollouts` on it must measure the same β and clip fractions."""
+    out, res = sampled
+    t = pq.read_table(out / "tokens.parquet").to_pandas()
+    from parity.tasks import build_task
+    from parity.trainer import load_policy
+    model, tok = load_policy(text_model)
+    task = build_task("neg-length", None, text_model, model, tok, 16, None, 0, 1.0)
+    rows = []
+    for sid, g in t.groupby("sample_id", sort=True):
+        g = g.sort_values("position")
+        rows.append({"prompt_token_ids": task.prompt_ids[int(g["prompt_id"].iloc[0])],
+                     "completion_token_ids": [int(x) for x in g["token_id"]],
+                     "engine_logprobs": [float(x) for x in g["engine_logprob"]],
+                     "advantage": float(g["advantage"].iloc[0])})
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = parity_cli("audit", "--rollouts", str(path), "--model", str(text_model),
+                      "--batch-size", "16", "--out", str(tmp_path / "b"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict" in proc.stdout
+    got = json.loads((tmp_path / "b" / "audit.json").read_text())
+    for k in ("mismatch/beta_mean", "mismatch/beta_abs_mean", "mismatch/kl_k3", "clip/frac"):
+        assert got["metrics"][k] == pytest.approx(res["metrics"][k], rel=1e-4, abs=1e-7), k
+    assert "mismatch/kl_exact" not in got["metrics"]  # μ's full distribution is not in a file
+    # The same file as parquet, with rewards instead of advantages.
+    for r in rows:
+        r["reward"] = -float(len(r["completion_token_ids"]))
+        del r["advantage"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rollouts.parquet")
+    proc = parity_cli("audit", "--rollouts", str(tmp_path / "rollouts.parquet"), "--model",
+                      str(text_model), "--batch-size", "16", "--out", str(tmp_path / "c"),
+                      "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "c" / "audit.json").read_text())
+    assert got["metrics"]["mismatch/beta_adv_corr"] == pytest.approx(
+        res["metrics"]["mismatch/beta_adv_corr"], abs=1e-3)
+
+
+GOOD = {"prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9, 1],
+        "engine_logprobs": [-0.5, -1.0, -0.1]}
+
+
+def _bad(**change):
+    row = {**GOOD, **change}
+    return [GOOD, {k: v for k, v in row.items() if v is not None}]
+
+
+BAD_FILES = [
+    ("lengths", _bad(engine_logprobs=[-0.5, -1.0]), ["row 1", "engine_logprobs", "2 values for 3"]),
+    ("nan", _bad(engine_logprobs=[-0.5, float("nan"), -0.1]), ["row 1", "engine_logprobs",
+                                                                "non-finite", "token 1"]),
+    ("inf", _bad(engine_logprobs=[-0.5, float("-inf"), -0.1]), ["row 1", "non-finite"]),
+    ("positive", _bad(engine_logprobs=[-0.5, 2.0, -0.1]), ["row 1", "positive"]),
+    ("vocab", _bad(completion_token_ids=[8, 99999, 1]), ["row 1", "completion_token_ids",
+                                                         "99999", "vocabulary"]),
+    ("negative id", _bad(prompt_token_ids=[5, -1]), ["row 1", "prompt_token_ids", "-1"]),
+    ("empty", _bad(completion_token_ids=[], engine_logprobs=[]), ["row 1",
+                                                                  "completion_token_ids",
+                                                                  "empty completion"]),
+    ("missing", _bad(engine_logprobs=None), ["row 1", "missing column 'engine_logprobs'"]),
+    ("reward", _bad(reward="high"), ["row 1", "reward", "finite number"]),
+    ("not ids", _bad(prompt_token_ids="hello"), ["row 1", "prompt_token_ids", "integer"]),
+]
+
+
+# Parquet columns are typed, so a string where ids belong cannot even be written there.
+CASES = [(b, "jsonl") for b in BAD_FILES] + [(b, "parquet") for b in BAD_FILES
+                                            if b[0] not in ("reward", "not ids", "missing")]
+
+
+def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """The real CLI entry point in this process (a subprocess per case costs seconds)."""
+    from parity.cli import main
+    code = main(list(args))
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize("case,fmt", CASES, ids=[f"{c[0]}-{f}" for c, f in CASES])
+def test_bad_audit_files(tmp_path, text_model, capsys, case, fmt):
+    name, rows, words = case
+    path = tmp_path / f"bad.{fmt}"
+    if fmt == "jsonl":
+        # json.dumps writes NaN/Infinity, which Python's json reads back: the check is ours.
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    code, _, err = cli_in_process(capsys, "audit", "--rollouts", str(path), "--model",
+                                  str(text_model), "--out", str(tmp_path / "out"),
+                                  "--no-progress")
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("parity: error:") and str(path) in line
+    for w in words:
+        assert w in line, (w, line)
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_missing_column_and_unreadable_files(tmp_path, text_model, capsys):
+    pq.write_table(pa.Table.from_pylist([{k: v for k, v in GOOD.items()
+                                          if k != "completion_token_ids"}]), tmp_path / "m.parquet")
+    (tmp_path / "j.jsonl").write_text(json.dumps(GOOD) + "\n{not json\n")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    (tmp_path / "e.jsonl").write_text("\n")
+    for f, words in (("m.parquet", ["missing column 'completion_token_ids'"]),
+                     ("j.jsonl", ["line 2", "not valid JSON"]),
+                     ("x.csv", [".jsonl or .parquet"]),
+                     ("e.jsonl", ["no rows"]),
+                     ("nope.jsonl", ["does not exist"])):
+        code, _, err = cli_in_process(capsys, "audit", "--rollouts", str(tmp_path / f),
+                                      "--model", str(text_model), "--out",
+                                      str(tmp_path / "out"), "--no-progress")
+        assert code == 2, (f, err)
+        for w in words:
+            assert w in err, (f, w, err)
+
+
+def test_audit_prompts_file_without_advantages(tmp_path, text_model):
+    (tmp_path / "p.txt").write_text("The function returns\nimport os\n")
+    proc = parity_cli("audit", "--prompts", str(tmp_path / "p.txt"), "--model", str(text_model),
+                      "--samples", "16", "--group", "4", "--max-new-tokens", "8",
+                      "--out", str(tmp_path / "a"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "a" / "audit.json").read_text())
+    assert not res["advantages"] and res["completions"] == 16
+    assert "mismatch/beta_adv_corr" not in res["metrics"]
+
+
+def test_scale_over_a_small_ladder(tmp_path, text_model, cache):
+    from parity import testbed
+    gpt2 = testbed.ensure("text-gpt2-xs", cache, progress=False)
+    res = scale(AuditSettings(model="x", task="neg-length", samples=16, group=4,
+                              max_new_tokens=8, progress=False), tmp_path / "s",
+                [str(text_model), str(gpt2)])
+    assert [p["model"] for p in res["points"]] == [str(text_model), str(gpt2)]
+    assert all(p["n_params"] > 0 and p["beta_abs_mean"] > 0 for p in res["points"])
+    f = res["fits"]["beta_abs_mean"]
+    assert set(f["at"]) == {"6e+08", "1.5e+09"} and f["points"] == 2
+    assert (tmp_path / "s" / "scale.png").stat().st_size > 1000
+    assert (tmp_path / "s" / "models").is_dir()
