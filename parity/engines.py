@@ -101,6 +101,14 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def keep_last(length: int, n: int) -> torch.Tensor:
+    """`logits_to_keep` as an index tensor rather than an int. transformers slices the hidden
+    states with an int, and a strided [B, n, d] slice sends the LM head down torch's batched
+    path, which copies the head's weight once per row (64 x 512 x 4096 floats: most of a
+    forward's time on the testbed). Indexing with a tensor gives a contiguous copy instead."""
+    return torch.arange(length - n, length)
+
+
 def score(model: torch.nn.Module, r: Rollout, s: Sampling, return_logits: bool = False
           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Full forward over prompt + completion; log-probs of the completion tokens, [B, T] fp32,
@@ -111,7 +119,7 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling, return_logits: bool =
     T = r.completion_ids.shape[1]
     # logits at position t predict token t+1: keep only those that predict completion tokens.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                use_cache=False, logits_to_keep=T + 1)
+                use_cache=False, logits_to_keep=keep_last(ids.shape[1], T + 1))
     logits = out.logits[:, :T]
     logp = logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
     return (logp, logits.detach()) if return_logits else logp
@@ -150,7 +158,8 @@ class HFEngine:
         cache = DynamicCache()
         pos = positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         past_key_values=cache, use_cache=True,
+                         logits_to_keep=keep_last(ids.shape[1], 1))
         tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long)
         logps = torch.zeros((B, max_new_tokens), dtype=torch.float32)
         valid = torch.zeros((B, max_new_tokens), dtype=torch.float32)

@@ -355,7 +355,8 @@ def _arrays(d: Mapping[str, np.ndarray], keys: Sequence[str], what: str) -> list
 
 
 def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps_table: list[dict],
-                 summary: dict[str, float], out: Path, title: str) -> Path:
+                 summary: dict[str, float], out: Path, title: str,
+                 verdict: str | None = None) -> Path:
     """Token- and sequence-level pictures of the engine–trainer gap, and `out/report.html`."""
     l_mu, l_pi, l_s, _pos = _arrays(tokens, ["engine_logprob", "trainer_logprob", "shadow_logprob",
                                              "position"], "audit tokens")
@@ -444,6 +445,7 @@ def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps
                ("mean |β|", np.abs(beta).mean()), ("mean log r", log_r.mean()),
                ("kl_k1", -log_r.mean()), ("kl_k3", kl_k3.mean())]
     sections: list[Section] = [
+        *([f"Verdict: {verdict}"] if verdict else []),
         Heading("Summary"), Table(["metric", "value"], [[k, v] for k, v in summary.items()]),
         Heading("Token statistics"),
         Table(["quantity", "value"], [list(r) for r in derived],
@@ -464,8 +466,10 @@ def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps
 _SCALE_METRICS = [("beta_abs_mean", "mean |β|"), ("kl_k3", "KL k3"), ("phantom_frac", "phantom fraction")]
 
 
-def scale_report(points: list[dict], fits: dict[str, dict], out: Path) -> Path:
-    """How the gap grows with model size: `out/scale.png` and `out/report.html`."""
+def scale_report(points: list[dict], fits: dict[str, dict], out: Path,
+                 phantom_eps: float | None = None) -> Path:
+    """How the gap grows with model size: `out/scale.png` and `out/report.html`.
+    `phantom_eps` is the clip range the points' `phantom_frac` was measured at (for the title)."""
     if not points:
         raise ParityError("scale_report needs at least one point")
     need = ["model", "axis", "n_params"] + [m for m, _ in _SCALE_METRICS]
@@ -496,6 +500,8 @@ def scale_report(points: list[dict], fits: dict[str, dict], out: Path) -> Path:
             xs = np.geomspace(n.min(), n.max(), 50) if n.min() > 0 else np.array([])
             ax.plot(xs, 10 ** (fit["intercept"] + fit["slope"] * np.log10(xs)), "k--", lw=1,
                     label=f"fit: slope {fit['slope']:.3g} (log–log)")
+        if m == "phantom_frac" and phantom_eps is not None:
+            name = f"{name} at ε = {phantom_eps:g}"
         ax.set(xlabel="parameters", ylabel=m,
                title=name + ("" if log_y else " (linear y: some values are 0)"))
         ax.grid(alpha=0.3, which="both")
