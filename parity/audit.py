@@ -24,7 +24,7 @@ import torch
 from parity import testbed
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
                                 dump_table, exact_kl, write_dump)
-from parity.engines import HFEngine, Rollout, Sampling, left_pad, score
+from parity.engines import HFEngine, Rollout, Sampling, left_pad, score_full
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
@@ -199,7 +199,8 @@ class Measurement:
             s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
         a = self.a
         with autocast(a.trainer_dtype, torch.device("cpu"), a.cpu_fp16):
-            logp_pi, logits = score(model, r, s, return_logits=True)
+            sc = score_full(model, r, s)
+            logp_pi, logits = sc.logp, sc.logits
         logp_s = shadow.logprobs(model, r, s, logp_pi)
         self.has_adv &= adv is not None
         adv_t = adv if adv is not None else torch.zeros(len(r.completion_ids))

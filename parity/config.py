@@ -19,10 +19,10 @@ from parity.errors import ParityError
 
 DTYPES = ("fp32", "bf16", "fp16")
 RATIO_SOURCES = ("engine", "shadow", "recompute")
-IMPLEMENTED_RATIO_SOURCES = ("engine",)
-CORRECTIONS = ("none",)
-OBJECTIVES = ("ppo-clip",)
-LOSS_AGGS = ("seq-mean",)
+CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-rs")
+OBJECTIVES = ("ppo-clip", "gspo", "pg-is", "ppo-value", "online-dpo")
+LOSS_AGGS = ("seq-mean", "token-mean", "token-sum")
+DPO_REFS = ("initial", "engine")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ENGINES = ("hf",)
 
@@ -51,13 +51,26 @@ class Config:
     engine_dtype: str = _f("bf16", "Precision of the engine's copy of the weights: fp32|bf16|fp16.")
     trainer_dtype: str = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast over "
                             "fp32 master weights.")
-    ratio_source: str = _f("engine", "Denominator of the PPO ratio: `engine` (log r = l_pi - l_mu); "
-                           "`shadow` and `recompute` arrive with the fixes.")
-    correction: str = _f("none", "Behaviour-policy correction with `recompute` (none for now).")
+    ratio_source: str = _f("engine", "Denominator of the PPO ratio: `engine` (log r = l_pi - "
+                           "l_mu, beta inside the clip), `shadow` (value l_s - l_mu from the "
+                           "engine-precision shadow forward, gradient through l_pi), `recompute` "
+                           "(l_pi - l_old, l_old recomputed by the trainer before the first update).")
+    correction: str = _f("none", "Behaviour weights w = exp(l_old - l_mu) with `recompute`: none, "
+                         "token-tis|token-mis (per token, truncate|mask at is_cap), "
+                         "seq-tis|seq-mis (per sequence), geo-rs (reject sequences whose "
+                         "geometric-mean weight is beyond geo_cap).")
+    is_cap: float = _f(2.0, "C of TIS/MIS: weights above it are truncated or masked; also the "
+                       "truncation of pg-is's sequence weight.")
+    geo_cap: float = _f(1.01, "geo-rs: reject a sequence when exp(|mean_t log w|) exceeds this.")
     eps_low: float | None = _f(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for "
                                "A < 0. None disables clipping.")
     eps_high: float | None = _f(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for "
                                 "A > 0. None disables clipping.")
+    seq_eps_low: float | None = _f(3e-4, "GSPO's own lower clip range on the sequence's "
+                                   "geometric-mean ratio (None: no clip).")
+    seq_eps_high: float | None = _f(4e-4, "GSPO's own upper clip range (None: no clip).")
+    lm_head_fp32: bool = _f(False, "Compute the LM head in fp32 on both sides (engine and "
+                            "trainer), whatever the dtype of the rest.")
     cpu_fp16: str = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 inputs, "
                        "fp32 accumulation, fp16 output, as GPU tensor cores; fast) or `native` "
                        "(torch's CPU fp16 kernels; several times slower: bench/fp16_cpu.py).")
@@ -65,9 +78,23 @@ class Config:
     loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
                                          "scale doubles.")
     # -- objective
-    objective: str = _f("ppo-clip", "Policy objective: token-level PPO-clip with GRPO advantages.")
-    loss_agg: str = _f("seq-mean", "Loss aggregation: `seq-mean` (token mean per sequence, then "
-                       "mean over sequences, as GRPO).")
+    objective: str = _f("ppo-clip", "Policy objective: `ppo-clip` (token PPO-clip, GRPO "
+                        "advantages), `gspo` (sequence geometric-mean ratio, own clip range), "
+                        "`pg-is` (REINFORCE with truncated sequence importance weights, no clip), "
+                        "`ppo-value` (PPO-clip with a learned value head and GAE), `online-dpo` "
+                        "(best vs worst completion of each group, DPO loss).")
+    loss_agg: str = _f("seq-mean", "Loss aggregation of token objectives: `seq-mean` (GRPO), "
+                       "`token-mean` (DAPO: every token of the minibatch weighs the same), "
+                       "`token-sum` (Dr.GRPO: token sum over minibatch size x max_new_tokens).")
+    value_coef: float = _f(0.1, "ppo-value: weight of the value loss.")
+    value_clip: float | None = _f(0.2, "ppo-value: clip of the value update (None: no clip).")
+    gae_gamma: float = _f(1.0, "ppo-value: GAE discount.")
+    gae_lambda: float = _f(0.95, "ppo-value: GAE lambda.")
+    dpo_scale: float = _f(0.1, "online-dpo: DPO's temperature (DPO papers call it beta; here "
+                          "beta is the precision gap).")
+    dpo_ref: str = _f("initial", "online-dpo reference: `initial` (the starting policy, frozen) "
+                      "or `engine` (the engine's log-probs l_mu, so the precision gap enters the "
+                      "margin: reported as dpo/margin_beta).")
     scale_rewards: bool = _f(True, "Divide group-centred rewards by the group's std (GRPO); "
                              "False keeps only the centring (Dr.GRPO).")
     # -- optimisation
@@ -119,19 +146,39 @@ class Config:
         choice("engine", ENGINES)
         choice("cpu_fp16", ("emulate", "native"))
         choice("ratio_source", RATIO_SOURCES)
-        if self.ratio_source not in IMPLEMENTED_RATIO_SOURCES:
-            raise ParityError(f"ratio_source={self.ratio_source!r} is not available yet; "
-                              f"use one of: {', '.join(IMPLEMENTED_RATIO_SOURCES)}")
         choice("correction", CORRECTIONS)
         choice("objective", OBJECTIVES)
         choice("loss_agg", LOSS_AGGS)
         choice("optimizer", OPTIMIZERS)
-        for name in ("eps_low", "eps_high"):
+        choice("dpo_ref", DPO_REFS)
+        for name in ("eps_low", "eps_high", "seq_eps_low", "seq_eps_high"):
             v = getattr(self, name)
             if v is not None and not (0 <= v and math.isfinite(v)):
                 raise ParityError(f"{name}={v} must be a finite number >= 0 (or null for no clip)")
-        if self.eps_low is not None and self.eps_low >= 1:
-            raise ParityError(f"eps_low={self.eps_low} must be < 1 (the ratio cannot fall to 0)")
+        for name in ("eps_low", "seq_eps_low"):
+            v = getattr(self, name)
+            if v is not None and v >= 1:
+                raise ParityError(f"{name}={v} must be < 1 (the ratio cannot fall to 0)")
+        if self.correction != "none" and self.ratio_source != "recompute":
+            raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
+                              f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
+                              f"the `tis` and `seq-mis` recipes set both")
+        if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
+            raise ParityError(f"is_cap={self.is_cap} must be a finite number >= 1")
+        if not (self.geo_cap >= 1 and math.isfinite(self.geo_cap)):
+            raise ParityError(f"geo_cap={self.geo_cap} must be a finite number >= 1")
+        if not (self.dpo_scale > 0 and math.isfinite(self.dpo_scale)):
+            raise ParityError(f"dpo_scale={self.dpo_scale} must be a finite number > 0")
+        if not (self.value_coef >= 0 and math.isfinite(self.value_coef)):
+            raise ParityError(f"value_coef={self.value_coef} must be a finite number >= 0")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ParityError(f"value_clip={self.value_clip} must be > 0 (or null)")
+        for name in ("gae_gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ParityError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        if self.objective == "online-dpo" and self.samples_per_prompt < 2:
+            raise ParityError("objective=online-dpo pairs completions of one prompt: "
+                              "samples_per_prompt must be >= 2")
         positive = ("prompts_per_step", "samples_per_prompt", "minibatches", "epochs",
                     "loss_scale_growth_interval")
         for name in positive + ("steps", "max_new_tokens"):
@@ -169,21 +216,41 @@ class Recipe:
     settings: dict[str, Any]
 
 
-# DESIGN.md's table. The fixes issue adds shadow, recompute, tis, seq-mis, wide-eps, no-clip.
+def _mismatch(**kw: Any) -> dict[str, Any]:
+    """bf16 engine against an fp32 trainer, with the fix's own settings on top."""
+    base = dict(engine_dtype="bf16", trainer_dtype="fp32", ratio_source="engine", eps_low=0.2,
+                eps_high=0.2, seq_eps_low=3e-4, seq_eps_high=4e-4, correction="none")
+    return {**base, **kw}
+
+
+# DESIGN.md's table: the mismatch, the fixes, and the references.
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("bf16-engine", "The mismatch: bf16 engine, fp32 trainer, engine log-probs in the ratio.",
-           dict(engine_dtype="bf16", trainer_dtype="fp32", ratio_source="engine",
-                eps_low=0.2, eps_high=0.2, correction="none")),
+           _mismatch()),
+    Recipe("bf16-shadow", "Beta out of the ratio: its value comes from a bf16 shadow forward on "
+           "the trainer's weights, its gradient from the fp32 forward.",
+           _mismatch(ratio_source="shadow")),
+    Recipe("wide-eps", "The mismatch with a wider clip range (DAPO's clip-higher 0.28; GSPO's "
+           "doubled); set eps_high/eps_low to taste.",
+           _mismatch(eps_high=0.28, seq_eps_high=8e-4)),
+    Recipe("no-clip", "The mismatch without clipping (token and sequence).",
+           _mismatch(eps_low=None, eps_high=None, seq_eps_low=None, seq_eps_high=None)),
+    Recipe("recompute", "Decoupled PPO: old log-probs recomputed by the fp32 trainer, beta "
+           "leaves the ratio (and no behaviour weight).",
+           _mismatch(ratio_source="recompute")),
+    Recipe("tis", "recompute, times the token weight exp(l_old - l_mu) truncated at is_cap "
+           "(truncated importance sampling).",
+           _mismatch(ratio_source="recompute", correction="token-tis")),
+    Recipe("seq-mis", "recompute, times the sequence weight, sequences beyond is_cap masked "
+           "(masked importance sampling).",
+           _mismatch(ratio_source="recompute", correction="seq-mis")),
     Recipe("fp16", "The FP16 paper: fp16 engine, fp16 autocast trainer over fp32 master weights "
            "with dynamic loss scaling.",
-           dict(engine_dtype="fp16", trainer_dtype="fp16", ratio_source="engine",
-                eps_low=0.2, eps_high=0.2, correction="none")),
+           _mismatch(engine_dtype="fp16", trainer_dtype="fp16")),
     Recipe("bf16", "bf16 on both sides: bf16 engine, bf16 autocast trainer.",
-           dict(engine_dtype="bf16", trainer_dtype="bf16", ratio_source="engine",
-                eps_low=0.2, eps_high=0.2, correction="none")),
+           _mismatch(trainer_dtype="bf16")),
     Recipe("fp32", "The reference: fp32 engine and fp32 trainer.",
-           dict(engine_dtype="fp32", trainer_dtype="fp32", ratio_source="engine",
-                eps_low=0.2, eps_high=0.2, correction="none")),
+           _mismatch(engine_dtype="fp32")),
 ]}
 
 # The built-in tasks' own defaults, applied over the recipe and under YAML and flag values. The
@@ -248,8 +315,23 @@ def make_config(explicit: dict[str, Any]) -> Config:
         raise ParityError(f"unknown recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")
     values: dict[str, Any] = dict(RECIPES[recipe].settings)
     values.update(TASK_DEFAULTS.get(explicit.get("task", Config.task), {}))
+    preset = dict(values)
     values.update(explicit)
     values["recipe"] = recipe
+    objective = values.get("objective", Config.objective)
+
+    def changed(k: str) -> bool:  # set by the user to something the recipe does not say
+        return k in explicit and explicit[k] != preset.get(k, getattr(Config, k))
+    token_eps = [k for k in ("eps_low", "eps_high") if changed(k)]
+    if objective == "gspo" and token_eps:
+        raise ParityError(f"objective=gspo clips the sequence ratio with seq_eps_low/"
+                          f"seq_eps_high; {token_eps[0]} (a token clip range) does not apply")
+    if objective in ("pg-is", "online-dpo") and token_eps:
+        raise ParityError(f"objective={objective} has no clip; {token_eps[0]} does not apply")
+    seq_eps = [k for k in ("seq_eps_low", "seq_eps_high") if changed(k)]
+    if objective != "gspo" and seq_eps:
+        raise ParityError(f"{seq_eps[0]} is GSPO's sequence clip range; objective={objective} "
+                          f"clips tokens with eps_low/eps_high")
     return Config(**values).validate()
 
 

@@ -14,7 +14,6 @@ The same functions serve the trainer (every update) and `parity audit` (offline,
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 
 from parity.engines import Rollout, Sampling, processed_logits, score
 from parity.objectives import clip_predicate
-from parity.precision import cast_weights_into, fp16_kernels, torch_dtype
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 # Buckets for β by the trainer's token probability and by position in the completion: where
 # the gap lives (rare tokens? late positions?) decides which fix helps.
@@ -42,14 +41,12 @@ class Shadow:
     same forward as the trainer, so there ℓ_s = ℓ_π and no extra forward is run."""
 
     def __init__(self, master: torch.nn.Module, engine_dtype: str, trainer_dtype: str,
-                 cpu_fp16: str = "emulate"):
+                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False):
         self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32"
         self.dtype, self.cpu_fp16 = engine_dtype, cpu_fp16
         self.model = None
         if not self.identity:
-            self.model = copy.deepcopy(master).to(torch_dtype(engine_dtype)).eval()
-            for p in self.model.parameters():
-                p.requires_grad_(False)
+            self.model = low_precision_copy(master, engine_dtype, lm_head_fp32)
 
     @torch.no_grad()
     def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,
@@ -77,12 +74,22 @@ class Attribution:
 
 def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor,
               adv: torch.Tensor, mask: torch.Tensor, eps_low: float | None,
-              eps_high: float | None, clipped: torch.Tensor | None = None) -> Attribution:
+              eps_high: float | None, clipped: torch.Tensor | None = None,
+              sequence: bool = False) -> Attribution:
     """α, β and the clip attribution. `clipped` is what the objective really clipped when its
-    ratio is not ℓ_π − ℓ_μ (the shadow ratio clips on α alone); by default C(α + β, A)."""
+    ratio is not ℓ_π − ℓ_μ (the shadow ratio clips on α alone); by default C(α + β, A).
+    `sequence`: the objective clips a sequence's mean log-ratio (GSPO), so C applies to the
+    token means of α and α + β, and a sequence's verdict holds for all its tokens."""
     valid = mask > 0
     alpha = (logp_s - logp_mu).detach() * mask
     beta = (logp_pi - logp_s).detach() * mask
+    if sequence:
+        n = mask.sum(-1).clamp(min=1)
+        x_a, x = alpha.sum(-1) / n, (alpha + beta).sum(-1) / n
+        c_alpha = clip_predicate(x_a, adv, eps_low, eps_high)[:, None] & valid
+        c = (clip_predicate(x, adv, eps_low, eps_high)[:, None] if clipped is None
+             else clipped) & valid
+        return Attribution(alpha, beta, c, c & ~c_alpha, ~c & c_alpha, c_alpha)
     a = adv[:, None] if adv.dim() == 1 else adv
     c_alpha = clip_predicate(alpha, a, eps_low, eps_high) & valid
     c = clip_predicate(alpha + beta, a, eps_low, eps_high) if clipped is None else clipped
@@ -278,7 +285,7 @@ def dump_table(step: int, update: int, epoch: int, sample_ids: torch.Tensor,
         "epoch": const(epoch, pa.int32()),
         "sample_id": sample_ids[rows].numpy(), "prompt_id": prompt_ids[rows].numpy(),
         "position": pos.numpy().astype("int32"), "token_id": col(mb.completion_ids),
-        "advantage": adv[rows].detach().cpu().numpy(),
+        "advantage": (adv[rows] if adv.dim() == 1 else adv[m]).detach().cpu().numpy(),
         "engine_logprob": col(mb.engine_logprobs), "trainer_logprob": col(logp_pi),
         "shadow_logprob": col(logp_s),
         "eps_low": const(eps_low, pa.float64()), "eps_high": const(eps_high, pa.float64()),

@@ -8,13 +8,12 @@ records, for every sampled token, ℓ_μ: its log-prob under the distribution ac
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from parity.precision import cast_weights_into, fp16_kernels, torch_dtype
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
 @dataclass(frozen=True)
@@ -109,31 +108,41 @@ def keep_last(length: int, n: int) -> torch.Tensor:
     return torch.arange(length - n, length)
 
 
-def score(model: torch.nn.Module, r: Rollout, s: Sampling, return_logits: bool = False
-          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Full forward over prompt + completion; log-probs of the completion tokens, [B, T] fp32,
-    and with `return_logits` the detached raw logits [B, T, V] that predicted them (for the
-    exact KL, at no extra forward). Runs with whatever grad mode and autocast the caller set."""
+@dataclass
+class Scored:
+    logp: torch.Tensor                  # [B, T] fp32 log-probs of the completion tokens
+    logits: torch.Tensor                # [B, T, V] raw logits that predicted them, detached
+    hidden: torch.Tensor | None = None  # [B, T, d] last hidden state at those positions
+
+
+def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = False) -> Scored:
+    """Full forward over prompt + completion. Besides the log-probs, the detached logits (for the
+    exact KL, at no extra forward) and, when asked, the last hidden state that predicted each
+    completion token (for a value head). Runs with whatever grad mode and autocast the caller set."""
     ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
     mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
-    T = r.completion_ids.shape[1]
+    L, T = ids.shape[1], r.completion_ids.shape[1]
     # logits at position t predict token t+1: keep only those that predict completion tokens.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                use_cache=False, logits_to_keep=keep_last(ids.shape[1], T + 1))
+                use_cache=False, logits_to_keep=keep_last(L, T + 1), output_hidden_states=hidden)
     logits = out.logits[:, :T]
     logp = logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
-    return (logp, logits.detach()) if return_logits else logp
+    h = out.hidden_states[-1][:, L - T - 1:L - 1] if hidden else None
+    return Scored(logp, logits.detach(), h)
+
+
+def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+    """Log-probs of the completion tokens, [B, T] fp32 (see `score_full`)."""
+    return score_full(model, r, s).logp
 
 
 class HFEngine:
     """Batched sampling with a KV cache on the engine's own engine-precision copy of the model."""
 
     def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int, pad_id: int,
-                 cpu_fp16: str = "emulate"):
+                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False):
         self.dtype, self.cpu_fp16 = dtype, cpu_fp16
-        self.model = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self.model = low_precision_copy(master, dtype, lm_head_fp32)
         self.eos_id, self.pad_id = eos_id, pad_id
         self.version = 0
 

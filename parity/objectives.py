@@ -1,7 +1,8 @@
 """Policy objectives, each next to its equation, in DESIGN.md's notation.
 
 Shapes: [B, T] per completion token, with `mask` 1 on valid tokens; [B] per completion.
-ℓ_π = trainer log-prob (with grad), ℓ_μ = engine log-prob, A = advantage.
+ℓ_π = trainer log-prob (with grad), ℓ_μ = engine log-prob, ℓ_s = shadow log-prob (engine
+precision, no grad), ℓ_old = trainer log-prob recomputed before the first update, A = advantage.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+
+# ---- advantages ---------------------------------------------------------------------------
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
@@ -21,6 +25,91 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     if scale:
         a = a / (r.std(-1, keepdim=True) + eps)
     return a.view(-1).float()
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over completion tokens, the sequence reward paid at its
+    last valid token:  δ_t = r_t + γ V_{t+1} − V_t,  A_t = δ_t + γλ A_{t+1},  V after the end = 0.
+    Returns (advantages, returns = A + V), both [B, T], 0 on padding."""
+    B, T = mask.shape
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    r = torch.zeros(B, T, dtype=torch.float64)
+    r[torch.arange(B), last] = rewards.double()
+    v = values.double() * mask
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    running = torch.zeros(B, dtype=torch.float64)
+    for t in reversed(range(T)):
+        v_next = v[:, t + 1] if t + 1 < T else torch.zeros(B, dtype=torch.float64)
+        delta = r[:, t] + gamma * v_next - v[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        adv[:, t] = running
+    return adv.float(), (adv + v).float() * mask
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean) / std over valid tokens (PPO's advantage normalisation)."""
+    m = mask > 0
+    mean, std = x[m].mean(), x[m].std() if int(m.sum()) > 1 else x.new_tensor(1.0)
+    return (x - mean) / (std + eps) * mask
+
+
+# ---- the ratio -----------------------------------------------------------------------------
+
+
+def log_ratio(source: str, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
+              logp_s: torch.Tensor | None = None, logp_old: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """log r per the ratio source (DESIGN.md):
+        engine     ℓ_π − ℓ_μ                         β inside the clip
+        shadow     ℓ_π − sg(ℓ_π) + ℓ_s − ℓ_μ          value α = ℓ_s − ℓ_μ, gradient ∇ℓ_π
+        recompute  ℓ_π − ℓ_old                       decoupled PPO"""
+    if source == "engine":
+        return logp_pi - logp_mu
+    if source == "shadow":
+        return logp_pi - logp_pi.detach() + (logp_s - logp_mu).detach()
+    if source == "recompute":
+        return logp_pi - logp_old.detach()
+    raise ValueError(source)
+
+
+def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor,
+                      correction: str, cap: float, geo_cap: float
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights w for the engine-vs-trainer mismatch of decoupled PPO, [B, T]:
+        token-tis  w_t = min(ρ_t, C)             ρ_t = exp(ℓ_old − ℓ_μ)
+        token-mis  w_t = ρ_t · 1[ρ_t ≤ C]
+        seq-tis    w_i = min(ρ_i, C)             ρ_i = exp(Σ_t (ℓ_old − ℓ_μ))
+        seq-mis    w_i = ρ_i · 1[ρ_i ≤ C]
+        geo-rs     w_i = 1[exp(|mean_t (ℓ_old − ℓ_μ)|) ≤ C_geo]   (reject, do not reweight)
+    Also the statistics before and after, and the share of weights changed (TRL #5231)."""
+    d = _masked(logp_old - logp_mu, mask).double()
+    valid = mask > 0
+    if correction == "none":
+        return mask.to(logp_old.dtype), {}
+    if correction.startswith("token"):
+        raw = d.exp()
+        w = raw.clamp(max=cap) if correction == "token-tis" else raw * (raw <= cap)
+        sel = valid
+        raw_sel, w_sel = raw[sel], w[sel]
+    else:
+        if correction == "geo-rs":
+            geo = (d.sum(-1) / mask.sum(-1).clamp(min=1)).abs().exp()
+            raw, keep = geo, (geo <= geo_cap).double()
+            w_seq = keep
+        else:
+            raw = d.sum(-1).clamp(max=80).exp()   # exp(80) ~ 5e34: finite in float64 and fp32
+            w_seq = raw.clamp(max=cap) if correction == "seq-tis" else raw * (raw <= cap)
+        w = w_seq[:, None].expand_as(d) * mask
+        raw_sel, w_sel = raw, w_seq
+    changed = (w_sel != raw_sel) if correction != "geo-rs" else (w_sel == 0)
+    stats = {"is/weight_mean_raw": float(raw_sel.mean()), "is/weight_max_raw": float(raw_sel.max()),
+             "is/weight_min_raw": float(raw_sel.min()), "is/weight_mean": float(w_sel.mean()),
+             "is/frac_changed": float(changed.double().mean())}
+    return w.float() * mask, stats
+
+
+# ---- clipping ------------------------------------------------------------------------------
 
 
 def clip_predicate(log_ratio: torch.Tensor, adv: torch.Tensor, eps_low: float | None,
@@ -42,18 +131,131 @@ def ppo_clip_token_loss(log_ratio: torch.Tensor, adv: torch.Tensor, eps_low: flo
     return -torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
 
 
+# ---- aggregation ---------------------------------------------------------------------------
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, max_len: int) -> torch.Tensor:
+    """seq-mean    (1/B) Σ_i (1/|y_i|) Σ_t x_it          GRPO
+       token-mean  Σ_it x_it / Σ_i |y_i|                 DAPO: every token weighs the same
+       token-sum   Σ_it x_it / (B · max_len)             Dr.GRPO: a constant, no length bias"""
+    x = _masked(per_token, mask)
+    if how == "seq-mean":
+        return (x.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if how == "token-mean":
+        return x.sum() / mask.sum().clamp(min=1)
+    if how == "token-sum":
+        return x.sum() / (mask.shape[0] * max_len)
+    raise ValueError(how)
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x on valid tokens, exactly 0 on padding, even where padding holds inf (inf·0 is nan)."""
+    return torch.where(mask > 0, x, torch.zeros_like(x))
+
+
 def seq_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GRPO's aggregation: token mean within each completion, then mean over completions."""
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    return aggregate(per_token, mask, "seq-mean", 1)
 
 
-def ppo_clip_loss(logp_pi: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor,
-                  mask: torch.Tensor, eps_low: float | None, eps_high: float | None
+# ---- objectives ----------------------------------------------------------------------------
+
+
+def _tokens(adv: torch.Tensor) -> torch.Tensor:
+    return adv[:, None] if adv.dim() == 1 else adv
+
+
+def ppo_clip_loss(log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  eps_low: float | None, eps_high: float | None, agg: str = "seq-mean",
+                  max_len: int = 1, weights: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level PPO-clip with GRPO advantages. `logp_old` is the ratio's denominator as the
-    ratio source chose it (ℓ_μ for `engine`). Returns (loss, clipped mask)."""
-    log_ratio = logp_pi - logp_old
-    a = adv[:, None]
-    loss = seq_mean(ppo_clip_token_loss(log_ratio, a, eps_low, eps_high), mask)
-    clipped = clip_predicate(log_ratio.detach(), a, eps_low, eps_high) & (mask > 0)
-    return loss, clipped
+    """Token-level PPO-clip:  L = agg_t( w_t · −min(r_t A, clip(r_t) A) ), with behaviour weights
+    w (1 without a correction). Returns (loss, clipped mask)."""
+    a = _tokens(adv)
+    log_r = _masked(log_r, mask)  # before exp: padding must not overflow into the gradient
+    per_token = ppo_clip_token_loss(log_r, a, eps_low, eps_high)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    clipped = clip_predicate(log_r.detach(), a, eps_low, eps_high) & (mask > 0)
+    return aggregate(per_token, mask, agg, max_len), clipped
+
+
+def gspo_loss(log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              eps_low: float | None, eps_high: float | None,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the sequence's geometric-mean ratio  s_i = exp((1/|y_i|) Σ_t log r_it)  in
+    L = (1/B) Σ_i w_i · −min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i), with its own
+    (much smaller) clip range. Returns (loss, clipped mask broadcast to the sequence's tokens)."""
+    n = mask.sum(-1).clamp(min=1)
+    log_s = _masked(log_r, mask).sum(-1) / n
+    per_seq = ppo_clip_token_loss(log_s, adv, eps_low, eps_high)
+    if weights is not None:
+        per_seq = per_seq * (weights.detach() * mask).sum(-1) / n
+    clipped = clip_predicate(log_s.detach(), adv, eps_low, eps_high)[:, None] & (mask > 0)
+    return per_seq.mean(), clipped
+
+
+def pg_is_loss(logp_pi: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+               cap: float, agg: str = "seq-mean", max_len: int = 1,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE with sequence importance sampling, no clip:
+        L = agg_t( −sg(min(ρ_i, C)) · w_t · A_i · ℓ_π,it ),   ρ_i = exp(Σ_t log r_it)
+    so ∇L = −min(ρ_i, C) A_i ∇ log π(y_i) (per token, aggregated); w are the behaviour weights
+    of a `recompute` correction (1 without one)."""
+    log_rho = _masked(log_r.detach(), mask).sum(-1).clamp(max=80)
+    rho = log_rho.exp()
+    w = rho.clamp(max=cap)
+    per_token = -(w * adv)[:, None] * logp_pi
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    stats = {"is/weight_mean_raw": float(rho.mean()), "is/weight_max_raw": float(rho.max()),
+             "is/weight_mean": float(w.mean()), "is/frac_changed": float((rho > cap).float().mean())}
+    return aggregate(per_token, mask, agg, max_len), stats
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) = w · h_t + b on the policy's last hidden state (a shared trunk), in fp32.
+    Zero-initialised, so GAE starts as Monte-Carlo returns."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.v = torch.nn.Linear(width, 1)
+        torch.nn.init.zeros_(self.v.weight)
+        torch.nn.init.zeros_(self.v.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.v(hidden.float()).squeeze(-1)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               mask: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """PPO's clipped value loss  ½ max((V − R)², (V_old + clip(V − V_old, ±c) − R)²), token mean."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (v_clip - returns) ** 2)
+    return 0.5 * (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def dpo_pairs(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online DPO pairs: in each group of a prompt's completions, the best-rewarded one is
+    chosen and the worst rejected (first on ties); groups whose rewards are all equal give none.
+    Returns (chosen, rejected) row indices."""
+    r = rewards.view(-1, group_size)
+    best, worst = r.argmax(-1), r.argmin(-1)
+    keep = r.max(-1).values > r.min(-1).values
+    base = torch.arange(r.shape[0]) * group_size
+    return (base + best)[keep], (base + worst)[keep]
+
+
+def dpo_loss(logp_pi: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
+             chosen: torch.Tensor, rejected: torch.Tensor, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO:  m = b · [(Σ ℓ_π − Σ ℓ_ref)(y_c) − (Σ ℓ_π − Σ ℓ_ref)(y_r)],  L = mean −log σ(m),
+    with b the DPO temperature (`dpo_scale`; DPO's own "β", renamed here because β is the
+    precision gap). Returns (loss, margins m)."""
+    seq = ((logp_pi - logp_ref) * mask).sum(-1)
+    m = scale * (seq[chosen] - seq[rejected])
+    if m.numel() == 0:
+        return (logp_pi * 0).sum(), m
+    return -F.logsigmoid(m).mean(), m

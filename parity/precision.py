@@ -8,7 +8,10 @@ The trainer always keeps fp32 master weights; `trainer_dtype` only decides the c
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import types
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -138,3 +141,35 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
             total += t.numel()
         t.copy_(new)
     return changed / max(total, 1)
+
+
+def _fp32_head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # Outside autocast and any fp16 emulation: the head's product really runs in fp32.
+    with torch.autocast(x.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the LM head compute in fp32 (MiniMax-M1's fix: it lifts the train/infer probability
+    correlation): its forward casts the hidden state and weight to fp32 outside autocast. On a
+    low-precision copy the head also keeps its own fp32 weight, untied from the embedding."""
+    head = model.get_output_embeddings()
+    head.forward = types.MethodType(_fp32_head_forward, head)  # deepcopy rebinds it to the copy
+    if head.weight.dtype != torch.float32:
+        head.weight = torch.nn.Parameter(head.weight.detach().float().clone(),
+                                         requires_grad=head.weight.requires_grad)
+    return model
+
+
+def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool = False
+                       ) -> torch.nn.Module:
+    """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's)."""
+    copy_ = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
+    for p in copy_.parameters():
+        p.requires_grad_(False)
+    if lm_head_fp32:
+        fp32_head(copy_)
+        for p in copy_.parameters():
+            p.requires_grad_(False)
+    return copy_

@@ -1,26 +1,28 @@
-"""The GRPO loop, top to bottom:
+"""The RL loop, top to bottom:
 
     sync engine ← master weights (cast to engine dtype)
     rollout: the engine samples G completions per prompt, recording ℓ_μ per token
-    rewards → group-normalised advantages A
+    rewards → `prepare` (θ_old, no grad): ℓ_old for `recompute`, behaviour weights, values and
+        GAE for `ppo-value`, reference log-probs for `online-dpo`; GRPO group advantages
     for each epoch, minibatch: ℓ_π (trainer dtype), ℓ_s (shadow forward, engine dtype, no grad)
-        → log r per the ratio source → PPO-clip → α, β and clip attribution (diagnostics) →
+        → log r per the ratio source → the objective's loss → α, β and clip attribution →
         loss-scaled backward → optimizer step on fp32 master weights (skipped on overflow)
     metrics.jsonl, rollout dumps, progress bar, checkpoints
-
-The ratio source decides the denominator in `old_logprobs`; `shadow` and `recompute` slot in there.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import random
 import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -29,10 +31,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from parity import testbed
 from parity.config import Config, dump_yaml
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
-from parity.engines import HFEngine, Rollout, Sampling, score
+from parity.engines import HFEngine, Rollout, Sampling, score_full
 from parity.errors import ParityError
-from parity.objectives import grpo_advantages, ppo_clip_loss
-from parity.precision import LossScaler, autocast
+from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs, gae,
+                               grpo_advantages, gspo_loss, log_ratio, pg_is_loss, ppo_clip_loss,
+                               value_loss, whiten)
+from parity.precision import LossScaler, autocast, fp32_head
 from parity.tasks import PromptSampler, Task, build_task
 
 
@@ -66,11 +70,93 @@ def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim
     return torch.optim.SGD(params, lr=cfg.lr)
 
 
-def old_logprobs(cfg: Config, r: Rollout) -> torch.Tensor:
-    """The PPO ratio's denominator, as the ratio source defines it."""
-    if cfg.ratio_source == "engine":
-        return r.engine_logprobs
-    raise NotImplementedError(cfg.ratio_source)  # refused earlier by Config.validate
+@dataclass
+class Prepared:
+    """What the objective needs from θ_old, computed once per step before the first update."""
+    adv: torch.Tensor                      # [B] GRPO advantages, or [B, T] from GAE
+    old: torch.Tensor | None = None        # ℓ_old, recompute
+    weights: torch.Tensor | None = None    # behaviour weights, recompute + correction
+    old_values: torch.Tensor | None = None  # ppo-value
+    returns: torch.Tensor | None = None    # ppo-value
+    ref: torch.Tensor | None = None        # online-dpo reference log-probs
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def prepare(cfg: Config, model: torch.nn.Module, value_head: ValueHead | None,
+            ref_model: torch.nn.Module | None, r: Rollout, rewards: torch.Tensor, s: Sampling,
+            device: torch.device) -> Prepared:
+    mask = r.completion_mask
+    p = Prepared(adv=grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards))
+    if cfg.ratio_source == "recompute" or value_head is not None:
+        with autocast(cfg.trainer_dtype, device, cfg.cpu_fp16):
+            sc = score_full(model, r, s, hidden=value_head is not None)
+        if cfg.ratio_source == "recompute":
+            p.old = sc.logp
+            p.weights, p.metrics = behaviour_weights(p.old, r.engine_logprobs, mask,
+                                                     cfg.correction, cfg.is_cap, cfg.geo_cap)
+            if cfg.correction == "none":
+                p.weights = None
+        if value_head is not None:
+            p.old_values = value_head(sc.hidden) * mask
+            adv, p.returns = gae(rewards, p.old_values, mask, cfg.gae_gamma, cfg.gae_lambda)
+            p.adv = whiten(adv, mask)
+            p.metrics["value/mean"] = float(p.old_values.sum() / mask.sum())
+    if cfg.objective == "online-dpo":
+        if cfg.dpo_ref == "engine":
+            p.ref = r.engine_logprobs
+        else:
+            with autocast(cfg.trainer_dtype, device, cfg.cpu_fp16):
+                p.ref = score_full(ref_model, r, s).logp
+    return p
+
+
+def objective_loss(cfg: Config, logp_pi: torch.Tensor, log_r: torch.Tensor, mb: Rollout,
+                   p: Prepared, idx: slice, rewards: torch.Tensor, logp_s: torch.Tensor,
+                   value_head: ValueHead | None, hidden: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The configured objective on one minibatch: (loss, clipped mask, extra metrics)."""
+    mask, adv = mb.completion_mask, p.adv[idx]
+    weights = p.weights[idx] if p.weights is not None else None
+    no_clip = torch.zeros_like(mask, dtype=torch.bool)
+    if cfg.objective in ("ppo-clip", "ppo-value"):
+        loss, clipped = ppo_clip_loss(log_r, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_agg,
+                                      cfg.max_new_tokens, weights)
+        if value_head is None:
+            return loss, clipped, {}
+        v_loss = value_loss(value_head(hidden), p.old_values[idx], p.returns[idx], mask,
+                            cfg.value_clip)
+        return loss + cfg.value_coef * v_loss, clipped, {"loss/value": float(v_loss.detach())}
+    if cfg.objective == "gspo":
+        loss, clipped = gspo_loss(log_r, adv, mask, cfg.seq_eps_low, cfg.seq_eps_high, weights)
+        return loss, clipped, {}
+    if cfg.objective == "pg-is":
+        loss, stats = pg_is_loss(logp_pi, log_r, adv, mask, cfg.is_cap, cfg.loss_agg,
+                                 cfg.max_new_tokens, weights)
+        stats = {f"pg_{k}": v for k, v in stats.items()}  # not the recompute weights' is/*
+        return loss, no_clip, stats
+    chosen, rejected = dpo_pairs(rewards[idx], cfg.samples_per_prompt)
+    loss, margins = dpo_loss(logp_pi, p.ref[idx], mask, chosen, rejected, cfg.dpo_scale)
+    margins = margins.detach()
+    extra = {"dpo/pairs": float(len(chosen))}
+    if len(chosen):
+        extra["dpo/margin"] = float(margins.mean())
+        extra["dpo/accuracy"] = float((margins > 0).float().mean())
+        if cfg.dpo_ref == "engine":
+            # With ℓ_μ as the reference the margin carries Σβ(chosen) − Σβ(rejected).
+            beta_seq = ((logp_pi.detach() - logp_s) * mask).sum(-1)
+            mb_beta = cfg.dpo_scale * (beta_seq[chosen] - beta_seq[rejected])
+            extra["dpo/margin_beta"] = float(mb_beta.mean())
+            extra["dpo/margin_beta_abs"] = float(mb_beta.abs().mean())
+    return loss, no_clip, extra
+
+
+def _clip_range(cfg: Config) -> tuple[float | None, float | None]:
+    if cfg.objective == "gspo":
+        return cfg.seq_eps_low, cfg.seq_eps_high
+    if cfg.objective in ("pg-is", "online-dpo"):
+        return None, None
+    return cfg.eps_low, cfg.eps_high
 
 
 def exact_kl_rows(batch: int, k: int) -> list[int]:
@@ -90,6 +176,16 @@ def _exact_kl_in(r: Rollout, start: int, logits: torch.Tensor, mask: torch.Tenso
             n = int(mask[i].sum())
             kls.append(exact_kl(r.dists[j, :n], logits[i, :n], s))
     return torch.cat(kls) if kls else torch.empty(0)
+
+
+def _json_safe(m: dict[str, Any]) -> dict[str, Any]:
+    """Non-finite values (the gradient norm of a skipped fp16 update) as null: NaN is not JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
+
+
+def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in ds for k in d}
+    return {k: sum(d[k] for d in ds if k in d) / sum(k in d for d in ds) for k in sorted(keys)}
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -114,7 +210,8 @@ def check_run_dir(path: Path) -> None:
 
 def save_checkpoint(run: Path, step: int, model: torch.nn.Module, tok: Any,
                     opt: torch.optim.Optimizer, scaler: LossScaler, prompts: PromptSampler,
-                    engine: HFEngine, gen: torch.Generator) -> Path:
+                    engine: HFEngine, gen: torch.Generator,
+                    value_head: torch.nn.Module | None = None) -> Path:
     """checkpoints/step-N/: an ordinary HF model directory (fp32 safetensors + tokenizer) plus
     optimizer, scaler and RNG state. Written to a temporary directory and renamed, so a crash
     mid-write never leaves a checkpoint that looks complete."""
@@ -124,6 +221,9 @@ def save_checkpoint(run: Path, step: int, model: torch.nn.Module, tok: Any,
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
+    if value_head is not None:
+        from safetensors.torch import save_file
+        save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scaler": scaler.state_dict()}, tmp / "train.pt")
     torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
                 "python": random.getstate()}, tmp / "rng.pt")
@@ -151,9 +251,10 @@ def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
     return model, tok, model_dir, task
 
 
-def train(cfg: Config) -> Path:
-    """Run GRPO as `cfg` says; returns the run directory. All input is checked before the run
-    directory is touched."""
+def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None) -> Path:
+    """Run RL as `cfg` says; returns the run directory. All input is checked before the run
+    directory is touched. `on_model` is called with the fp32 master model before the engine and
+    shadow copies are made (instrumentation, fault injection in tests)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -169,17 +270,31 @@ def train(cfg: Config) -> Path:
 
     device = torch.device("cpu")
     s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    engine = HFEngine(model, cfg.engine_dtype, tok.eos_token_id, tok.pad_token_id, cfg.cpu_fp16)
+    if cfg.lm_head_fp32:
+        fp32_head(model)
+    if on_model is not None:
+        on_model(model)
+    engine = HFEngine(model, cfg.engine_dtype, tok.eos_token_id, tok.pad_token_id, cfg.cpu_fp16,
+                      cfg.lm_head_fp32)
     model.train()
+    value_head = ValueHead(model.config.hidden_size) if cfg.objective == "ppo-value" else None
+    ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
+                 if cfg.objective == "online-dpo" and cfg.dpo_ref == "initial" else None)
     params = [p for p in model.parameters() if p.requires_grad]
+    if value_head is not None:
+        params += list(value_head.parameters())
     opt = make_optimizer(cfg, params)
     scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
                         cfg.loss_scale_growth_interval)
     prompts = PromptSampler(len(task.rows), cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     G = cfg.samples_per_prompt
-    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16)
-              if cfg.diagnostics else None)
+    # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
+    needs_shadow = cfg.ratio_source == "shadow" or (cfg.objective == "online-dpo"
+                                                    and cfg.dpo_ref == "engine")
+    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32)
+              if cfg.diagnostics or needs_shadow else None)
+    eps_low, eps_high = _clip_range(cfg)
     kl_rows = exact_kl_rows(cfg.prompts_per_step * G, cfg.kl_exact_rows)
 
     # Line-buffered: every finished step is on disk, whatever happens to the next one.
@@ -196,29 +311,35 @@ def train(cfg: Config) -> Path:
             texts = tok.batch_decode(comp_ids, skip_special_tokens=True)
             rewards = torch.tensor(task.rewards([i for i in rows for _ in range(G)], texts,
                                                 comp_ids))
-            adv = grpo_advantages(rewards, G, cfg.scale_rewards)
+            prep = prepare(cfg, model, value_head, ref_model, r, rewards, s, device)
+            adv = prep.adv
             t1 = time.perf_counter()
 
             mb_size = cfg.prompts_per_step // cfg.minibatches * G
             n_tok = r.completion_mask.sum()
-            losses, norms, diag, dump, update = [], [], StepDiagnostics(), [], 0
+            losses, norms, diag, dump, update, extras = [], [], StepDiagnostics(), [], 0, []
             skipped_before = scaler.skipped
             dumping = cfg.dump_rollouts and step % cfg.dump_rollouts == 0
             sample_ids = torch.arange(len(comp_ids))
             prompt_ids = torch.tensor([i for i in rows for _ in range(G)])
-            old = old_logprobs(cfg, r)
             for epoch in range(cfg.epochs):
                 for start in range(0, len(rows) * G, mb_size):
                     idx = slice(start, start + mb_size)
                     mb = r.select(idx)
                     with autocast(cfg.trainer_dtype, device, cfg.cpu_fp16):
-                        logp_pi, logits = score(model, mb, s, return_logits=True)
+                        sc = score_full(model, mb, s, hidden=value_head is not None)
+                    logp_pi, logits = sc.logp, sc.logits
                     # ℓ_s on the weights ℓ_π just saw, before this update moves them.
-                    logp_s = shadow.logprobs(model, mb, s, logp_pi) if shadow else logp_pi
-                    loss, clipped = ppo_clip_loss(logp_pi, old[idx], adv[idx], mb.completion_mask,
-                                                  cfg.eps_low, cfg.eps_high)
+                    logp_s = (shadow.logprobs(model, mb, s, logp_pi) if shadow
+                              else logp_pi.detach())
+                    log_r = log_ratio(cfg.ratio_source, logp_pi, mb.engine_logprobs, logp_s,
+                                      prep.old[idx] if prep.old is not None else None)
+                    loss, clipped, extra = objective_loss(cfg, logp_pi, log_r, mb, prep, idx,
+                                                          rewards, logp_s, value_head, sc.hidden)
+                    extras.append(extra)
                     att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv[idx],
-                                    mb.completion_mask, cfg.eps_low, cfg.eps_high, clipped)
+                                    mb.completion_mask, eps_low, eps_high, clipped,
+                                    sequence=cfg.objective == "gspo")
                     diag.add(att, logp_pi, mb.engine_logprobs, adv[idx], mb.completion_mask,
                              first=epoch == 0)
                     if epoch == 0 and r.dists is not None:
@@ -226,8 +347,8 @@ def train(cfg: Config) -> Path:
                     if dumping:
                         dump.append(dump_table(step, update, epoch, sample_ids[idx],
                                                prompt_ids[idx], mb, adv[idx], logp_pi, logp_s,
-                                               att, cfg.eps_low, cfg.eps_high))
-                    del logits
+                                               att, eps_low, eps_high))
+                    del logits, sc
                     scaler.backward(loss)
                     _, norm = scaler.step(opt, params, cfg.max_grad_norm)
                     losses.append(float(loss.detach()))
@@ -244,10 +365,15 @@ def train(cfg: Config) -> Path:
                 "completion/len_mean": float(n_tok / len(comp_ids)),
                 "completion/eos_frac": float(r.finished.float().mean()),
                 **diag.metrics(),
+                **prep.metrics,
+                **_mean_dicts(extras),
                 "sync/changed_frac": changed,
                 "loss/policy": sum(losses) / len(losses),
                 "loss/scale": scaler.scale,
-                "train/grad_norm": sum(norms) / len(norms),
+                # over applied updates; null when the step's every update was skipped
+                "train/grad_norm": (sum(ok) / len(ok) if (ok := [n for n in norms
+                                                                 if math.isfinite(n)])
+                                    else None),
                 "train/skipped_updates": scaler.skipped,
                 "train/skipped_this_step": scaler.skipped - skipped_before,
                 "time/rollout_s": t1 - t0,
@@ -255,12 +381,13 @@ def train(cfg: Config) -> Path:
                 "time/step_s": t2 - t0,
                 "throughput/tokens_per_s": float(n_tok) / (t2 - t0),
             }
-            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.write(json.dumps(_json_safe(m)) + "\n")
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-                save_checkpoint(run, step, model, tok, opt, scaler, prompts, engine, gen)
+                save_checkpoint(run, step, model, tok, opt, scaler, prompts, engine, gen,
+                                value_head)
             if bar:
                 bar.update(bar_task, advance=1, description=(
                     f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
                     f"clip {m['clip/frac']:.3f}"))
-    save_checkpoint(run, cfg.steps, model, tok, opt, scaler, prompts, engine, gen)
+    save_checkpoint(run, cfg.steps, model, tok, opt, scaler, prompts, engine, gen, value_head)
     return run

@@ -52,12 +52,43 @@ def test_recipes_are_valid_configs():
 
 @pytest.mark.parametrize("field,value,words", [
     ("top_p", 0.0, "top_p"), ("temperature", 0, "temperature"), ("minibatches", 3, "divisible"),
-    ("ratio_source", "shadow", "not available yet"), ("optimizer", "lion", "optimizer"),
+    ("ratio_source", "old", "ratio_source"), ("optimizer", "lion", "optimizer"),
     ("eps_low", 1.0, "eps_low"), ("lr", float("nan"), "lr"),
 ])
 def test_invalid_values_are_refused(field, value, words):
     with pytest.raises(ParityError, match=words):
         make_config({field: value})
+
+
+@pytest.mark.parametrize("values,words", [
+    ({"correction": "token-tis"}, "needs ratio_source=recompute"),
+    ({"recipe": "bf16-shadow", "correction": "seq-mis"}, "needs ratio_source=recompute"),
+    ({"eps_high": -0.1}, "eps_high=-0.1 must be a finite number >= 0"),
+    ({"seq_eps_low": -1e-4, "objective": "gspo"}, "seq_eps_low"),
+    ({"objective": "gspo", "eps_high": 0.28}, "GSPO|gspo clips the sequence ratio"),
+    ({"objective": "pg-is", "eps_low": 0.1}, "has no clip"),
+    ({"objective": "ppo-clip", "seq_eps_high": 1e-3}, "GSPO's sequence clip range"),
+    ({"recipe": "tis", "is_cap": 0.5}, "is_cap"),
+    ({"recipe": "seq-mis", "correction": "geo-rs", "geo_cap": 0.9}, "geo_cap"),
+    ({"objective": "online-dpo", "samples_per_prompt": 1}, "samples_per_prompt must be >= 2"),
+    ({"objective": "online-dpo", "dpo_ref": "teacher"}, "dpo_ref"),
+    ({"objective": "ppo-value", "gae_lambda": 1.5}, "gae_lambda"),
+    ({"objective": "ppo-value", "value_clip": 0}, "value_clip"),
+    ({"loss_agg": "sum"}, "loss_agg"),
+])
+def test_invalid_combinations_are_refused(values, words):
+    with pytest.raises(ParityError, match=words):
+        make_config(values)
+
+
+def test_recipe_presets_do_not_count_as_user_clip_ranges():
+    """GSPO on a recipe (whose token clip range it ignores) is fine, and so is a config.yaml
+    written by an earlier run, which repeats every field."""
+    for recipe in RECIPES:
+        c = make_config({"recipe": recipe, "objective": "gspo"})
+        assert c.objective == "gspo"
+    c = make_config({"recipe": "wide-eps", "objective": "gspo"})
+    assert c.seq_eps_high == 8e-4 and make_config(c.to_dict()) == c
 
 
 def test_dataset_task_needs_a_model():

@@ -30,7 +30,7 @@ def test_ppo_clip_gradient_hand_computed():
     x = torch.tensor([[0.1, 0.4, 0.0], [-0.1, -0.3, 0.5]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, clipped = ppo_clip_loss(x, logp_old, adv, mask, eps_low=0.2, eps_high=0.3)
+    loss, clipped = ppo_clip_loss(x - logp_old, adv, mask, eps_low=0.2, eps_high=0.3)
     loss.backward()
     # loss = mean over sequences of token means of -min(rA, clip(r)A); d/dx of -rA is -A r.
     e = math.exp
