@@ -110,13 +110,26 @@ def cmd_testbed(args: argparse.Namespace) -> None:
 def cmd_recipes(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
-    from parity.config import RECIPES
+    from parity.config import RECIPES, Config
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)  # piped: do not squeeze the table to 80 columns
     t = Table(title="recipes (parity train --recipe NAME; flags override)")
     for col in ("recipe", "description", "sets"):
         t.add_column(col)
+    base = RECIPES["bf16-engine"].settings
     for r in RECIPES.values():
-        t.add_row(r.name, r.description, " ".join(f"{k}={v}" for k, v in r.settings.items()))
-    Console().print(t)
+        own = {k: v for k, v in r.settings.items() if r.name == "bf16-engine" or base.get(k) != v}
+        t.add_row(r.name, r.description, " ".join(f"{k}={v}" for k, v in own.items()))
+    t.caption = "each recipe sets every field bf16-engine sets; `sets` shows where it differs"
+    console.print(t)
+    o = Table(title="objectives (parity train --objective NAME; combine with any recipe)")
+    o.add_column("field")
+    o.add_column("choices and meaning")
+    for f in dataclasses.fields(Config):
+        if f.name in ("objective", "loss_agg", "ratio_source", "correction"):
+            o.add_row(f.name, f.metadata["help"])
+    console.print(o)
 
 
 def cmd_audit(args: argparse.Namespace) -> None:

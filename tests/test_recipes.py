@@ -146,3 +146,19 @@ def test_fp32_lm_head_shrinks_the_gap(tmp_path, text_model):
     _, head = run(tmp_path, "head", model="text-xs", steps=1, prompts_per_step=8,
                   samples_per_prompt=8, lr=1e-6, lm_head_fp32=True)
     assert head[0]["mismatch/beta_abs_mean"] < plain[0]["mismatch/beta_abs_mean"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--correction", "token-tis"], "needs ratio_source=recompute"),
+    (["--eps-low", "-0.2"], "eps_low=-0.2 must be a finite number >= 0"),
+    (["--objective", "gspo", "--eps-high", "0.28"], "seq_eps_low/seq_eps_high"),
+    (["--recipe", "tis", "--is-cap", "0.5"], "is_cap=0.5"),
+])
+def test_invalid_combination_is_refused_before_any_work(tmp_path, capsys, args, words):
+    """One line, exit 2, no run directory, no model built (the default model is not in the
+    test cache, so any work would show as a build)."""
+    from parity.cli import main
+    code = main(["train", *args, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and err.startswith("parity: error:")
+    assert not (tmp_path / "run").exists()
