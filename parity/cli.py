@@ -21,10 +21,12 @@ class _Parser(argparse.ArgumentParser):
         raise ParityError(f"{self.prog}: {message}")
 
 
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
+def _add_config_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     from parity.config import Config
     p.add_argument("--config", metavar="FILE", help="YAML file of config fields; flags win.")
     for f in dataclasses.fields(Config):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         doc = f"{f.metadata['help']} (default: {f.default})"
         if str(f.type).startswith("bool"):
@@ -37,14 +39,24 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=doc)
 
 
-def config_from_args(args: argparse.Namespace):
-    from parity.config import Config, load_yaml, make_config
+def explicit_from_args(args: argparse.Namespace, exclude: tuple[str, ...] = ()
+                       ) -> dict[str, Any]:
+    """Config fields the user gave: the YAML file's, then the flags' (`exclude`: flags of the
+    same name that belong to the command, not to the config)."""
+    from parity.config import Config, load_yaml
     explicit: dict[str, Any] = load_yaml(args.config) if args.config else {}
     for f in dataclasses.fields(Config):
+        if f.name in exclude:
+            continue
         v = getattr(args, f.name, None)
         if v is not None:
             explicit[f.name] = v
-    return make_config(explicit)
+    return explicit
+
+
+def config_from_args(args: argparse.Namespace):
+    from parity.config import make_config
+    return make_config(explicit_from_args(args))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -173,6 +185,37 @@ def cmd_audit(args: argparse.Namespace) -> None:
     print(f"wrote {out}/audit.json, {out}/tokens.parquet, plots and {out}/report.html")
 
 
+SWEEP_AXES = ("recipe", "seed", "task", "model", "out", "threads", "progress")
+
+
+def _csv(text: str, kind=str) -> list:
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ParityError(f"not a comma-separated list of {kind.__name__}: {text!r}") from None
+    if not items:
+        raise ParityError(f"empty list: {text!r}")
+    return items
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from parity.sweep import SweepSpec, print_summary, run_sweep
+    overrides = explicit_from_args(args, exclude=SWEEP_AXES)
+    for k in SWEEP_AXES:
+        if k in overrides:  # from --config: the grid sets these
+            raise ParityError(f"sweep: {k!r} in the config file is set by the grid; use "
+                              f"--recipes, --seeds, --tasks, --models, --out, --threads")
+    spec = SweepSpec(recipes=_csv(args.recipes), seeds=_csv(args.seeds, int),
+                     tasks=_csv(args.tasks), models=_csv(args.models) if args.models else [None],
+                     overrides=overrides, workers=args.workers, threads=args.threads)
+    out = Path(args.out)
+    summary = run_sweep(spec, out, progress=args.progress)
+    print_summary(summary)
+    print(f"wrote {out}/summary.json, {out}/sweep.png, {out}/report.html")
+    if any(not r.get("ok") for r in summary["runs"].values()):
+        raise ParityError("sweep: some runs failed; their errors are in summary.json")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from parity.reports import run_report
     runs = [Path(r) for r in args.runs]
@@ -199,6 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("recipes", help="List the recipes and what they set.")
     rc.set_defaults(func=cmd_recipes)
     _add_audit_parser(sub)
+    sw = sub.add_parser("sweep", help="A grid of runs (recipes x seeds x tasks x models) in "
+                        "parallel processes, with a summary and an overlay report.")
+    sw.add_argument("--recipes", required=True, help="comma-separated recipes")
+    sw.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    sw.add_argument("--tasks", default="neg-length", help="comma-separated tasks")
+    sw.add_argument("--models", default=None, help="comma-separated models (default: each "
+                    "task's own)")
+    sw.add_argument("--out", required=True, help="sweep directory; rerunning skips finished runs")
+    sw.add_argument("--workers", type=int, default=0, help="parallel runs (0: cores / threads)")
+    sw.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
+    sw.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    _add_config_flags(sw, exclude=SWEEP_AXES)
+    sw.set_defaults(func=cmd_sweep)
     rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
                         "directories, overlaid.")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")

@@ -30,7 +30,7 @@ from matplotlib.ticker import MaxNLocator
 from parity.errors import ParityError
 
 __all__ = ["Heading", "Plot", "Table", "audit_report", "html_page", "load_metrics", "run_report",
-           "scale_report"]
+           "scale_report", "sweep_report"]
 
 MAX_SCATTER = 20_000  # more points add nothing visible and make the PNG (and the page) huge
 
@@ -517,3 +517,62 @@ def scale_report(points: list[dict], fits: dict[str, dict], out: Path,
         Table(["model", "axis", "n_params"] + [m for m, _ in _SCALE_METRICS], rows),
         Heading("Fits: log10(metric) = intercept + slope · log10(n_params)"),
         Table(["metric", "slope", "intercept"], fit_rows) if fit_rows else "No fits given."], out)
+
+
+# ---------------------------------------------------------------------------- sweep reports
+
+_SWEEP_PANELS = [("reward/mean", "reward"), ("completion/len_mean", "completion length"),
+                 ("clip/frac", "clipped fraction"), ("clip/phantom_frac", "phantom fraction"),
+                 ("mismatch/beta_abs_mean", "|β| token mean"), ("mismatch/kl_k3", "KL k3")]
+
+
+def _seed_stack(runs: list[list[dict[str, Any]]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Steps logged by every seed, and the values there: [seeds, steps]."""
+    series = [s for rows in runs if (s := _series(rows, key)) is not None]
+    if not series:
+        return None
+    common = series[0][0]
+    for s in series[1:]:
+        common = np.intersect1d(common, s[0])
+    if not common.size:
+        return None
+    return common, np.stack([s[1][np.searchsorted(s[0], common)] for s in series])
+
+
+def sweep_report(groups: dict[str, list[Path]], out: Path) -> Path:
+    """One line per group (a recipe on a task and model): the mean over its seeds, with a band
+    from the lowest to the highest seed. `out/sweep.png` and `out/report.html`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {g: [load_metrics(Path(d) / "metrics.jsonl") for d in dirs] for g, dirs in groups.items()}
+    panels = [(k, t) for k, t in _SWEEP_PANELS
+              if any(_seed_stack(runs, k) is not None for runs in data.values())]
+    cols = 3
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for i, (g, runs) in enumerate(data.items()):
+            if (st := _seed_stack(runs, key)) is None:
+                continue
+            steps, v = st
+            ax.plot(steps, v.mean(0), color=f"C{i % 10}", lw=1.4, label=g)
+            if len(v) > 1:
+                ax.fill_between(steps, v.min(0), v.max(0), color=f"C{i % 10}", alpha=0.15)
+        _steps_axis(ax)
+        ax.set(title=title, ylabel=key)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles = [Line2D([], [], color=f"C{i % 10}", label=f"{g} ({len(r)} seeds)")
+               for i, (g, r) in enumerate(data.items())]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8,
+               bbox_to_anchor=(0.5, 0))
+    fig.tight_layout(rect=(0, 0.04 + 0.02 * math.ceil(len(handles) / 4), 1, 1))
+    plot = Plot(_save(fig, out / "sweep.png"), "sweep metrics against step, mean over seeds "
+                "with a min-max band, one line per recipe")
+    rows = []
+    for g, runs in data.items():
+        final = [r[-1].get("reward/mean") for r in runs]
+        rows.append([g, len(runs), float(np.mean([f for f in final if f is not None]))])
+    return html_page("parity sweep report", [
+        Heading("Sweep"), plot,
+        Table(["group", "seeds", "final reward/mean (mean over seeds)"], rows)], out)

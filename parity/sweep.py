@@ -1,0 +1,279 @@
+"""`parity sweep`: a grid of runs (recipes × seeds × tasks × models) into one directory.
+
+    DIR/runs/<task>-<model>-<recipe>-s<seed>/   one ordinary run directory each
+    DIR/summary.json                            per run and per recipe (over seeds)
+    DIR/report.html + PNGs                      one line per recipe, a band over its seeds
+
+Runs go to worker processes (as many as the cores allow at `threads` each). A finished run is
+skipped when the sweep is run again; an unfinished one (a crash, Ctrl-C) is moved aside to
+`<name>.incomplete-N` and started afresh, so nothing is lost and nothing is mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from parity.errors import ParityError
+
+# When a run counts as converged: (metric, "<=" or ">=", value), on a trailing mean over WINDOW
+# steps so a single lucky batch does not count.
+THRESHOLDS: dict[str, tuple[str, str, float]] = {
+    "neg-length": ("completion/len_mean", "<=", 2.0),
+    "arith": ("reward/mean", ">=", 0.9),
+}
+WINDOW = 5
+EARLY = 5  # "early in training": the first steps, before the policy has moved far
+
+
+@dataclass
+class SweepSpec:
+    recipes: list[str]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    tasks: list[str] = field(default_factory=lambda: ["neg-length"])
+    models: list[str | None] = field(default_factory=lambda: [None])
+    overrides: dict[str, Any] = field(default_factory=dict)   # any Config field, for every run
+    workers: int = 0          # 0: as many as the cores allow at `threads` each
+    threads: int = 1
+
+
+@dataclass
+class RunSpec:
+    name: str
+    group: str                # the recipe's line in the report: task, model, recipe
+    explicit: dict[str, Any]
+    path: Path
+
+
+def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
+    """Every run of the grid, with its config checked now: a bad grid fails before any run."""
+    from parity.config import make_config
+    if not spec.recipes or not spec.seeds:
+        raise ParityError("sweep: give at least one recipe and one seed")
+    runs = []
+    for task in spec.tasks:
+        for model in spec.models:
+            for recipe in spec.recipes:
+                for seed in spec.seeds:
+                    mname = Path(model).name if model else "default"
+                    group = f"{Path(task).stem}-{mname}-{recipe}"
+                    name = f"{group}-s{seed}"
+                    explicit = {**spec.overrides, "task": task, "recipe": recipe, "seed": seed,
+                                "out": str(out / "runs" / name), "progress": False,
+                                "threads": spec.threads}
+                    if model:
+                        explicit["model"] = model
+                    make_config(dict(explicit))  # raises ParityError on a bad combination
+                    runs.append(RunSpec(name, group, explicit, out / "runs" / name))
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ParityError("sweep: two runs of the grid would share a directory (repeated "
+                          "recipe, seed, task or model)")
+    return runs
+
+
+def finished(run: RunSpec) -> bool:
+    """A run is finished when its last step is logged and its final checkpoint is in place."""
+    from parity.config import make_config
+    steps = make_config(dict(run.explicit)).steps
+    metrics = run.path / "metrics.jsonl"
+    if not (run.path / "checkpoints" / f"step-{steps}").is_dir() or not metrics.is_file():
+        return False
+    lines = metrics.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1]).get("step") == steps
+
+
+def _set_aside(path: Path) -> Path:
+    n = 1
+    while (dest := path.with_name(f"{path.name}.incomplete-{n}")).exists():
+        n += 1
+    path.rename(dest)
+    return dest
+
+
+def _run_one(explicit: dict[str, Any]) -> dict[str, Any]:
+    """Worker: one training run. Errors come back as text; the sweep goes on."""
+    import torch
+
+    from parity.config import make_config
+    from parity.trainer import train
+    t0 = time.perf_counter()
+    try:
+        cfg = make_config(dict(explicit))
+        torch.set_num_threads(max(1, cfg.threads))
+        train(cfg)
+        return {"ok": True, "seconds": time.perf_counter() - t0}
+    except Exception as e:  # a run's failure is recorded in summary.json, not fatal
+        return {"ok": False, "seconds": time.perf_counter() - t0,
+                "error": f"{type(e).__name__}: {e}"}
+
+
+def _workers(spec: SweepSpec, n_runs: int) -> int:
+    if spec.workers > 0:
+        return min(spec.workers, n_runs)
+    return max(1, min(n_runs, (os.cpu_count() or 1) // max(1, spec.threads)))
+
+
+def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = True
+              ) -> dict[str, Any]:
+    runs = plan(spec, out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    todo, status = [], {}
+    for r in runs:
+        if finished(r):
+            status[r.name] = {"ok": True, "skipped": True}
+            continue
+        if r.path.exists():
+            status[r.name] = {"set_aside": str(_set_aside(r.path))}
+        todo.append(r)
+    t0 = time.perf_counter()
+    # The testbed models and the arith filter are built once here, not raced by the workers.
+    _prebuild(todo)
+    with _bar(progress, len(todo)) as bar:
+        if _workers(spec, len(todo)) == 1 or len(todo) <= 1:
+            for r in todo:
+                status[r.name] = {**status.get(r.name, {}), **_run_one(r.explicit)}
+                bar and bar[0].advance(bar[1])
+        elif todo:
+            ctx = get_context("spawn")  # fresh interpreters: no forked torch thread pools
+            with ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx) as pool:
+                futures = {pool.submit(_run_one, r.explicit): r for r in todo}
+                for f in as_completed(futures):
+                    r = futures[f]
+                    status[r.name] = {**status.get(r.name, {}), **f.result()}
+                    bar and bar[0].advance(bar[1])
+    summary = summarize(runs, status, time.perf_counter() - t0)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if report:
+        from parity.reports import sweep_report
+        groups: dict[str, list[Path]] = {}
+        for r in runs:
+            if status[r.name].get("ok"):
+                groups.setdefault(r.group, []).append(r.path)
+        if groups:
+            sweep_report(groups, out)
+    return summary
+
+
+def _prebuild(todo: list[RunSpec]) -> None:
+    from parity.config import make_config
+    from parity.trainer import setup
+    seen = set()
+    for r in todo:
+        cfg = make_config(dict(r.explicit))
+        key = (cfg.task, cfg.model, cfg.seed if cfg.task == "arith" else 0, cfg.max_new_tokens)
+        if key not in seen:
+            seen.add(key)
+            setup(cfg)
+
+
+def _bar(enabled: bool, total: int):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def cm():
+        if not enabled or not total:
+            yield None
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+        with Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn()) as p:
+            yield p, p.add_task("", total=total)
+    return cm()
+
+
+# ---- summary ---------------------------------------------------------------------------------
+
+def steps_to_threshold(rows: list[dict[str, Any]], task: str) -> int | None:
+    """First step whose trailing WINDOW-step mean passes the task's threshold; None if never."""
+    if Path(task).stem not in THRESHOLDS:
+        return None
+    key, op, value = THRESHOLDS[Path(task).stem]
+    vals: list[float] = []
+    for r in rows:
+        if isinstance(r.get(key), (int, float)):
+            vals.append(float(r[key]))
+        if len(vals) >= WINDOW:
+            m = statistics.fmean(vals[-WINDOW:])
+            if (m <= value) if op == "<=" else (m >= value):
+                return int(r["step"])
+    return None
+
+
+def run_summary(path: Path, task: str) -> dict[str, Any]:
+    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x]
+
+    def mean(key: str, rs: list[dict]) -> float | None:
+        v = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return statistics.fmean(v) if v else None
+    last = rows[-WINDOW:]
+    return {"steps": len(rows), "steps_to_threshold": steps_to_threshold(rows, task),
+            "final_reward": mean("reward/mean", last),
+            "final_len": mean("completion/len_mean", last),
+            "best_reward": max(r["reward/mean"] for r in rows),
+            "early_clip_frac": mean("clip/frac", rows[:EARLY]),
+            "early_phantom_frac": mean("clip/phantom_frac", rows[:EARLY]),
+            "beta_abs_mean": mean("mismatch/beta_abs_mean", rows),
+            "beta_mean": mean("mismatch/beta_mean", rows),
+            "kl_k3": mean("mismatch/kl_k3", rows), "kl_exact": mean("mismatch/kl_exact", rows),
+            "changed_frac": mean("sync/changed_frac", rows[1:] or rows),
+            "step_s": mean("time/step_s", rows)}
+
+
+def summarize(runs: list[RunSpec], status: dict[str, dict], seconds: float) -> dict[str, Any]:
+    per_run, groups = {}, {}
+    for r in runs:
+        entry = {"group": r.group, "recipe": r.explicit["recipe"], "seed": r.explicit["seed"],
+                 "task": r.explicit["task"], "path": str(r.path), **status.get(r.name, {})}
+        if entry.get("ok") and (r.path / "metrics.jsonl").is_file():
+            entry.update(run_summary(r.path, r.explicit["task"]))
+        per_run[r.name] = entry
+        groups.setdefault(r.group, []).append(entry)
+    per_group = {}
+    for g, entries in groups.items():
+        ok = [e for e in entries if "steps" in e]
+        agg: dict[str, Any] = {"recipe": entries[0]["recipe"], "task": entries[0]["task"],
+                               "runs": len(entries), "failed": len(entries) - len(ok)}
+        for key in ("final_reward", "final_len", "early_phantom_frac", "early_clip_frac",
+                    "beta_abs_mean", "beta_mean", "kl_k3", "kl_exact", "changed_frac", "step_s"):
+            v = [e[key] for e in ok if e.get(key) is not None]
+            if v:
+                agg[key] = statistics.fmean(v)
+                agg[key + "_std"] = statistics.stdev(v) if len(v) > 1 else 0.0
+        reached = [e["steps_to_threshold"] for e in ok]
+        agg["reached"] = sum(s is not None for s in reached)
+        # Runs that never reached the threshold count as their step budget: a lower bound.
+        budget = [s if s is not None else e["steps"] + 1 for s, e in zip(reached, ok)]
+        agg["steps_to_threshold_median"] = statistics.median(budget) if budget else None
+        per_group[g] = agg
+    return {"seconds": seconds, "thresholds": {k: list(v) for k, v in THRESHOLDS.items()},
+            "window": WINDOW, "runs": per_run, "groups": per_group}
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)
+    t = Table(title=f"sweep: {len(summary['runs'])} runs, {summary['seconds'] / 60:.1f} min")
+    for col in ("group", "seeds", "reached", "median steps to threshold", "final reward",
+                "early phantom", "|beta|", "KL k3", "failed"):
+        t.add_column(col, justify="left" if col == "group" else "right")
+
+    def f(v: Any, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+    for g, a in summary["groups"].items():
+        t.add_row(g, str(a["runs"]), f"{a['reached']}/{a['runs'] - a['failed']}",
+                  f(a.get("steps_to_threshold_median"), "g"), f(a.get("final_reward"), ".3f"),
+                  f(a.get("early_phantom_frac"), ".2%"), f(a.get("beta_abs_mean"), ".3g"),
+                  f(a.get("kl_k3"), ".3g"), str(a["failed"]))
+    console.print(t)
