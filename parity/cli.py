@@ -216,6 +216,15 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         raise ParityError("sweep: some runs failed; their errors are in summary.json")
 
 
+def cmd_reproduce(args: argparse.Namespace) -> None:
+    from parity.reproduce import FULL, QUICK, print_claims, reproduce
+    plan = QUICK if args.quick else FULL
+    out = Path(args.out or ("reproduce-quick" if args.quick else "reproduce"))
+    result = reproduce(plan, out, workers=args.workers, progress=args.progress)
+    print_claims(result)
+    print(f"wrote {out}/claims.md and {out}/claims.json")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from parity.reports import run_report
     runs = [Path(r) for r in args.runs]
@@ -255,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     _add_config_flags(sw, exclude=SWEEP_AXES)
     sw.set_defaults(func=cmd_sweep)
+    rq = sub.add_parser("reproduce", help="Measure the published findings on the CPU testbed: "
+                        "claims.md with a verdict per claim.")
+    rq.add_argument("--quick", action="store_true", help="the few-minute version (README)")
+    rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/ "
+                    "or reproduce/); a rerun reuses what is done")
+    rq.add_argument("--workers", type=int, default=0, help="parallel runs (0: one per core)")
+    rq.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    rq.set_defaults(func=cmd_reproduce)
     rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
                         "directories, overlaid.")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")

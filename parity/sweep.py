@@ -40,6 +40,7 @@ class SweepSpec:
     tasks: list[str] = field(default_factory=lambda: ["neg-length"])
     models: list[str | None] = field(default_factory=lambda: [None])
     overrides: dict[str, Any] = field(default_factory=dict)   # any Config field, for every run
+    per_recipe: dict[str, dict[str, Any]] = field(default_factory=dict)  # ... for one recipe
     workers: int = 0          # 0: as many as the cores allow at `threads` each
     threads: int = 1
 
@@ -65,7 +66,8 @@ def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
                     mname = Path(model).name if model else "default"
                     group = f"{Path(task).stem}-{mname}-{recipe}"
                     name = f"{group}-s{seed}"
-                    explicit = {**spec.overrides, "task": task, "recipe": recipe, "seed": seed,
+                    explicit = {**spec.overrides, **spec.per_recipe.get(recipe, {}),
+                                "task": task, "recipe": recipe, "seed": seed,
                                 "out": str(out / "runs" / name), "progress": False,
                                 "threads": spec.threads}
                     if model:

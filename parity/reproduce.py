@@ -1,0 +1,240 @@
+"""`parity reproduce [--quick]`: the seeds' findings measured on the CPU testbed.
+
+    audits       bf16 and fp16 engines against an fp32 trainer     → claims 1a, 1b, 2a, 2b, 4
+    scale        the same audit across model sizes                 → claim 1c
+    sweeps       recipes × seeds on neg-length (and arith in full)
+                 at the ε where phantom clipping matches the seeds → claims 3, 5a, 5b
+    small lr     weight changes at sync per engine dtype           → claim 6
+    → claims.json, claims.md, the table printed
+
+Every part writes into its own directory and is reused when the command runs again, so an
+interrupted reproduction continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity import claims as C
+from parity import testbed
+
+MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
+                "seq-mis"]
+
+
+@dataclass
+class Plan:
+    name: str
+    audit_model: str
+    samples: int
+    scale_models: list[str]
+    sweep_model: str
+    seeds: list[int]
+    steps: int
+    arith_steps: int = 0                      # 0: no arith sweep
+    arith_seeds: list[int] = field(default_factory=list)
+    small_lr: float = 3e-6    # where a bf16 cast barely changes per step (RESEARCH.md)
+    small_lr_steps: int = 6
+    audit_tokens: int = 24    # as neg-length trains (its task default)
+
+
+QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
+             scale_models=[testbed.TEST_TEXT, testbed.DEFAULT_TEXT],
+             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1], steps=20)
+FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
+            sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
+            arith_seeds=[0, 1, 2])
+
+
+def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
+    """The ε at which the phantom fraction falls to `target`, interpolated in log ε between
+    the audit's sweep points (the fraction falls as ε widens); None if never that high."""
+    pts = sorted((r["eps"], r["phantom_frac"]) for r in table)
+    for (e0, p0), (e1, p1) in zip(pts, pts[1:]):
+        if p0 >= target >= p1 and p0 != p1:
+            t = (p0 - target) / (p0 - p1)
+            return math.exp(math.log(e0) + t * (math.log(e1) - math.log(e0)))
+    return None
+
+
+def phantom_at(table: list[dict[str, float]], eps: float) -> float:
+    """Phantom fraction at ε, interpolated in log ε (clamped to the sweep's ends)."""
+    pts = sorted((r["eps"], r["phantom_frac"]) for r in table)
+    if eps <= pts[0][0]:
+        return pts[0][1]
+    for (e0, p0), (e1, p1) in zip(pts, pts[1:]):
+        if e0 <= eps <= e1:
+            t = (math.log(eps) - math.log(e0)) / (math.log(e1) - math.log(e0))
+            return p0 + t * (p1 - p0)
+    return pts[-1][1]
+
+
+def _audit(plan: Plan, engine: str, out: Path, progress: bool) -> dict[str, Any]:
+    from parity.audit import AuditSettings, audit
+    if (out / "audit.json").is_file():
+        return json.loads((out / "audit.json").read_text())
+    return audit(AuditSettings(model=plan.audit_model, engine_dtype=engine, task="neg-length",
+                               samples=plan.samples, max_new_tokens=plan.audit_tokens,
+                               progress=progress), out)
+
+
+def _scale(plan: Plan, out: Path, progress: bool) -> dict[str, Any]:
+    from parity.audit import AuditSettings, scale
+    if (out / "scale.json").is_file():
+        return json.loads((out / "scale.json").read_text())
+    return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
+                               max_new_tokens=plan.audit_tokens, progress=progress), out,
+                 plan.scale_models)
+
+
+def _sweep(out: Path, recipes: list[str], seeds: list[int], task: str, model: str,
+           overrides: dict[str, Any], workers: int, progress: bool,
+           per_recipe: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    from parity.sweep import SweepSpec, run_sweep
+    spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[task], models=[model],
+                     overrides=overrides, per_recipe=per_recipe or {}, workers=workers)
+    return run_sweep(spec, out, progress=progress)
+
+
+def scaled_clip(eps: float) -> dict[str, dict[str, Any]]:
+    """Each recipe's clip range at the scaled ε: no-clip keeps none, wide-eps widens the upper
+    side by DAPO's 0.28 / 0.2."""
+    return {"no-clip": {"eps_low": None, "eps_high": None},
+            "wide-eps": {"eps_low": eps, "eps_high": round(1.4 * eps, 6)}}
+
+
+def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    timing: dict[str, float] = {}
+
+    def phase(name: str, t0: float) -> None:
+        timing[name] = time.perf_counter() - t0
+        if progress:
+            print(f"[reproduce] {name}: {timing[name] / 60:.1f} min", flush=True)
+
+    t0 = time.perf_counter()
+    a16 = _audit(plan, "bf16", out / "audits" / "bf16-vs-fp32", progress)
+    f16 = _audit(plan, "fp16", out / "audits" / "fp16-vs-fp32", progress)
+    phase("audits", t0)
+    t0 = time.perf_counter()
+    sc = _scale(plan, out / "scale", progress)
+    phase("scale", t0)
+
+    # The scaled experiment: the ε at which the bf16 engine phantom-clips the seeds' 18%.
+    eps_run = eps_at_phantom(a16["phantom_vs_eps"], C.SEED_PHANTOM) or 0.005
+    eps_run = float(f"{eps_run:.2g}")
+    t0 = time.perf_counter()
+    common = {"steps": plan.steps, "eps_low": eps_run, "eps_high": eps_run}
+    main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
+                  plan.sweep_model, common, workers, progress, scaled_clip(eps_run))
+    phase("neg-length sweep", t0)
+    arith = None
+    if plan.arith_steps:
+        t0 = time.perf_counter()
+        arith = _sweep(out / "sweeps" / "arith", ["fp32", "bf16-engine", "bf16-shadow",
+                                                  "no-clip"], plan.arith_seeds, "arith",
+                       testbed.DEFAULT_ARITH, {"steps": plan.arith_steps, "eps_low": eps_run,
+                                               "eps_high": eps_run}, workers, progress,
+                       scaled_clip(eps_run))
+        phase("arith sweep", t0)
+    t0 = time.perf_counter()
+    lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
+                "neg-length", plan.sweep_model,
+                {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
+    phase("small-lr runs", t0)
+
+    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan)
+    seconds = time.perf_counter() - t_start
+    result = {"plan": plan.name, "seconds": seconds, "timing": timing, "eps_run": eps_run,
+              "claims": [c.to_dict() for c in claims]}
+    (out / "claims.json").write_text(json.dumps(result, indent=1))
+    (out / "claims.md").write_text(claims_markdown(claims, plan, seconds, eps_run, a16, out))
+    return result
+
+
+def _kl(m: dict[str, float]) -> float:
+    """The exact KL where the audit sampled (μ known in full), else the k3 estimate."""
+    return m["mismatch/kl_exact"] if "mismatch/kl_exact" in m else m["mismatch/kl_k3"]
+
+
+def _groups(summary: dict[str, Any]) -> dict[str, dict]:
+    return summary["groups"]
+
+
+def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: dict,
+          eps_run: float, plan: Plan) -> list[C.Claim]:
+    """Measured numbers → claims. Pure apart from reading the dictionaries it is given."""
+    m16, mf16 = a16["metrics"], f16["metrics"]
+    fit = sc.get("fits", {}).get("beta_abs_mean")
+    beta_abs = m16["mismatch/beta_abs_mean"]
+    eps_m = C.matched_eps(beta_abs)
+    out = [
+        C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16["mismatch/beta_std"], a16["tokens"],
+                           _kl(m16)),
+        C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr", 0.0), a16["tokens"]),
+        C.beta_grows_with_size(fit["slope"] if fit else None, len(sc.get("points", [])),
+                               fit["at"]["6e+08"] if fit else None),
+        C.phantom_at_seed_eps(phantom_at(a16["phantom_vs_eps"], C.SEED_EPS), beta_abs),
+        C.phantom_at_matched_eps(eps_m, phantom_at(a16["phantom_vs_eps"], eps_m),
+                                 eps_at_phantom(a16["phantom_vs_eps"], C.SEED_PHANTOM)),
+        C.stall_and_fixes("neg-length", _groups(main), eps_run),
+    ]
+    if arith is not None:
+        c = C.stall_and_fixes("arith", _groups(arith), eps_run)
+        c.id = "3-arith"
+        out.append(c)
+    out += [
+        C.fp16_shrinks_gap(_kl(m16),
+                           _kl(mf16),
+                           beta_abs, mf16["mismatch/beta_abs_mean"]),
+        C.wide_eps_helps(_groups(main), eps_run, round(1.4 * eps_run, 6)),
+        C.recompute_family(_groups(main)),
+    ]
+    changed = {g["recipe"]: g.get("changed_frac", 0.0) for g in _groups(lr).values()}
+    out.append(C.bf16_weights_freeze(changed.get("bf16-engine", 0.0), changed.get("fp16", 0.0),
+                                     changed.get("fp32", 0.0), plan.small_lr))
+    return out
+
+
+def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float, eps_run: float,
+                    a16: dict, out: Path) -> str:
+    pre = (f"`parity reproduce{' --quick' if plan.name == 'quick' else ''}`: {seconds / 60:.1f} "
+           f"min on this machine. Audits on `{plan.audit_model}` ({plan.samples} completions "
+           f"each); sweeps on `{plan.sweep_model}` (neg-length, {plan.steps} steps, seeds "
+           f"{plan.seeds}"
+           + (f"; arith, {plan.arith_steps} steps, seeds {plan.arith_seeds}" if plan.arith_steps
+              else "")
+           + f") at ε = {eps_run:g}, where the bf16 engine phantom-clips the seeds' 18% of "
+           f"tokens. `claims.json` has every measured number.")
+    md = C.to_markdown(claims, "Claims of the seeds, measured on the CPU testbed", pre)
+    figs = [("sweeps/neg-length/sweep.png", "neg-length: recipes at the scaled ε"),
+            ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),
+            ("scale/scale.png", "mismatch against model size"),
+            ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε")]
+    for path, caption in figs:
+        if (out / path).is_file():
+            md += f"\n### {caption}\n\n![{caption}]({path})\n"
+    return md
+
+
+def print_claims(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    t = Table(title=f"parity reproduce ({result['plan']}): {result['seconds'] / 60:.1f} min, "
+                    f"scaled ε = {result['eps_run']:g}")
+    for col in ("claim", "statement", "seeds", "measured", "verdict"):
+        t.add_column(col, overflow="fold")
+    for c in result["claims"]:
+        color = {"holds": "green", C.NOT_AT_SCALE: "yellow"}.get(c["verdict"], "dim")
+        t.add_row(c["id"], c["statement"], c["seeds"], c["reason"],
+                  f"[{color}]{c['verdict']}[/]")
+    console.print(t)

@@ -1,0 +1,137 @@
+"""The claims table: its structure, and verdicts that follow the measured numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity import claims as C
+from parity.reproduce import Plan, eps_at_phantom, judge, phantom_at, reproduce
+
+
+def groups(**steps):
+    """A sweep summary's groups with the given median steps to threshold per recipe."""
+    return {f"neg-length-text-{r}": {"recipe": r.replace("_", "-"),
+                                     "steps_to_threshold_median": s}
+            for r, s in steps.items()}
+
+
+def test_beta_bias_verdicts_follow_the_numbers():
+    assert C.beta_is_minus_kl(-1e-3, 1e-2, 100_000, 1e-3).verdict == C.HOLDS
+    # Same KL, but β's mean has the wrong sign: the claim fails.
+    assert C.beta_is_minus_kl(+1e-3, 1e-2, 100_000, 1e-3).verdict == C.NOT_AT_SCALE
+    # A KL below the sampling noise cannot be resolved, whatever the mean.
+    c = C.beta_is_minus_kl(-1e-5, 1e-2, 10_000, 3e-5)
+    assert c.verdict == C.NOT_MEASURABLE and "tokens" in c.reason
+
+
+def test_correlation_and_size_verdicts():
+    assert C.beta_correlates_with_advantage(0.1, 10_000).verdict == C.HOLDS
+    assert C.beta_correlates_with_advantage(0.01, 10_000).verdict == C.NOT_AT_SCALE
+    assert C.beta_grows_with_size(0.3, 7, 0.05).verdict == C.HOLDS
+    assert C.beta_grows_with_size(0.01, 7, 0.008).verdict == C.NOT_AT_SCALE
+    assert C.beta_grows_with_size(None, 1, None).verdict == C.NOT_MEASURABLE
+
+
+def test_phantom_verdicts():
+    assert C.phantom_at_seed_eps(0.2, 0.05).verdict == C.HOLDS
+    assert C.phantom_at_seed_eps(0.0, 0.006).verdict == C.NOT_AT_SCALE
+    assert C.phantom_at_matched_eps(0.03, 0.12, 0.005).verdict == C.HOLDS
+    assert C.phantom_at_matched_eps(0.03, 0.01, 0.005).verdict == C.NOT_AT_SCALE
+    # The matched ε scales the seeds' ε by the ratio of |β|s: equal |β| gives ε = 0.2 back.
+    assert C.matched_eps(C.SEED_BETA) == pytest.approx(0.2)
+    assert C.matched_eps(C.SEED_BETA / 10) < 0.03
+
+
+def test_stall_verdict_flips_with_the_steps():
+    holds = groups(fp32=10, bf16_engine=20, bf16_shadow=11, no_clip=10)
+    assert C.stall_and_fixes("neg-length", holds, 0.005).verdict == C.HOLDS
+    no_lag = groups(fp32=10, bf16_engine=11, bf16_shadow=11, no_clip=10)
+    c = C.stall_and_fixes("neg-length", no_lag, 0.005)
+    assert c.verdict == C.NOT_AT_SCALE and "no lag" in c.reason
+    unfixed = groups(fp32=10, bf16_engine=20, bf16_shadow=20, no_clip=10)
+    assert C.stall_and_fixes("neg-length", unfixed, 0.005).verdict == C.NOT_AT_SCALE
+    missing = groups(fp32=10, bf16_engine=20)
+    assert C.stall_and_fixes("neg-length", missing, 0.005).verdict == C.NOT_MEASURABLE
+
+
+def test_fixes_fp16_and_small_lr_verdicts():
+    assert C.wide_eps_helps(groups(fp32=10, bf16_engine=20, wide_eps=14), 0.005, 0.007
+                            ).verdict == C.HOLDS
+    assert C.wide_eps_helps(groups(fp32=10, bf16_engine=20, wide_eps=21), 0.005, 0.007
+                            ).verdict == C.NOT_AT_SCALE
+    assert C.wide_eps_helps(groups(fp32=10, bf16_engine=10, wide_eps=10), 0.005, 0.007
+                            ).verdict == C.NOT_MEASURABLE
+    assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=12)
+                              ).verdict == C.HOLDS
+    assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=30)
+                              ).verdict == C.NOT_AT_SCALE
+    assert C.fp16_shrinks_gap(4e-5, 6e-7, 6e-3, 8e-4).verdict == C.HOLDS
+    assert C.fp16_shrinks_gap(4e-5, 2e-5, 6e-3, 5e-3).verdict == C.NOT_AT_SCALE
+    assert C.bf16_weights_freeze(0.01, 0.3, 1.0, 1e-5).verdict == C.HOLDS
+    assert C.bf16_weights_freeze(0.4, 0.5, 1.0, 1e-5).verdict == C.NOT_AT_SCALE
+    assert C.bf16_weights_freeze(0.0, 0.0, 0.1, 1e-5).verdict == C.NOT_MEASURABLE
+
+
+def test_eps_interpolation():
+    table = [{"eps": 0.001, "phantom_frac": 0.4}, {"eps": 0.01, "phantom_frac": 0.1},
+             {"eps": 0.1, "phantom_frac": 0.0}]
+    e = eps_at_phantom(table, 0.25)
+    assert 0.001 < e < 0.01 and phantom_at(table, e) == pytest.approx(0.25)
+    assert eps_at_phantom(table, 0.9) is None
+    assert phantom_at(table, 0.5) == 0.0 and phantom_at(table, 1e-4) == 0.4
+
+
+def _measured(kl_fp16: float) -> tuple:
+    audit = {"tokens": 20_000, "phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.4},
+                                                   {"eps": 0.2, "phantom_frac": 0.0}],
+             "metrics": {"mismatch/beta_abs_mean": 6e-3, "mismatch/beta_mean": 1e-5,
+                         "mismatch/beta_std": 8e-3, "mismatch/kl_exact": 3.6e-5,
+                         "mismatch/beta_adv_corr": 0.01}}
+    f16 = {"tokens": 20_000, "metrics": {"mismatch/beta_abs_mean": 8e-4,
+                                         "mismatch/kl_exact": kl_fp16}}
+    sc = {"points": [1, 2], "fits": {"beta_abs_mean": {"slope": 0.05, "at": {"6e+08": 7e-3}}}}
+    g = {"groups": groups(fp32=12, bf16_engine=13, bf16_shadow=12, no_clip=12, recompute=12,
+                          tis=12, seq_mis=12, wide_eps=12)}
+    lr = {"groups": {"a": {"recipe": "bf16-engine", "changed_frac": 0.02},
+                     "b": {"recipe": "fp16", "changed_frac": 0.3},
+                     "c": {"recipe": "fp32", "changed_frac": 0.99}}}
+    return audit, f16, sc, g, None, lr
+
+
+def test_judge_builds_every_claim_and_follows_its_inputs():
+    plan = Plan("t", "m", 1, [], "m", [0], 1)
+    claims = judge(*_measured(5.5e-7), 0.004, plan)
+    ids = [c.id for c in claims]
+    assert ids == ["1a", "1b", "1c", "2a", "2b", "3", "4", "5a", "5b", "6"]
+    for c in claims:
+        assert c.statement and c.seeds and c.reason and c.measured
+        assert c.verdict in (C.HOLDS, C.NOT_AT_SCALE, C.NOT_MEASURABLE)
+    by = {c.id: c for c in claims}
+    assert by["4"].verdict == C.HOLDS and by["4"].measured["kl_ratio"] == pytest.approx(65.45,
+                                                                                        rel=1e-3)
+    # The same measurements with an fp16 KL only 2x lower: claim 4's verdict flips.
+    flipped = {c.id: c for c in judge(*_measured(1.8e-5), 0.004, plan)}
+    assert flipped["4"].verdict == C.NOT_AT_SCALE
+    md = C.to_markdown(claims, "T")
+    assert md.count("\n| ") == len(claims) + 1 and "| verdict |" in md
+
+
+def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
+    """The whole pipeline on the test-size models: every claim, the files, rerun reuses."""
+    from parity import testbed
+    testbed.ensure("text-gpt2-xs", cache, progress=False)
+    plan = Plan("tiny", audit_model="text-xs", samples=32, scale_models=["text-xs",
+                                                                        "text-gpt2-xs"],
+                sweep_model="text-xs", seeds=[0], steps=3, small_lr_steps=2)
+    res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
+    assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "4", "5a",
+                                                "5b", "6"]
+    saved = json.loads((tmp_path / "r" / "claims.json").read_text())
+    assert saved["claims"] == res["claims"]
+    md = (tmp_path / "r" / "claims.md").read_text()
+    assert all(f"| {c['id']} |" in md for c in res["claims"])
+    assert (tmp_path / "r" / "sweeps" / "neg-length" / "summary.json").is_file()
+    again = reproduce(plan, tmp_path / "r", workers=2, progress=False)
+    assert again["claims"] == res["claims"] and again["seconds"] < res["seconds"]
