@@ -1,0 +1,64 @@
+"""`parity sweep`: the grid, parallel workers, skipping finished runs, keeping unfinished ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity.cli import main
+from parity.sweep import steps_to_threshold
+
+GRID = ["sweep", "--recipes", "fp32,bf16-engine", "--seeds", "0,1", "--models", "text-xs",
+        "--steps", "3", "--max-new-tokens", "8", "--prompts-per-step", "2",
+        "--samples-per-prompt", "4", "--workers", "2", "--no-progress"]
+
+
+def test_sweep_runs_the_grid_and_skips_finished_runs(tmp_path, text_model, capsys):
+    out = tmp_path / "sw"
+    assert main([*GRID, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary["runs"]) == sorted(
+        f"neg-length-text-xs-{r}-s{s}" for r in ("fp32", "bf16-engine") for s in (0, 1))
+    assert all(r["ok"] and r["steps"] == 3 for r in summary["runs"].values())
+    groups = summary["groups"]
+    assert groups["neg-length-text-xs-bf16-engine"]["beta_abs_mean"] > 0
+    assert groups["neg-length-text-xs-fp32"]["beta_abs_mean"] == 0.0  # fp32 both sides
+    assert (out / "sweep.png").stat().st_size > 5000 and (out / "report.html").is_file()
+    capsys.readouterr()
+
+    # A crashed run: its directory lacks the final checkpoint. Rerunning keeps it aside and
+    # redoes only that run; the finished ones are skipped.
+    crashed = out / "runs" / "neg-length-text-xs-fp32-s1"
+    import shutil
+    shutil.rmtree(crashed / "checkpoints")
+    assert main([*GRID, "--out", str(out)]) == 0
+    again = json.loads((out / "summary.json").read_text())["runs"]
+    assert again["neg-length-text-xs-fp32-s0"].get("skipped") is True
+    assert "skipped" not in again["neg-length-text-xs-fp32-s1"]
+    assert again["neg-length-text-xs-fp32-s1"]["set_aside"].endswith(".incomplete-1")
+    assert (out / "runs" / "neg-length-text-xs-fp32-s1.incomplete-1" / "metrics.jsonl").is_file()
+    assert (crashed / "checkpoints" / "step-3").is_dir()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--recipes", "fp32,nope"], "unknown recipe 'nope'"),
+    (["--recipes", "fp32", "--seeds", "a,b"], "comma-separated list of int"),
+    (["--recipes", "fp32", "--correction", "token-tis"], "needs ratio_source=recompute"),
+    (["--recipes", "fp32,fp32"], "share a directory"),
+])
+def test_bad_grids_are_refused_before_any_run(tmp_path, capsys, args, words):
+    code = main(["sweep", *args, "--out", str(tmp_path / "sw"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err, err
+    assert not (tmp_path / "sw").exists()
+
+
+def test_steps_to_threshold_uses_a_trailing_window():
+    rows = [{"step": i + 1, "completion/len_mean": v}
+            for i, v in enumerate([20, 10, 1, 1, 1, 1, 1, 1, 1])]
+    # trailing 5-step means: 6.6 at step 5, 2.8 at step 6, 1.0 at step 7
+    assert steps_to_threshold(rows, "neg-length") == 7
+    assert steps_to_threshold(rows[:6], "neg-length") is None
+    assert steps_to_threshold([{"step": 1, "reward/mean": 1.0}] * 5, "arith") == 1
+    assert steps_to_threshold(rows, "my-data.jsonl") is None  # no threshold for a dataset
