@@ -59,16 +59,42 @@ def config_from_args(args: argparse.Namespace):
     return make_config(explicit_from_args(args))
 
 
+RESUME_MAY_CHANGE = ("steps", "progress", "threads", "save_every", "keep_checkpoints",
+                     "dump_rollouts")
+
+
+def resume_config(args: argparse.Namespace):
+    """The run's own config.yaml; a resumed run may only run longer or report differently."""
+    from parity.config import load_yaml, make_config
+    run = Path(args.resume)
+    if not run.is_dir():
+        raise ParityError(f"--resume {run}: no such run directory")
+    if not (run / "config.yaml").is_file():
+        raise ParityError(f"--resume {run}: not a run directory (no config.yaml)")
+    given = explicit_from_args(args)
+    if args.config:
+        raise ParityError("--resume continues the run's own config.yaml; --config does not apply")
+    other = [k for k in given if k not in RESUME_MAY_CHANGE]
+    if other:
+        raise ParityError(f"--resume continues the run's own config; --{other[0].replace('_', '-')}"
+                          f" cannot change (only {', '.join(RESUME_MAY_CHANGE)} can)")
+    saved = load_yaml(run / "config.yaml")
+    try:
+        return make_config({**saved, **given, "out": str(run)})
+    except ParityError as e:
+        raise ParityError(f"--resume {run}: its config.yaml is not valid: {e}") from None
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from rich.console import Console
     from parity.trainer import train
-    cfg = config_from_args(args)
+    cfg = resume_config(args) if args.resume else config_from_args(args)
     console = Console(stderr=True)
     console.print(f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} "
                   f"engine={cfg.engine_dtype} trainer={cfg.trainer_dtype} "
                   f"ratio={cfg.ratio_source} steps={cfg.steps}")
     t0 = time.perf_counter()
-    run = train(cfg)
+    run = train(cfg, resume=bool(args.resume))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     _summary(rows, run, time.perf_counter() - t0)
 
@@ -240,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     tr = sub.add_parser("train", help="GRPO training with precision as a setting.")
     _add_config_flags(tr)
+    tr.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue RUN_DIR from "
+                    "its newest valid checkpoint (a corrupt one is skipped with a warning)")
     tr.set_defaults(func=cmd_train)
     tb = sub.add_parser("testbed", help="Build or list the tiny testbed models.")
     tb.add_argument("action", choices=("build", "list"))

@@ -128,7 +128,9 @@ class Config:
     # -- bookkeeping
     seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.")
     out: str | None = _f(None, "Run directory. None: runs/<task>-<recipe>-s<seed>.")
-    save_every: int = _f(0, "Save a checkpoint every N steps (0: only at the end).")
+    save_every: int = _f(100, "Save a checkpoint every N steps (0: only at the end); "
+                         "`parity train --resume RUN` continues from the newest.")
+    keep_checkpoints: int = _f(3, "Keep the newest K checkpoints (0: all).")
     threads: int = _f(0, "torch CPU threads (0: torch's default).")
     progress: bool = _f(True, "Show a progress bar.")
 
@@ -201,6 +203,8 @@ class Config:
         for name in ("kl_exact_rows", "dump_rollouts"):
             if getattr(self, name) < 0:
                 raise ParityError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.keep_checkpoints < 0:
+            raise ParityError(f"keep_checkpoints={self.keep_checkpoints} must be >= 0")
         if self.save_every < 0:
             raise ParityError(f"save_every={self.save_every} must be >= 0")
         return self

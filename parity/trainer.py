@@ -28,7 +28,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity import testbed
+from parity import checkpoints, testbed
 from parity.config import Config, dump_yaml
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
 from parity.engines import HFEngine, Rollout, Sampling, score_full
@@ -208,32 +208,6 @@ def check_run_dir(path: Path) -> None:
                           f"another --out")
 
 
-def save_checkpoint(run: Path, step: int, model: torch.nn.Module, tok: Any,
-                    opt: torch.optim.Optimizer, scaler: LossScaler, prompts: PromptSampler,
-                    engine: HFEngine, gen: torch.Generator,
-                    value_head: torch.nn.Module | None = None) -> Path:
-    """checkpoints/step-N/: an ordinary HF model directory (fp32 safetensors + tokenizer) plus
-    optimizer, scaler and RNG state. Written to a temporary directory and renamed, so a crash
-    mid-write never leaves a checkpoint that looks complete."""
-    final = run / "checkpoints" / f"step-{step}"
-    tmp = run / "checkpoints" / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if value_head is not None:
-        from safetensors.torch import save_file
-        save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scaler": scaler.state_dict()}, tmp / "train.pt")
-    torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
-                "python": random.getstate()}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "engine_version": engine.version,
-                                                "prompts": prompts.state_dict()}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
-
-
 def progress_bar(enabled: bool):
     if not enabled:
         return nullcontext(None)
@@ -251,22 +225,46 @@ def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
     return model, tok, model_dir, task
 
 
-def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None) -> Path:
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines past the checkpoint a run resumes from (and a torn last line), atomically."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a line cut by the crash: nothing after it was written either
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)
+
+
+def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None,
+          resume: bool = False) -> Path:
     """Run RL as `cfg` says; returns the run directory. All input is checked before the run
-    directory is touched. `on_model` is called with the fp32 master model before the engine and
-    shadow copies are made (instrumentation, fault injection in tests)."""
+    directory is touched. With `resume`, `cfg.out` is an earlier run: it continues from its
+    newest valid checkpoint, exactly as if it had not stopped. `on_model` is called with the fp32
+    master model before the engine and shadow copies are made (instrumentation, fault
+    injection in tests)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run = run_dir_for(cfg)
-    check_run_dir(run)
+    restored = checkpoints.latest_valid(run) if resume else None
+    if not resume:
+        check_run_dir(run)
     model, tok, model_dir, task = setup(cfg)
-    check_run_dir(run)
-    run.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, run / "config.yaml")
-    (run / "task.json").write_text(json.dumps({"task": task.name, "model_dir": str(model_dir),
-                                               "rows": len(task.rows), **task.info}, indent=1))
+    if not resume:
+        check_run_dir(run)
+        run.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, run / "config.yaml")
+        (run / "task.json").write_text(json.dumps({"task": task.name,
+                                                   "model_dir": str(model_dir),
+                                                   "rows": len(task.rows), **task.info},
+                                                  indent=1))
 
     device = torch.device("cpu")
     s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
@@ -296,12 +294,29 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
               if cfg.diagnostics or needs_shadow else None)
     eps_low, eps_high = _clip_range(cfg)
     kl_rows = exact_kl_rows(cfg.prompts_per_step * G, cfg.kl_exact_rows)
+    first_step = 1
+    if resume and restored is None:
+        truncate_metrics(run / "metrics.jsonl", 0)
+    if restored is not None:
+        scaler.load_state_dict(checkpoints.load_into(restored, model, engine.model, opt, gen,
+                                                     value_head))
+        prompts.load_state_dict(restored.state["prompts"])
+        engine.version = restored.state["engine_version"]
+        first_step = restored.step + 1
+        truncate_metrics(run / "metrics.jsonl", restored.step)
+        for stale in (run / "checkpoints").glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # a write the crash interrupted
+
+    def save(step: int) -> None:
+        checkpoints.save(run, step, model, tok, engine.model, engine.version, opt,
+                         scaler.state_dict(), prompts.state_dict(), gen, value_head,
+                         cfg.keep_checkpoints)
 
     # Line-buffered: every finished step is on disk, whatever happens to the next one.
     with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
             progress_bar(cfg.progress) as bar:
-        bar_task = bar.add_task("", total=cfg.steps) if bar else None
-        for step in range(1, cfg.steps + 1):
+        bar_task = bar.add_task("", total=cfg.steps, completed=first_step - 1) if bar else None
+        for step in range(first_step, cfg.steps + 1):
             t0 = time.perf_counter()
             changed = engine.sync(model)
             rows = prompts.next(cfg.prompts_per_step)
@@ -383,11 +398,11 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
             }
             metrics_file.write(json.dumps(_json_safe(m)) + "\n")
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-                save_checkpoint(run, step, model, tok, opt, scaler, prompts, engine, gen,
-                                value_head)
+                save(step)
             if bar:
                 bar.update(bar_task, advance=1, description=(
                     f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
                     f"clip {m['clip/frac']:.3f}"))
-    save_checkpoint(run, cfg.steps, model, tok, opt, scaler, prompts, engine, gen, value_head)
+    if first_step <= cfg.steps:  # else a finished run was "resumed": its final checkpoint stands
+        save(cfg.steps)
     return run

@@ -1,0 +1,174 @@
+"""Checkpoints that survive crashes, and everything a resumed run needs to continue exactly.
+
+    checkpoints/step-N/   model.safetensors + tokenizer (an ordinary HF directory, fp32)
+                          engine.safetensors      the engine's own low-precision copy
+                          value_head.safetensors  (ppo-value)
+                          train.pt                optimizer and loss-scaler state
+                          rng.pt                  torch, sampling-generator and Python RNG states
+                          state.json              step, engine version, data order
+                          manifest.json           sha256 and size of every file above
+
+A checkpoint is written to `.tmp-step-N/`, its manifest last, then renamed into place: a crash
+leaves either the whole checkpoint or none. On resume the newest checkpoint whose files match
+its manifest is used; a corrupt one is skipped with a warning. Only `torch.load(weights_only=
+True)` and safetensors read anything back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from parity.errors import ParityError
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,
+         engine_version: int, opt: torch.optim.Optimizer, scaler_state: dict, prompts_state: dict,
+         gen: torch.Generator, value_head: torch.nn.Module | None, keep: int) -> Path:
+    final = run / "checkpoints" / f"step-{step}"
+    tmp = run / "checkpoints" / f".tmp-step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    # The engine's copy is not a cast of the final weights (it was cast at the step's start).
+    save_file({k: v.contiguous() for k, v in engine_model.state_dict().items()},
+              str(tmp / "engine.safetensors"))
+    if value_head is not None:
+        save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scaler": scaler_state}, tmp / "train.pt")
+    torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
+                "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "engine_version": engine_version,
+                                                "prompts": prompts_state}))
+    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    for p in tmp.iterdir():
+        with p.open("rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    prune(run, keep)
+    return final
+
+
+def steps_on_disk(run: Path) -> list[int]:
+    d = run / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in d.iterdir()
+                  if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
+
+
+def prune(run: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints (0: all)."""
+    if keep > 0:
+        for s in steps_on_disk(run)[:-keep]:
+            shutil.rmtree(run / "checkpoints" / f"step-{s}", ignore_errors=True)
+
+
+def verify(path: Path) -> str | None:
+    """None if every file matches the manifest, else what is wrong."""
+    m = path / MANIFEST
+    if not m.is_file():
+        return "no manifest.json"
+    try:
+        files = json.loads(m.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "manifest.json is not readable"
+    for name, meta in files.items():
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != meta["bytes"]:
+            return f"{name} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}"
+        if _sha256(p) != meta["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+@dataclass
+class Restored:
+    step: int
+    path: Path
+    state: dict[str, Any]
+
+
+def latest_valid(run: Path) -> Restored | None:
+    """The newest checkpoint that verifies; each corrupt one is named in a warning. None when
+    the run stopped before its first checkpoint: it starts again from step 1."""
+    steps = steps_on_disk(run)
+    if not steps:
+        print(f"parity: warning: {run} has no checkpoint yet; starting it again from step 1",
+              file=sys.stderr)
+        return None
+    for s in reversed(steps):
+        path = run / "checkpoints" / f"step-{s}"
+        problem = verify(path)
+        if problem is None:
+            return Restored(s, path, json.loads((path / "state.json").read_text()))
+        print(f"parity: warning: checkpoint {path} is corrupt ({problem}); trying an older one",
+              file=sys.stderr)
+    raise ParityError(f"{run}: every checkpoint is corrupt ({', '.join(f'step-{s}' for s in steps)}"
+                      f"); nothing to resume from")
+
+
+def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
+              opt: torch.optim.Optimizer, gen: torch.Generator,
+              value_head: torch.nn.Module | None) -> dict:
+    """Restore weights, optimizer, RNGs in place; returns the scaler state to load."""
+    weights = load_file(str(r.path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if k not in _tied(model)]:
+        raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    engine_model.load_state_dict(load_file(str(r.path / "engine.safetensors")))
+    if value_head is not None:
+        value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
+    train = torch.load(r.path / "train.pt", weights_only=True)
+    opt.load_state_dict(train["optimizer"])
+    rng = torch.load(r.path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    gen.set_state(rng["sampling"])
+    random.setstate(_as_tuple(rng["python"]))
+    return train["scaler"]
+
+
+def _tied(model: torch.nn.Module) -> set[str]:
+    # save_pretrained drops a tied output embedding; it comes back with the input embedding.
+    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
