@@ -163,3 +163,47 @@ def test_bad_yaml_config(tmp_path):
     cfg.write_text("learning_rate: 0.1\n")
     assert_user_error(parity("train", "--config", str(cfg)), "unknown config field "
                       "'learning_rate'")
+
+
+def _snapshot(path):
+    """Every file under a run directory and its bytes: to prove a refusal lost nothing."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, text_model):
+    run = tmp_path_factory.mktemp("resume") / "run"
+    p = parity("train", "--model", "text-xs", "--out", str(run), "--save-every", "1", *SMALL)
+    assert p.returncode == 0, p.stderr
+    return run
+
+
+def _corrupt_all(run):
+    for ck in (run / "checkpoints").iterdir():
+        (ck / "train.pt").write_bytes(b"not a checkpoint")
+
+
+@pytest.mark.parametrize("setup,args,words", [
+    (None, ["--resume", "{tmp}/nowhere"], ["no such run directory"]),
+    ("empty", ["--resume", "{tmp}/empty"], ["not a run directory (no config.yaml)"]),
+    ("copy", ["--resume", "{run}", "--lr", "1"], ["--lr cannot change", "steps"]),
+    ("copy", ["--resume", "{run}", "--config", "{run}/config.yaml"], ["--config does not apply"]),
+    ("bad-yaml", ["--resume", "{run}"], ["config.yaml is not valid", "eps_low=-1"]),
+    ("corrupt", ["--resume", "{run}", "--steps", "5"], ["every checkpoint is corrupt"]),
+])
+def test_bad_resume_directories(tmp_path, finished_run, setup, args, words):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    if setup == "empty":
+        (tmp_path / "empty").mkdir()
+    elif setup == "bad-yaml":
+        cfg = (run / "config.yaml").read_text().replace("eps_low: 0.2", "eps_low: -1")
+        (run / "config.yaml").write_text(cfg)
+    elif setup == "corrupt":
+        _corrupt_all(run)
+    before = _snapshot(run)
+    p = parity("train", *[a.format(tmp=tmp_path, run=run) for a in args])
+    assert_user_error(p, *words)
+    assert _snapshot(run) == before, "a refused resume must leave the run directory as it was"
