@@ -24,13 +24,11 @@ import torch
 from parity import testbed
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
                                 dump_table, exact_kl, write_dump)
-from parity.engines import HFEngine, Rollout, Sampling, left_pad, score_full
+from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
+from parity.engines import HFEngine, Rollout, Sampling, score_full
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
-
-REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
-
 
 @dataclass
 class AuditSettings:
@@ -53,131 +51,6 @@ class AuditSettings:
     cpu_fp16: str = "emulate"
     seed: int = 0
     progress: bool = True
-
-
-# ---- input ---------------------------------------------------------------------------------
-
-def read_rollouts(path: str | Path, vocab_size: int) -> list[dict[str, Any]]:
-    """Read and check an audit input file; every problem names its row and column."""
-    p = Path(path)
-    if not p.is_file():
-        raise ParityError(f"rollouts file {p} does not exist")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        try:
-            table = pq.read_table(p)
-        except Exception as e:
-            raise ParityError(f"{p}: not a readable parquet file: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
-        missing = [c for c in REQUIRED if c not in table.column_names]
-        if missing:
-            raise ParityError(f"{p}: missing column {missing[0]!r} (an audit file needs "
-                              f"{', '.join(REQUIRED)}; it has {', '.join(table.column_names)})")
-        rows = table.to_pylist()
-        where = [f"{p} row {i}" for i in range(len(rows))]
-    elif p.suffix in (".jsonl", ".json"):
-        rows, where = [], []
-        for n, line in enumerate(p.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ParityError(f"{p} line {n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ParityError(f"{p} line {n}: a row must be a JSON object")
-            rows.append(row)
-            where.append(f"{p} row {len(rows) - 1} (line {n})")
-    else:
-        raise ParityError(f"rollouts file {p} must be .jsonl or .parquet")
-    if not rows:
-        raise ParityError(f"rollouts file {p} has no rows")
-    for row, at in zip(rows, where):
-        _check_row(row, at, vocab_size)
-    return rows
-
-
-def _check_row(row: dict[str, Any], at: str, vocab_size: int) -> None:
-    for c in REQUIRED:
-        if row.get(c) is None:
-            raise ParityError(f"{at}: missing column {c!r}")
-    for c in ("prompt_token_ids", "completion_token_ids"):
-        ids = row[c]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                for t in ids):
-            raise ParityError(f"{at}, column {c!r}: must be a list of integer token ids")
-        if not ids:
-            what = "empty completion" if c == "completion_token_ids" else "empty prompt"
-            raise ParityError(f"{at}, column {c!r}: {what}")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ParityError(f"{at}, column {c!r}: token id {bad[0]} is outside the model's "
-                              f"vocabulary (0..{vocab_size - 1})")
-    lp = row["engine_logprobs"]
-    if not isinstance(lp, list) or not all(isinstance(v, (int, float)) and
-                                           not isinstance(v, bool) for v in lp):
-        raise ParityError(f"{at}, column 'engine_logprobs': must be a list of numbers")
-    n = len(row["completion_token_ids"])
-    if len(lp) != n:
-        raise ParityError(f"{at}, column 'engine_logprobs': {len(lp)} values for {n} completion "
-                          f"tokens (one log-prob per completion token)")
-    for t, v in enumerate(lp):
-        if not math.isfinite(v):
-            raise ParityError(f"{at}, column 'engine_logprobs': non-finite value {v} at token {t}")
-        if v > 1e-3:
-            raise ParityError(f"{at}, column 'engine_logprobs': {v} at token {t} is positive; "
-                              f"a log-probability is <= 0")
-    for c in ("advantage", "reward"):
-        v = row.get(c)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                  and math.isfinite(v)):
-            raise ParityError(f"{at}, column {c!r}: must be a finite number, got {v!r}")
-
-
-def rollout_advantages(rows: list[dict[str, Any]]) -> torch.Tensor | None:
-    """`advantage` as given; else `reward` centred and scaled within each group of identical
-    prompts (GRPO); else None (no advantages: clip fractions count both signs)."""
-    if all(r.get("advantage") is not None for r in rows):
-        return torch.tensor([float(r["advantage"]) for r in rows])
-    if not all(r.get("reward") is not None for r in rows):
-        return None
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(rows):
-        groups.setdefault(tuple(r["prompt_token_ids"]), []).append(i)
-    adv = torch.zeros(len(rows))
-    for idx in groups.values():
-        if len(idx) > 1:
-            rw = torch.tensor([float(rows[i]["reward"]) for i in idx], dtype=torch.float64)
-            adv[idx] = ((rw - rw.mean()) / (rw.std() + 1e-4)).float()
-    return adv
-
-
-def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
-    ids, mask = left_pad([r["prompt_token_ids"] for r in rows], pad_id)
-    T = max(len(r["completion_token_ids"]) for r in rows)
-    comp = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    cmask = torch.zeros((len(rows), T))
-    lp = torch.zeros((len(rows), T))
-    for i, r in enumerate(rows):
-        n = len(r["completion_token_ids"])
-        comp[i, :n] = torch.tensor(r["completion_token_ids"])
-        cmask[i, :n] = 1
-        lp[i, :n] = torch.tensor(r["engine_logprobs"], dtype=torch.float32)
-    finished = torch.tensor([r["completion_token_ids"][-1] == eos_id for r in rows])
-    return Rollout(ids, mask, comp, cmask, lp, finished)
-
-
-def read_prompts(path: str) -> list[str]:
-    p = Path(path)
-    if not p.is_file():
-        raise ParityError(f"prompts file {p} does not exist")
-    if p.suffix == ".txt":
-        prompts = [line for line in p.read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ParityError(f"prompts file {p} has no non-empty lines")
-        return prompts
-    from parity.tasks import load_rows
-    return [r["prompt"] for r in load_rows(str(p))]
 
 
 # ---- measurement ---------------------------------------------------------------------------
