@@ -137,8 +137,7 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     arith = None
     if plan.arith_steps:
         t0 = time.perf_counter()
-        arith = _sweep(out / "sweeps" / "arith", ["fp32", "bf16-engine", "bf16-shadow",
-                                                  "no-clip"], plan.arith_seeds, "arith",
+        arith = _sweep(out / "sweeps" / "arith", MAIN_RECIPES, plan.arith_seeds, "arith",
                        testbed.DEFAULT_ARITH, {"steps": plan.arith_steps, "eps_low": eps_run,
                                                "eps_high": eps_run}, workers, progress,
                        scaled_clip(eps_run))
@@ -156,6 +155,11 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     (out / "claims.json").write_text(json.dumps(result, indent=1))
     (out / "claims.md").write_text(claims_markdown(claims, plan, seconds, eps_run, a16, out))
     return result
+
+
+def _renamed(c: C.Claim, new_id: str) -> C.Claim:
+    c.id = new_id
+    return c
 
 
 def _kl(m: dict[str, float]) -> float:
@@ -186,16 +190,15 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
         C.stall_and_fixes("neg-length", _groups(main), eps_run),
     ]
     if arith is not None:
-        c = C.stall_and_fixes("arith", _groups(arith), eps_run)
-        c.id = "3-arith"
-        out.append(c)
-    out += [
-        C.fp16_shrinks_gap(_kl(m16),
-                           _kl(mf16),
-                           beta_abs, mf16["mismatch/beta_abs_mean"]),
-        C.wide_eps_helps(_groups(main), eps_run, round(1.4 * eps_run, 6)),
-        C.recompute_family(_groups(main)),
-    ]
+        out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_run), "3-arith"))
+    out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), beta_abs, mf16["mismatch/beta_abs_mean"]))
+    wide = round(1.4 * eps_run, 6)
+    out.append(C.wide_eps_helps(_groups(main), eps_run, wide, "neg-length"))
+    if arith is not None:
+        out.append(_renamed(C.wide_eps_helps(_groups(arith), eps_run, wide, "arith"), "5a-arith"))
+    out.append(C.recompute_family(_groups(main), "neg-length"))
+    if arith is not None:
+        out.append(_renamed(C.recompute_family(_groups(arith), "arith"), "5b-arith"))
     changed = {g["recipe"]: g.get("changed_frac", 0.0) for g in _groups(lr).values()}
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine", 0.0), changed.get("fp16", 0.0),
                                      changed.get("fp32", 0.0), plan.small_lr))

@@ -11,10 +11,15 @@ from parity.reproduce import Plan, eps_at_phantom, judge, phantom_at, reproduce
 
 
 def groups(**steps):
-    """A sweep summary's groups with the given median steps to threshold per recipe."""
-    return {f"neg-length-text-{r}": {"recipe": r.replace("_", "-"),
-                                     "steps_to_threshold_median": s}
-            for r, s in steps.items()}
+    """A sweep summary's groups: median steps to threshold per recipe, each seed of 2 reaching
+    it, or (steps, seeds reaching it)."""
+    out = {}
+    for r, v in steps.items():
+        s, reached = v if isinstance(v, tuple) else (v, 2)
+        out[f"neg-length-text-{r}"] = {"recipe": r.replace("_", "-"),
+                                       "steps_to_threshold_median": s, "reached": reached,
+                                       "runs": 2, "failed": 0}
+    return out
 
 
 def test_beta_bias_verdicts_follow_the_numbers():
@@ -52,6 +57,13 @@ def test_stall_verdict_flips_with_the_steps():
     assert c.verdict == C.NOT_AT_SCALE and "no lag" in c.reason
     unfixed = groups(fp32=10, bf16_engine=20, bf16_shadow=20, no_clip=10)
     assert C.stall_and_fixes("neg-length", unfixed, 0.005).verdict == C.NOT_AT_SCALE
+    # A stall (no seed reaches the threshold in 400 steps) that the fixes cure, more slowly
+    # than fp32: the claim holds; if one seed of a fix also never gets there, it does not.
+    stall = groups(fp32=204, bf16_engine=(401, 0), bf16_shadow=250, no_clip=259)
+    assert C.stall_and_fixes("arith", stall, 0.006).verdict == C.HOLDS
+    partial = groups(fp32=204, bf16_engine=(401, 0), bf16_shadow=(300, 1), no_clip=259)
+    c = C.stall_and_fixes("arith", partial, 0.006)
+    assert c.verdict == C.NOT_AT_SCALE and "no-clip restores" in c.reason
     missing = groups(fp32=10, bf16_engine=20)
     assert C.stall_and_fixes("neg-length", missing, 0.005).verdict == C.NOT_MEASURABLE
 
@@ -65,7 +77,7 @@ def test_fixes_fp16_and_small_lr_verdicts():
                             ).verdict == C.NOT_MEASURABLE
     assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=12)
                               ).verdict == C.HOLDS
-    assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=30)
+    assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=(401, 1))
                               ).verdict == C.NOT_AT_SCALE
     assert C.fp16_shrinks_gap(4e-5, 6e-7, 6e-3, 8e-4).verdict == C.HOLDS
     assert C.fp16_shrinks_gap(4e-5, 2e-5, 6e-3, 5e-3).verdict == C.NOT_AT_SCALE
