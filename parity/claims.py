@@ -248,7 +248,10 @@ def bf16_weights_freeze(changed_bf16: float, changed_fp16: float, changed_fp32: 
 def to_markdown(claims: list[Claim], title: str, preamble: str = "") -> str:
     lines = [f"# {title}", "", preamble, "",
              "| claim | statement | seeds | measured | verdict |", "|---|---|---|---|---|"]
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")  # |β| must not split a Markdown table cell
     for c in claims:
-        lines.append(f"| {c.id} | {c.statement} | {c.seeds} | {c.reason} | **{c.verdict}** |")
+        lines.append(f"| {c.id} | {cell(c.statement)} | {cell(c.seeds)} | {cell(c.reason)} | "
+                     f"**{c.verdict}** |")
     lines.append("")
     return "\n".join(lines)
