@@ -550,16 +550,24 @@ def sweep_report(groups: dict[str, list[Path]], out: Path) -> Path:
     cols = 3
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
+    longest = max(len({r["step"] for r in rows}) for runs in data.values() for rows in runs)
+    # Hundreds of noisy steps per seed hide the trend: smooth long runs with a trailing mean.
+    window = max(1, longest // 40)
     for ax, (key, title) in zip(axes.flat, panels):
         for i, (g, runs) in enumerate(data.items()):
             if (st := _seed_stack(runs, key)) is None:
                 continue
             steps, v = st
+            if window > 1 and v.shape[1] >= window:
+                kernel = np.ones(window) / window
+                v = np.stack([np.convolve(row, kernel, mode="valid") for row in v])
+                steps = steps[window - 1:]
             ax.plot(steps, v.mean(0), color=f"C{i % 10}", lw=1.4, label=g)
             if len(v) > 1:
                 ax.fill_between(steps, v.min(0), v.max(0), color=f"C{i % 10}", alpha=0.15)
         _steps_axis(ax)
-        ax.set(title=title, ylabel=key)
+        ax.set(title=title + (f" ({window}-step trailing mean)" if window > 1 else ""),
+               ylabel=key)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     handles = [Line2D([], [], color=f"C{i % 10}", label=f"{g} ({len(r)} seeds)")
