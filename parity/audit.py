@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from parity import testbed
+from parity import testbed, ui
+from parity.ui import progress
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
                                 dump_table, exact_kl, write_dump)
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
@@ -123,7 +124,7 @@ class Measurement:
 
 
 def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
-            s: Sampling, bar) -> str:
+            s: Sampling, bar: ui.Bar) -> str:
     from parity.tasks import PromptSampler, build_task
     from parity.trainer import exact_kl_rows, max_positions
     if a.prompts:
@@ -163,13 +164,12 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
         pids = torch.tensor([i for i in rows for _ in range(a.group)])
         meas.add(model, shadow, r, adv, s, pids, done)
         done += len(batch)
-        if bar is not None:
-            bar[0].update(bar[1], completed=min(done, a.samples))
+        bar.completed(min(done, a.samples))
     return source
 
 
 def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
-            bar) -> str:
+            bar: ui.Bar) -> str:
     from parity.trainer import max_positions
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = read_rollouts(a.rollouts, vocab)
@@ -188,18 +188,14 @@ def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: 
         r = to_rollout(chunk, tok.pad_token_id, tok.eos_token_id)
         meas.add(model, shadow, r, None if adv is None else adv[start:start + len(chunk)], s,
                  prompt_index[start:start + len(chunk)], start)
-        if bar is not None:
-            bar[0].update(bar[1], completed=start + len(chunk))
+        bar.completed(start + len(chunk))
     return f"rollouts file {a.rollouts}"
 
 
 def default_out(a: AuditSettings) -> Path:
-    base = Path("audits") / f"{Path(a.model).name}-{a.engine_dtype}-vs-{a.trainer_dtype}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    from parity.trainer import free_dir
+    return free_dir(Path("audits") / f"{Path(a.model).name}-{a.engine_dtype}-vs-"
+                    f"{a.trainer_dtype}")
 
 
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
@@ -220,7 +216,8 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     s = Sampling(a.temperature, a.top_p, a.top_k)
     shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16)
     meas = Measurement(a)
-    with _bar(a.progress, "audit", None if a.rollouts else a.samples) as bar:
+    total = None if a.rollouts else a.samples
+    with progress("audit", total, a.progress, transient=True) as bar:
         if a.rollouts:
             source = _replay(a, model, tok, meas, shadow, s, bar)
         else:
@@ -259,21 +256,6 @@ def verdict(result: dict[str, Any]) -> str:
     return f"phantom clipping at eps={eps:g} is {ph:.2%} of tokens{where}"
 
 
-def _bar(enabled: bool, label: str, total: int | None):
-    from contextlib import contextmanager
-
-    @contextmanager
-    def cm():
-        if not enabled:
-            yield None
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-        with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                      transient=True) as p:
-            yield p, p.add_task("", total=total)
-    return cm()
-
-
 def print_audit(result: dict[str, Any]) -> None:
     from rich.table import Table
     m = result["metrics"]
@@ -303,7 +285,7 @@ def print_audit(result: dict[str, Any]) -> None:
     for row in result["phantom_vs_eps"]:
         if row["eps"] in (0.01, 0.05):
             t.add_row(f"phantom-clipped at eps={row['eps']:g}", f"{row['phantom_frac']:.2%}")
-    console = _console()
+    console = ui.console(120)
     console.print(t)
     console.print(f"verdict: {result['verdict']}")
 
@@ -382,12 +364,6 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None) -> dict[
     return result
 
 
-def _console():
-    from rich.console import Console
-    c = Console()
-    return c if c.is_terminal else Console(width=120)  # piped output: do not squeeze to 80
-
-
 def print_scale(result: dict[str, Any]) -> None:
     from rich.table import Table
     t = Table(title=f"mismatch against size: {result['engine_dtype']} engine vs "
@@ -407,7 +383,7 @@ def print_scale(result: dict[str, Any]) -> None:
         at = list(fit["at"].values())
         label = f"{key} (eps={result['phantom_eps']:g})" if key == "phantom_frac" else key
         f.add_row(label, f"{fit['slope']:+.3f}", f"{at[0]:.3g}", f"{at[1]:.3g}")
-    console = _console()
+    console = ui.console(120)
     console.print(t)
     console.print(f)
     if result.get("beta_abs_slope_by_axis"):

@@ -146,12 +146,10 @@ def cmd_testbed(args: argparse.Namespace) -> None:
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:
-    from rich.console import Console
     from rich.table import Table
+    from parity import ui
     from parity.config import RECIPES, Config
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # piped: do not squeeze the table to 80 columns
+    console = ui.console()
     t = Table(title="recipes (parity train --recipe NAME; flags override)")
     for col in ("recipe", "description", "sets"):
         t.add_column(col)
@@ -172,8 +170,7 @@ def cmd_recipes(args: argparse.Namespace) -> None:
 
 def cmd_audit(args: argparse.Namespace) -> None:
     from parity import audit as au
-    from parity import testbed
-    from parity.config import DTYPES
+    from parity.config import DTYPES, TASK_DEFAULTS
     for name in ("engine_dtype", "trainer_dtype"):
         if getattr(args, name) not in DTYPES:
             raise ParityError(f"--{name.replace('_', '-')}={getattr(args, name)!r} is not one "
@@ -199,9 +196,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
         return
     if not (args.task or args.prompts or args.rollouts):
         fields["task"] = "neg-length"
-    if fields.get("model") is None:
-        fields["model"] = testbed.DEFAULT_TEXT if fields.get("task") in (None, "neg-length") \
-            else testbed.DEFAULT_ARITH if fields.get("task") == "arith" else None
+    if fields.get("model") is None:  # a built-in task's own testbed model, as `train` picks it
+        fields["model"] = TASK_DEFAULTS.get(fields.get("task") or "neg-length", {}).get("model")
         if fields["model"] is None:
             raise ParityError("audit: give --model NAME|DIR")
     a = au.AuditSettings(**fields)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from parity import claims as C
-from parity import testbed
+from parity import testbed, ui
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
                 "seq-mis"]
@@ -227,11 +227,7 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float, eps_run: 
 
 
 def print_claims(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
     t = Table(title=f"parity reproduce ({result['plan']}): {result['seconds'] / 60:.1f} min, "
                     f"scaled ε = {result['eps_run']:g}")
     for col in ("claim", "statement", "seeds", "measured", "verdict"):
@@ -240,4 +236,4 @@ def print_claims(result: dict[str, Any]) -> None:
         color = {"holds": "green", C.NOT_AT_SCALE: "yellow"}.get(c["verdict"], "dim")
         t.add_row(c["id"], c["statement"], c["seeds"], c["reason"],
                   f"[{color}]{c['verdict']}[/]")
-    console.print(t)
+    ui.console(160).print(t)

@@ -21,6 +21,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from parity import ui
 from parity.errors import ParityError
 
 # When a run counts as converged: (metric, "<=" or ">=", value), on a trailing mean over WINDOW
@@ -138,11 +139,11 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
     t0 = time.perf_counter()
     # The testbed models and the arith filter are built once here, not raced by the workers.
     _prebuild(todo)
-    with _bar(progress, len(todo)) as bar:
+    with ui.progress("sweep", len(todo), progress) as bar:
         if _workers(spec, len(todo)) == 1 or len(todo) <= 1:
             for r in todo:
                 status[r.name] = {**status.get(r.name, {}), **_run_one(r.explicit)}
-                bar and bar[0].advance(bar[1])
+                bar.advance()
         elif todo:
             ctx = get_context("spawn")  # fresh interpreters: no forked torch thread pools
             with ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx) as pool:
@@ -150,7 +151,7 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
                 for f in as_completed(futures):
                     r = futures[f]
                     status[r.name] = {**status.get(r.name, {}), **f.result()}
-                    bar and bar[0].advance(bar[1])
+                    bar.advance()
     summary = summarize(runs, status, time.perf_counter() - t0)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if report:
@@ -176,22 +177,6 @@ def _prebuild(todo: list[RunSpec]) -> None:
             setup(cfg)
 
 
-def _bar(enabled: bool, total: int):
-    from contextlib import contextmanager
-
-    @contextmanager
-    def cm():
-        if not enabled or not total:
-            yield None
-            return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
-        with Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn()) as p:
-            yield p, p.add_task("", total=total)
-    return cm()
-
-
 # ---- summary ---------------------------------------------------------------------------------
 
 def steps_to_threshold(rows: list[dict[str, Any]], task: str) -> int | None:
@@ -211,7 +196,8 @@ def steps_to_threshold(rows: list[dict[str, Any]], task: str) -> int | None:
 
 
 def run_summary(path: Path, task: str) -> dict[str, Any]:
-    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x]
+    from parity.reports import load_metrics
+    rows = load_metrics(path / "metrics.jsonl")
 
     def mean(key: str, rs: list[dict]) -> float | None:
         v = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
@@ -261,11 +247,7 @@ def summarize(runs: list[RunSpec], status: dict[str, dict], seconds: float) -> d
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)
     t = Table(title=f"sweep: {len(summary['runs'])} runs, {summary['seconds'] / 60:.1f} min")
     for col in ("group", "seeds", "reached", "median steps to threshold", "final reward",
                 "early phantom", "|beta|", "KL k3", "failed"):
@@ -278,4 +260,4 @@ def print_summary(summary: dict[str, Any]) -> None:
                   f(a.get("steps_to_threshold_median"), "g"), f(a.get("final_reward"), ".3f"),
                   f(a.get("early_phantom_frac"), ".2%"), f(a.get("beta_abs_mean"), ".3g"),
                   f(a.get("kl_k3"), ".3g"), str(a["failed"]))
-    console.print(t)
+    ui.console().print(t)

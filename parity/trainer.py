@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +37,7 @@ from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs
                                value_loss, whiten)
 from parity.precision import LossScaler, autocast, fp32_head
 from parity.tasks import PromptSampler, Task, build_task
+from parity.ui import progress
 
 
 def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
@@ -188,12 +188,9 @@ def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d[k] for d in ds if k in d) / sum(k in d for d in ds) for k in sorted(keys)}
 
 
-def run_dir_for(cfg: Config) -> Path:
-    """--out as given; otherwise runs/<task>-<recipe>-s<seed>, numbered -2, -3, ... when taken,
-    so repeating a command never collides with the run before it."""
-    if cfg.out:
-        return Path(cfg.out)
-    base = Path("runs") / f"{Path(cfg.task).stem}-{cfg.recipe}-s{cfg.seed}"
+def free_dir(base: Path) -> Path:
+    """`base`, or base-2, base-3, ... : the first that does not exist yet, so repeating a
+    command never collides with the output of the one before it."""
     path, n = base, 1
     while path.exists():
         n += 1
@@ -201,20 +198,18 @@ def run_dir_for(cfg: Config) -> Path:
     return path
 
 
+def run_dir_for(cfg: Config) -> Path:
+    """--out as given; otherwise the first free runs/<task>-<recipe>-s<seed>[-N]."""
+    if cfg.out:
+        return Path(cfg.out)
+    return free_dir(Path("runs") / f"{Path(cfg.task).stem}-{cfg.recipe}-s{cfg.seed}")
+
+
 def check_run_dir(path: Path) -> None:
     """Never overwrite an earlier run: a run directory must stay consistent with its metrics."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ParityError(f"run directory {path} already exists and is not empty; choose "
                           f"another --out")
-
-
-def progress_bar(enabled: bool):
-    if not enabled:
-        return nullcontext(None)
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"))
 
 
 def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
@@ -314,8 +309,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
 
     # Line-buffered: every finished step is on disk, whatever happens to the next one.
     with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
-            progress_bar(cfg.progress) as bar:
-        bar_task = bar.add_task("", total=cfg.steps, completed=first_step - 1) if bar else None
+            progress("train", cfg.steps, cfg.progress, first_step - 1, eta=True) as bar:
         for step in range(first_step, cfg.steps + 1):
             t0 = time.perf_counter()
             changed = engine.sync(model)
@@ -399,10 +393,8 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
             metrics_file.write(json.dumps(_json_safe(m)) + "\n")
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
                 save(step)
-            if bar:
-                bar.update(bar_task, advance=1, description=(
-                    f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
-                    f"clip {m['clip/frac']:.3f}"))
+            bar.advance(1, f"reward {m['reward/mean']:+.3f}  len "
+                           f"{m['completion/len_mean']:.1f}  clip {m['clip/frac']:.3f}")
     if first_step <= cfg.steps:  # else a finished run was "resumed": its final checkpoint stands
         save(cfg.steps)
     return run
