@@ -153,10 +153,6 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, x, torch.zeros_like(x))
 
 
-def seq_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return aggregate(per_token, mask, "seq-mean", 1)
-
-
 # ---- objectives ----------------------------------------------------------------------------
 
 
@@ -207,8 +203,10 @@ def pg_is_loss(logp_pi: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, ma
     per_token = -(w * adv)[:, None] * logp_pi
     if weights is not None:
         per_token = per_token * weights.detach()
-    stats = {"is/weight_mean_raw": float(rho.mean()), "is/weight_max_raw": float(rho.max()),
-             "is/weight_mean": float(w.mean()), "is/frac_changed": float((rho > cap).float().mean())}
+    # Named apart from the recompute correction's is/*: both can be on in one run.
+    stats = {"pg_is/weight_mean_raw": float(rho.mean()),
+             "pg_is/weight_max_raw": float(rho.max()), "pg_is/weight_mean": float(w.mean()),
+             "pg_is/frac_changed": float((rho > cap).float().mean())}
     return aggregate(per_token, mask, agg, max_len), stats
 
 

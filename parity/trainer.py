@@ -133,7 +133,6 @@ def objective_loss(cfg: Config, logp_pi: torch.Tensor, log_r: torch.Tensor, mb: 
     if cfg.objective == "pg-is":
         loss, stats = pg_is_loss(logp_pi, log_r, adv, mask, cfg.is_cap, cfg.loss_agg,
                                  cfg.max_new_tokens, weights)
-        stats = {f"pg_{k}": v for k, v in stats.items()}  # not the recompute weights' is/*
         return loss, no_clip, stats
     chosen, rejected = dpo_pairs(rewards[idx], cfg.samples_per_prompt)
     loss, margins = dpo_loss(logp_pi, p.ref[idx], mask, chosen, rejected, cfg.dpo_scale)

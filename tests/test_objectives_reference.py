@@ -296,8 +296,9 @@ def test_pg_is_loss_matches_reference(agg):
     _check(pi.grad, grad)
     _check_pad_grad(pi.grad)
     assert log_r.grad is None
-    ref_stats = {"is/weight_mean_raw": sum(rho) / B, "is/weight_max_raw": max(rho),
-                 "is/weight_mean": sum(w) / B, "is/frac_changed": sum(p > cap for p in rho) / B}
+    ref_stats = {"pg_is/weight_mean_raw": sum(rho) / B, "pg_is/weight_max_raw": max(rho),
+                 "pg_is/weight_mean": sum(w) / B,
+                 "pg_is/frac_changed": sum(p > cap for p in rho) / B}
     assert set(stats) == set(ref_stats)
     for k, v in ref_stats.items():
         assert stats[k] == pytest.approx(v, rel=1e-7), k   # frac_changed is a float32 mean
