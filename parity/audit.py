@@ -226,7 +226,8 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     result = {"model": a.model, "model_dir": str(model_dir),
               "n_params": sum(p.numel() for p in model.parameters()),
               "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
-              "input": source, "eps": a.eps,
+              "input": source, "eps": a.eps, "max_new_tokens": a.max_new_tokens,
+              "seed": a.seed,
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
               **res, "seconds": time.perf_counter() - t0}
     result["verdict"] = verdict(result)
@@ -309,9 +310,17 @@ def fit_loglog(xs: list[float], ys: list[float]) -> dict[str, float] | None:
     return {"slope": slope, "intercept": my - slope * mx, "points": len(pts)}
 
 
-def scale(a: AuditSettings, out: Path, models: list[str] | None = None) -> dict[str, Any]:
+def _same_audit(res: dict[str, Any], a: AuditSettings) -> bool:
+    keys = ("engine_dtype", "trainer_dtype", "eps", "max_new_tokens", "seed")
+    return (all(res.get(k) == getattr(a, k) for k in keys) and res.get("completions") == a.samples
+            and res.get("input") == f"task {a.task}")
+
+
+def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
+          done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Audit every model of the size ladder on the same prompts and fit each metric against
-    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters."""
+    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters. `done`: audits
+    already run with these settings, by model name, used instead of running them again."""
     from parity.trainer import check_run_dir
     check_run_dir(out)
     models = models or list(testbed.LADDER)
@@ -324,7 +333,9 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None) -> dict[
         if name in testbed.SPECS:
             testbed.ensure(name, progress=a.progress)
         sub = AuditSettings(**{**a.__dict__, "model": name})
-        res = audit(sub, out / "models" / Path(name).name, report=False)
+        res = (done or {}).get(name)
+        if res is None or not _same_audit(res, sub):
+            res = audit(sub, out / "models" / Path(name).name, report=False)
         m = res["metrics"]
         small = next((row["phantom_frac"] for row in res["phantom_vs_eps"]
                       if row["eps"] == SMALL_EPS), None)

@@ -83,13 +83,13 @@ def _audit(plan: Plan, engine: str, out: Path, progress: bool) -> dict[str, Any]
                                progress=progress), out)
 
 
-def _scale(plan: Plan, out: Path, progress: bool) -> dict[str, Any]:
+def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict[str, Any]:
     from parity.audit import AuditSettings, scale
     if (out / "scale.json").is_file():
         return json.loads((out / "scale.json").read_text())
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
                                max_new_tokens=plan.audit_tokens, progress=progress), out,
-                 plan.scale_models)
+                 plan.scale_models, done)
 
 
 def _sweep(out: Path, recipes: list[str], seeds: list[int], task: str, model: str,
@@ -123,7 +123,7 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     f16 = _audit(plan, "fp16", out / "audits" / "fp16-vs-fp32", progress)
     phase("audits", t0)
     t0 = time.perf_counter()
-    sc = _scale(plan, out / "scale", progress)
+    sc = _scale(plan, out / "scale", progress, {plan.audit_model: a16})  # not audited twice
     phase("scale", t0)
 
     # The scaled experiment: the ε at which the bf16 engine phantom-clips the seeds' 18%.

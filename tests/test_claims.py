@@ -145,5 +145,8 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     md = (tmp_path / "r" / "claims.md").read_text()
     assert all(f"| {c['id']} |" in md for c in res["claims"])
     assert (tmp_path / "r" / "sweeps" / "neg-length" / "summary.json").is_file()
+    # The size ladder reuses the bf16 audit of the audit model instead of running it again.
+    assert not (tmp_path / "r" / "scale" / "models" / "text-xs").exists()
+    assert (tmp_path / "r" / "scale" / "models" / "text-gpt2-xs" / "audit.json").is_file()
     again = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert again["claims"] == res["claims"] and again["seconds"] < res["seconds"]
