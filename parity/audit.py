@@ -26,7 +26,7 @@ from parity.ui import progress
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
                                 dump_table, exact_kl, write_dump)
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.engines import HFEngine, Rollout, Sampling, score_full
+from parity.engines import HFEngine, Rollout, Sampling, score_full, stop_token_ids
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
@@ -37,7 +37,8 @@ class AuditSettings:
     engine_dtype: str = "bf16"
     trainer_dtype: str = "fp32"
     task: str | None = None          # built-in task or dataset (with reward) to sample prompts
-    reward: str | None = None
+    reward: str | None = None        # one or several comma-separated module:function
+    chat_template: bool = False      # plain prompts as a user turn of the chat template
     prompts: str | None = None       # a file of prompts: .txt lines, or JSONL/parquet `prompt`
     rollouts: str | None = None      # another system's completions and ℓ_μ
     samples: int = 256
@@ -125,11 +126,11 @@ class Measurement:
 
 def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
             s: Sampling, bar: ui.Bar) -> str:
-    from parity.tasks import PromptSampler, build_task
+    from parity.tasks import PromptSampler, build_task, prompt_token_ids
     from parity.trainer import exact_kl_rows, max_positions
     if a.prompts:
         texts = read_prompts(a.prompts)
-        prompt_ids = [tok(t)["input_ids"] for t in texts]
+        prompt_ids = [prompt_token_ids(tok, t, a.chat_template) for t in texts]
         limit = max_positions(model)
         for i, ids in enumerate(prompt_ids):
             if not ids:
@@ -141,9 +142,11 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
         task, source = None, f"prompts file {a.prompts}"
     else:
         task = build_task(a.task, a.reward, model_dir, model, tok, a.max_new_tokens,
-                          max_positions(model), a.seed, a.temperature)
+                          max_positions(model), a.seed, a.temperature,
+                          chat_template=a.chat_template)
         prompt_ids, source = task.prompt_ids, f"task {a.task}"
-    engine = HFEngine(model, a.engine_dtype, tok.eos_token_id, tok.pad_token_id, a.cpu_fp16)
+    engine = HFEngine(model, a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
+                      a.cpu_fp16)
     order = PromptSampler(len(prompt_ids), a.seed)
     gen = torch.Generator().manual_seed(a.seed)
     per_batch = max(1, a.batch_size // a.group)

@@ -130,7 +130,7 @@ def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
     return Rollout(ids, mask, comp, cmask, lp, finished)
 
 
-def read_prompts(path: str) -> list[str]:
+def read_prompts(path: str) -> list[str | list[dict]]:
     p = Path(path)
     if not p.is_file():
         raise ParityError(f"prompts file {p} does not exist")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 from parity.errors import ParityError
 
@@ -60,8 +60,8 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     # The engine's copy is not a cast of the final weights (it was cast at the step's start).
-    save_file({k: v.contiguous() for k, v in engine_model.state_dict().items()},
-              str(tmp / "engine.safetensors"))
+    # save_model, not save_file: a tied head (GPT-2) shares its tensor with the embedding.
+    save_model(engine_model, str(tmp / "engine.safetensors"))
     if value_head is not None:
         save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scaler": scaler_state}, tmp / "train.pt")
@@ -153,7 +153,7 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
     if unexpected or [k for k in missing if k not in _tied(model)]:
         raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    engine_model.load_state_dict(load_file(str(r.path / "engine.safetensors")))
+    load_model(engine_model, str(r.path / "engine.safetensors"))
     if value_head is not None:
         value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
     train = torch.load(r.path / "train.pt", weights_only=True)

@@ -60,7 +60,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 RESUME_MAY_CHANGE = ("steps", "progress", "threads", "save_every", "keep_checkpoints",
-                     "dump_rollouts")
+                     "dump_rollouts", "report_to")
 
 
 def resume_config(args: argparse.Namespace):
@@ -257,6 +257,22 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"wrote {run_report(runs, out)}")
 
 
+def cmd_fp16_check(args: argparse.Namespace) -> int:
+    """Exit code 0 when fp16 inference and training are both predicted OK, 1 when a check
+    flags a problem (the report says which), 2 for user errors as everywhere else."""
+    from parity import fp16_check as fc
+    if args.top <= 0:
+        raise ParityError(f"--top={args.top} must be > 0")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    result = fc.check(args.model, args.prompts, max_prompts=args.max_prompts,
+                      out=Path(args.out) if args.out else None, progress=args.progress)
+    fc.print_check(result, top=args.top)
+    print(f"wrote {result['out']}/fp16_check.json")
+    return 0 if set(result["verdict"].values()) == {"OK"} else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="Precision-consistent RL for language models.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -275,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("recipes", help="List the recipes and what they set.")
     rc.set_defaults(func=cmd_recipes)
     _add_audit_parser(sub)
+    _add_fp16_check_parser(sub)
     sw = sub.add_parser("sweep", help="A grid of runs (recipes x seeds x tasks x models) in "
                         "parallel processes, with a summary and an overlay report.")
     sw.add_argument("--recipes", required=True, help="comma-separated recipes")
@@ -320,7 +337,10 @@ def _add_audit_parser(sub) -> None:
     src.add_argument("--rollouts", default=None, metavar="FILE", help="audit completions and "
                      "engine log-probs another system wrote (JSONL/parquet: prompt_token_ids, "
                      "completion_token_ids, engine_logprobs[, advantage|reward])")
-    au.add_argument("--reward", default=None, help="reward function for a dataset --task")
+    au.add_argument("--reward", default=None, help="reward function(s) for a dataset --task, "
+                    "comma-separated module:function")
+    au.add_argument("--chat-template", action="store_true", help="plain prompts as a user "
+                    "turn of the tokenizer's chat template (conversations always use it)")
     au.add_argument("--scale", action="store_true", help="audit every model of the testbed "
                     "size ladder and fit the trend against size")
     au.add_argument("--models", default=None, help="with --scale: comma-separated models "
@@ -344,17 +364,34 @@ def _add_audit_parser(sub) -> None:
     au.set_defaults(func=cmd_audit)
 
 
+def _add_fp16_check_parser(sub) -> None:
+    fc = sub.add_parser("fp16-check", help="Can this checkpoint run in FP16? Weights, "
+                        "activations and gradients against FP16's range, with a verdict "
+                        "(exit 1 when a check flags a problem).")
+    fc.add_argument("--model", required=True, help="testbed model name or HF model directory")
+    fc.add_argument("--prompts", default=None, metavar="FILE", help="sample prompts (.txt, one "
+                    "per line, or JSONL/parquet with a `prompt` column; default: a handful of "
+                    "built-in text prompts)")
+    fc.add_argument("--max-prompts", type=int, default=8, help="prompts to use at most (8)")
+    fc.add_argument("--top", type=int, default=10, help="rows per table (10)")
+    fc.add_argument("--out", default=None, help="output directory (default: "
+                    "audits/<model>-fp16-check[-N])")
+    fc.add_argument("--threads", type=int, default=0)
+    fc.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    fc.set_defaults(func=cmd_fp16_check)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        args.func(args)
+        code = args.func(args)  # None, or fp16-check's 1 for a flagged problem
     except ParityError as e:
         print(f"parity: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("parity: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

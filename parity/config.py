@@ -25,6 +25,7 @@ LOSS_AGGS = ("seq-mean", "token-mean", "token-sum")
 DPO_REFS = ("initial", "engine")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ENGINES = ("hf",)
+REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -42,7 +43,14 @@ class Config:
                    "with a `prompt` column) used with `--reward`.")
     reward: str | None = _f(None, "Reward function `module:function` or `path/file.py:function` "
                             "with TRL's signature reward(prompts, completions, **columns) -> "
-                            "list[float]; required for a dataset task, optional otherwise.")
+                            "list[float]; several, comma-separated, are summed with "
+                            "`reward_weights`. Required for a dataset task, optional otherwise.")
+    reward_weights: str | None = _f(None, "Comma-separated weight of each reward function, in "
+                                    "`reward`'s order (None: every weight 1), as TRL's "
+                                    "reward_weights.")
+    chat_template: bool = _f(False, "Wrap plain-text prompts as a user message in the "
+                             "tokenizer's chat template. Conversational prompts (a list of "
+                             "{role, content} messages) always use it.")
     model: str | None = _f(None, "Testbed model name (`parity testbed list`) or a local Hugging "
                            "Face causal LM directory. None: the built-in task's testbed model "
                            "(a dataset task must name one).")
@@ -133,6 +141,9 @@ class Config:
     keep_checkpoints: int = _f(3, "Keep the newest K checkpoints (0: all).")
     threads: int = _f(0, "torch CPU threads (0: torch's default).")
     progress: bool = _f(True, "Show a progress bar.")
+    report_to: str = _f("auto", "Metric backends besides metrics.jsonl (always written), "
+                        "comma-separated: `tensorboard`, `wandb` (offline mode); `auto`: each one "
+                        "that is installed; `none`.")
 
     def validate(self) -> "Config":
         """Refuse bad settings before any work starts, with one line naming the field."""
@@ -207,7 +218,32 @@ class Config:
             raise ParityError(f"keep_checkpoints={self.keep_checkpoints} must be >= 0")
         if self.save_every < 0:
             raise ParityError(f"save_every={self.save_every} must be >= 0")
+        self.reward_weight_list()
+        for name in self.report_to.split(","):
+            if name.strip() not in REPORT_TO:
+                raise ParityError(f"report_to: {name.strip()!r} is not one of: "
+                                  f"{', '.join(REPORT_TO)}")
         return self
+
+    def reward_specs(self) -> list[str]:
+        return [x.strip() for x in self.reward.split(",")] if self.reward else []
+
+    def reward_weight_list(self) -> list[float]:
+        """One weight per reward function; a mismatch or a bad number is refused."""
+        specs = self.reward_specs()
+        if self.reward_weights is None:
+            return [1.0] * len(specs)
+        try:
+            w = [float(x) for x in self.reward_weights.split(",")]
+        except ValueError:
+            raise ParityError(f"reward_weights={self.reward_weights!r} must be comma-separated "
+                              f"numbers") from None
+        if len(w) != len(specs):
+            raise ParityError(f"reward_weights has {len(w)} values for {len(specs)} reward "
+                              f"functions (reward={self.reward!r})")
+        if not all(math.isfinite(x) for x in w):
+            raise ParityError(f"reward_weights={self.reward_weights!r} must be finite")
+        return w
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ records, for every sampled token, ℓ_μ: its log-prob under the distribution ac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -137,14 +138,27 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
     return score_full(model, r, s).logp
 
 
+def stop_token_ids(model: torch.nn.Module, tok: Any) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's
+    (a chat model's end-of-turn token, e.g. Qwen's <|im_end|>)."""
+    ids = [tok.eos_token_id]
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in ([gen] if isinstance(gen, int) else list(gen or [])):
+        if i not in ids:
+            ids.append(i)
+    return ids
+
+
 class HFEngine:
     """Batched sampling with a KV cache on the engine's own engine-precision copy of the model."""
 
-    def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int, pad_id: int,
+    def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int | list[int], pad_id: int,
                  cpu_fp16: str = "emulate", lm_head_fp32: bool = False):
         self.dtype, self.cpu_fp16 = dtype, cpu_fp16
         self.model = low_precision_copy(master, dtype, lm_head_fp32)
-        self.eos_id, self.pad_id = eos_id, pad_id
+        # Chat models end a turn with their own token (<|im_end|>) besides the tokenizer's EOS.
+        self.eos_ids = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
+        self.pad_id = pad_id
         self.version = 0
 
     def sync(self, master: torch.nn.Module) -> float:
@@ -186,7 +200,7 @@ class HFEngine:
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
             valid[:, t] = alive.float()
-            done |= alive & (tok == self.eos_id)
+            done |= alive & torch.isin(tok, self.eos_ids)
             if bool(done.all()) or t == max_new_tokens - 1:
                 break
             # Finished rows keep decoding a pad token; their output is discarded above.

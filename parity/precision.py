@@ -49,8 +49,13 @@ class FP16MatmulOnCPU(TorchFunctionMode):
         def to16(a):
             return a.to(torch.float16).float() if isinstance(a, torch.Tensor) and \
                 a.is_floating_point() else a
+        # `out=` (TRL's chunked log-prob kernel writes tiles in place) must receive the result,
+        # not an fp32 stand-in of itself.
+        dest = kwargs.pop("out", None)
         with torch.autocast("cpu", enabled=False):
             out = func(*(to16(a) for a in args), **{k: to16(v) for k, v in kwargs.items()})
+        if dest is not None:
+            return dest.copy_(out)
         return out.to(torch.float16)
 
 

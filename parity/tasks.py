@@ -9,7 +9,11 @@ where `columns` holds every dataset column for each completion's row, plus `comp
 - `arith`: exact-match arithmetic on problems the model solves 20–80% of the time over 40
   samples, measured by really sampling from the model before training (cached).
 - a dataset file (JSONL, parquet, or a `datasets` directory) with a `prompt` column, rewarded by
-  the user's `--reward module:function`.
+  the user's `--reward module:function[,module:function...]`, summed with `--reward-weights`.
+
+A prompt is a string, or a conversation (a list of {role, content} messages, TRL's
+"conversational" format) rendered with the tokenizer's chat template; completions of a
+conversation reach the reward function as [{"role": "assistant", "content": text}], as in TRL.
 """
 
 from __future__ import annotations
@@ -37,39 +41,82 @@ ARITH_BAND = (0.2, 0.8)
 
 
 @dataclass
+class Reward:
+    fn: RewardFn
+    name: str           # the function's name, as TRL logs it: rewards/<name>/mean
+    spec: str           # what the user wrote, for error messages
+    weight: float = 1.0
+
+
+@dataclass
 class Task:
     name: str
     rows: list[dict[str, Any]]                  # each has "prompt" and any other columns
-    reward_fn: RewardFn
-    reward_name: str
+    reward_fns: list[Reward]
     prompt_ids: list[list[int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def reward_name(self) -> str:
+        return ",".join(r.spec for r in self.reward_fns)
+
     def rewards(self, row_idx: list[int], completions: list[str],
                 completion_ids: list[list[int]]) -> list[float]:
-        """Call the reward function and hold it to its contract; any breach is a ParityError."""
+        """The weighted sum of the reward functions, each held to its contract."""
+        total, _ = self.reward_parts(row_idx, completions, completion_ids)
+        return total
+
+    def reward_parts(self, row_idx: list[int], completions: list[str],
+                     completion_ids: list[list[int]]
+                     ) -> tuple[list[float], dict[str, list[float]]]:
+        """(weighted sum, each function's own values by name); any breach is a ParityError."""
         rows = [self.rows[i] for i in row_idx]
         prompts = [r["prompt"] for r in rows]
         columns = {k: [r.get(k) for r in rows] for k in self.rows[0] if k != "prompt"}
-        try:
-            out = self.reward_fn(prompts, completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # the user's code: report it, do not crash with its traceback
-            raise ParityError(f"reward function {self.reward_name} raised "
-                              f"{type(e).__name__}: {e}") from None
-        try:
-            values = [float(v) for v in out]
-        except (TypeError, ValueError):
-            raise ParityError(f"reward function {self.reward_name} must return a list of "
-                              f"numbers, got {type(out).__name__}") from None
-        if len(values) != len(completions):
-            raise ParityError(f"reward function {self.reward_name} returned {len(values)} "
-                              f"values for {len(completions)} completions")
-        for i, v in enumerate(values):
-            if not math.isfinite(v):
-                raise ParityError(f"reward function {self.reward_name} returned {v} for "
-                                  f"completion {i} (prompt row {row_idx[i]}); rewards must be "
-                                  f"finite")
-        return values
+        shown: list[Any] = list(completions)
+        if prompts and isinstance(prompts[0], list):  # a conversation: answer as TRL does
+            shown = [[{"role": "assistant", "content": c}] for c in completions]
+        total = [0.0] * len(completions)
+        parts: dict[str, list[float]] = {}
+        for rw in self.reward_fns:
+            values = _call_reward(rw, prompts, shown, completion_ids, columns, row_idx)
+            parts[rw.name] = values
+            total = [t + rw.weight * v for t, v in zip(total, values)]
+        return total, parts
+
+
+def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: list[list[int]],
+                 columns: dict[str, list], row_idx: list[int]) -> list[float]:
+    try:
+        out = rw.fn(prompts, completions, completion_ids=completion_ids, **columns)
+    except Exception as e:  # the user's code: report it, do not crash with its traceback
+        raise ParityError(f"reward function {rw.spec} raised {type(e).__name__}: {e}") from None
+    try:
+        values = [float(v) for v in out]
+    except (TypeError, ValueError):
+        raise ParityError(f"reward function {rw.spec} must return a list of numbers, got "
+                          f"{type(out).__name__}") from None
+    if len(values) != len(completions):
+        raise ParityError(f"reward function {rw.spec} returned {len(values)} values for "
+                          f"{len(completions)} completions")
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise ParityError(f"reward function {rw.spec} returned {v} for completion {i} "
+                              f"(prompt row {row_idx[i]}); rewards must be finite")
+    return values
+
+
+def load_rewards(specs: list[str], weights: list[float] | None = None) -> list[Reward]:
+    """Each `module:function` spec imported; names made unique the way TRL's log needs them."""
+    weights = weights or [1.0] * len(specs)
+    out: list[Reward] = []
+    for spec, w in zip(specs, weights):
+        fn, _ = load_reward(spec)
+        name = getattr(fn, "__name__", spec.rpartition(":")[2])
+        if any(r.name == name for r in out):
+            name = f"{name}_{len(out)}"
+        out.append(Reward(fn, name, spec, w))
+    return out
 
 
 def neg_length_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
@@ -143,9 +190,39 @@ def load_rows(path: str) -> list[dict[str, Any]]:
                           f"{', '.join(ds.column_names)})")
     rows = ds.to_list()
     for i, row in enumerate(rows):
-        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ParityError(f"dataset {p} row {i}: field 'prompt' is missing or empty")
+        check_prompt(row.get("prompt"), f"dataset {p} row {i}")
     return rows
+
+
+def check_prompt(prompt: Any, where: str) -> None:
+    """A non-empty string, or a non-empty list of {role, content} messages."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ParityError(f"{where}: field 'prompt' is empty")
+        return
+    if isinstance(prompt, list) and prompt:
+        for j, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ParityError(f"{where}: prompt message {j} must be a mapping with string "
+                                  f"'role' and 'content'")
+        return
+    raise ParityError(f"{where}: field 'prompt' must be a non-empty string or a list of "
+                      f"{{role, content}} messages, got {type(prompt).__name__}")
+
+
+def prompt_token_ids(tok: Any, prompt: str | list[dict], chat_template: bool) -> list[int]:
+    """Token ids of a prompt: a conversation (or, with `chat_template`, a plain prompt as one
+    user message) goes through the tokenizer's chat template with the assistant turn opened."""
+    if not isinstance(prompt, list) and not chat_template:
+        return list(tok(prompt)["input_ids"])
+    if not getattr(tok, "chat_template", None):
+        raise ParityError("the prompt is a conversation (or --chat-template is on) but the "
+                          "model's tokenizer has no chat template (tokenizer_config.json "
+                          "'chat_template' or chat_template.jinja)")
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperature: float,
@@ -186,24 +263,30 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
     return rows, info
 
 
-def build_task(name: str, reward: str | None, model_dir: Path, model: Any, tokenizer: Any,
-               max_new_tokens: int, max_positions: int | None, seed: int,
-               temperature: float) -> Task:
+def build_task(name: str, reward: str | list[str] | None, model_dir: Path, model: Any,
+               tokenizer: Any, max_new_tokens: int, max_positions: int | None, seed: int,
+               temperature: float, reward_weights: list[float] | None = None,
+               chat_template: bool = False) -> Task:
+    """`reward`: one `module:function` spec, a comma-separated string of them, or a list;
+    it replaces a built-in task's own reward."""
+    specs = ([x.strip() for x in reward.split(",")] if isinstance(reward, str)
+             else list(reward or []))
     if name == "neg-length":
         rows = [{"prompt": p} for p in testbed.text_prompts(256, seed=seed)]
-        task = Task(name, rows, neg_length_reward, "neg-length")
+        task = Task(name, rows, [Reward(neg_length_reward, "neg_length", "neg-length")])
     elif name == "arith":
         rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature)
-        task = Task(name, rows, arith_reward, "arith", info=info)
+        task = Task(name, rows, [Reward(arith_reward, "arith", "arith")], info=info)
     else:
-        if reward is None:
+        if not specs:
             raise ParityError(f"task {name!r} is a dataset: give its reward function with "
                               f"--reward module:function")
         rows = load_rows(name)
-        task = Task(Path(name).name, rows, *load_reward(reward))
-    if reward is not None and name in BUILTIN:
-        task.reward_fn, task.reward_name = load_reward(reward)
-    task.prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in task.rows]
+        task = Task(Path(name).name, rows, [])
+    if specs:
+        task.reward_fns = load_rewards(specs, reward_weights)
+    task.prompt_ids = [prompt_token_ids(tokenizer, r["prompt"], chat_template)
+                       for r in task.rows]
     for i, ids in enumerate(task.prompt_ids):
         if not ids:
             raise ParityError(f"task {name}: row {i}: prompt tokenizes to nothing")

@@ -30,8 +30,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from parity import checkpoints, testbed
 from parity.config import Config, dump_yaml
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
-from parity.engines import HFEngine, Rollout, Sampling, score_full
+from parity.engines import HFEngine, Rollout, Sampling, score_full, stop_token_ids
 from parity.errors import ParityError
+from parity.loggers import MetricLoggers, check_backends
 from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs, gae,
                                grpo_advantages, gspo_loss, log_ratio, pg_is_loss, ppo_clip_loss,
                                value_loss, whiten)
@@ -214,8 +215,9 @@ def check_run_dir(path: Path) -> None:
 def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
     model_dir = testbed.resolve_model(cfg.model)
     model, tok = load_policy(model_dir)
-    task = build_task(cfg.task, cfg.reward, model_dir, model, tok, cfg.max_new_tokens,
-                      max_positions(model), cfg.seed, cfg.temperature)
+    task = build_task(cfg.task, cfg.reward_specs(), model_dir, model, tok, cfg.max_new_tokens,
+                      max_positions(model), cfg.seed, cfg.temperature,
+                      cfg.reward_weight_list(), cfg.chat_template)
     return model, tok, model_dir, task
 
 
@@ -250,6 +252,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     restored = checkpoints.latest_valid(run) if resume else None
     if not resume:
         check_run_dir(run)
+    check_backends(cfg.report_to)  # a requested backend that is not installed fails here
     model, tok, model_dir, task = setup(cfg)
     if not resume:
         check_run_dir(run)
@@ -266,7 +269,8 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
         fp32_head(model)
     if on_model is not None:
         on_model(model)
-    engine = HFEngine(model, cfg.engine_dtype, tok.eos_token_id, tok.pad_token_id, cfg.cpu_fp16,
+    engine = HFEngine(model, cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
+                      cfg.cpu_fp16,
                       cfg.lm_head_fp32)
     model.train()
     value_head = ValueHead(model.config.hidden_size) if cfg.objective == "ppo-value" else None
@@ -306,8 +310,11 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                          scaler.state_dict(), prompts.state_dict(), gen, value_head,
                          cfg.keep_checkpoints)
 
-    # Line-buffered: every finished step is on disk, whatever happens to the next one.
+    # Line-buffered: every finished step is on disk, whatever happens to the next one. The other
+    # backends are rewound to the same step on resume, and closed however the run ends.
     with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
+            MetricLoggers(run, cfg.report_to, cfg.to_dict(),
+                          first_step - 1 if resume else None) as loggers, \
             progress("train", cfg.steps, cfg.progress, first_step - 1, eta=True) as bar:
         for step in range(first_step, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -317,8 +324,9 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                                 cfg.max_new_tokens, s, gen, kl_rows)
             comp_ids = r.completions()
             texts = tok.batch_decode(comp_ids, skip_special_tokens=True)
-            rewards = torch.tensor(task.rewards([i for i in rows for _ in range(G)], texts,
-                                                comp_ids))
+            total, parts = task.reward_parts([i for i in rows for _ in range(G)], texts,
+                                             comp_ids)
+            rewards = torch.tensor(total)
             prep = prepare(cfg, model, value_head, ref_model, r, rewards, s, device)
             adv = prep.adv
             t1 = time.perf_counter()
@@ -370,6 +378,9 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                 "step": step,
                 "reward/mean": float(rewards.mean()),
                 "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                # each function's own mean, unweighted, when there are several (TRL's names)
+                **({f"rewards/{k}/mean": sum(v) / len(v) for k, v in parts.items()}
+                   if len(parts) > 1 else {}),
                 "completion/len_mean": float(n_tok / len(comp_ids)),
                 "completion/eos_frac": float(r.finished.float().mean()),
                 **diag.metrics(),
@@ -390,6 +401,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                 "throughput/tokens_per_s": float(n_tok) / (t2 - t0),
             }
             metrics_file.write(json.dumps(_json_safe(m)) + "\n")
+            loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
                 save(step)
             bar.advance(1, f"reward {m['reward/mean']:+.3f}  len "

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import assert_user_error
 
 REWARDS = '''
 import math
@@ -37,14 +38,6 @@ def parity(*args, cwd=None):
                           text=True, env=env, cwd=cwd, timeout=300)
 
 
-def assert_user_error(p, *words):
-    assert p.returncode == 2, p.stderr
-    assert "Traceback" not in p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("parity: error:")]
-    assert len(lines) == 1, p.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture
@@ -96,6 +89,31 @@ def test_dataset_row_missing_prompt(env):
     p = parity("train", "--task", str(env / "bad.jsonl"), "--model", "text-xs", "--reward",
                f"{env / 'rewards.py'}:ok", "--out", str(env / "run"), *SMALL)
     assert_user_error(p, "row 1", "prompt")
+    assert not (env / "run").exists()
+
+
+@pytest.mark.parametrize("line,words", [
+    ('{"prompt": [{"role": "user"}]}', ["row 0", "message 0", "'content'"]),
+    ('{"prompt": []}', ["row 0", "non-empty string or a list"]),
+    ('{"prompt": 7}', ["row 0", "got int"]),
+])
+def test_dataset_bad_conversation(env, line, words):
+    (env / "bad.jsonl").write_text(line + "\n")
+    p = parity("train", "--task", str(env / "bad.jsonl"), "--model", "text-xs", "--reward",
+               f"{env / 'rewards.py'}:ok", "--out", str(env / "run"), *SMALL)
+    assert_user_error(p, *words)
+    assert not (env / "run").exists()
+
+
+@pytest.mark.parametrize("weights,words", [
+    ("1", ["1 values for 2 reward functions"]),
+    ("1,x", ["reward_weights='1,x'", "numbers"]),
+])
+def test_bad_reward_weights(env, weights, words):
+    rewards = f"{env / 'rewards.py'}:ok,{env / 'rewards.py'}:ok"
+    p = parity("train", "--task", str(env / "data.jsonl"), "--model", "text-xs", "--reward",
+               rewards, "--reward-weights", weights, "--out", str(env / "run"), *SMALL)
+    assert_user_error(p, *words)
     assert not (env / "run").exists()
 
 

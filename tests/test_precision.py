@@ -98,3 +98,19 @@ def test_fp16_matmul_emulation_is_fp16_numerics():
     with autocast("fp16", torch.device("cpu"), "emulate"):
         F.linear(x, wp).float().sum().backward()
     assert wp.grad.dtype == torch.float32 and torch.isfinite(wp.grad).all()
+
+
+def test_fp16_matmul_emulation_writes_into_out():
+    """`torch.mm(a, b, out=tile)` (TRL's chunked log-prob kernel fills tiles this way) gets
+    the fp16 product in `tile` itself; before the fix the emulation wrote into a temporary and
+    left `tile` uninitialised."""
+    from parity.precision import FP16MatmulOnCPU
+    torch.manual_seed(1)
+    a, b = torch.randn(8, 32).half(), torch.randn(32, 16).half()
+    ref = (a.double() @ b.double()).half()
+    tile = torch.full((8, 16), float("nan"), dtype=torch.float16)
+    with FP16MatmulOnCPU():
+        ret = torch.mm(a, b, out=tile)
+    assert ret is tile
+    ulp = torch.finfo(torch.float16).eps * ref.float().abs().clamp(min=2**-14)
+    assert ((tile.float() - ref.float()).abs() <= ulp).all()

@@ -1,0 +1,277 @@
+"""parity inside TRL's GRPOTrainer: the α/β diagnostics, the shadow ratio and the FP16 fix.
+
+    from trl import GRPOConfig
+    from parity.integrations.trl import ParityGRPOTrainer, ParityOptions
+
+    trainer = ParityGRPOTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=[my_reward],
+        train_dataset=dataset, args=GRPOConfig(output_dir="out", use_cpu=True),
+        parity=ParityOptions.from_recipe("bf16-shadow"))
+    trainer.train()   # TRL's log now carries clip/phantom_frac, mismatch/beta_abs_mean, ...
+
+A subclass, because TRL's extension points for generation (`rollout_func`) cannot reach the
+loss; it overrides three methods of GRPOTrainer and leaves the rest (datasets, rewards,
+advantages, the loss itself, logging, checkpoints) to TRL:
+
+- `_generate_single_turn`: completions come from parity's engine, a copy of the policy in
+  `engine_dtype` (the role vLLM plays on a GPU). It records ℓ_μ, each sampled token's log-prob
+  under the distribution it was drawn from, which TRL keeps as `sampling_per_token_logps`.
+- `_get_per_token_logps_and_entropies`: in the loss, the shadow forward (the current weights
+  cast to engine precision, no grad) gives ℓ_s next to the trainer's ℓ_π.
+- `_compute_loss`: sets the ratio's denominator by `ratio_source`, then attributes every clip
+  (DESIGN.md: clipped, phantom, hidden) and appends parity's metrics to TRL's `_metrics`, so
+  they reach TRL's log and every `report_to` backend under parity's names:
+
+      engine     log r = ℓ_π − ℓ_μ                      (TRL's AsyncGRPO; β inside the clip)
+      shadow     log r = ℓ_s − ℓ_μ, gradient via ℓ_π    (β out of the ratio)
+      recompute  TRL's own ratio, ℓ_π − ℓ_old            (ℓ_old recomputed by the trainer)
+
+Trainer precision is GRPOConfig's (`bf16=True`, `fp16=True`). On CPU accelerate silently runs
+`fp16=True` in fp32, so parity supplies what it leaves out: fp16 autocast (tensor-core numerics
+emulated, parity/precision.py) and a dynamic loss scaler on accelerate's own hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parity.config import DTYPES, RATIO_SOURCES, RECIPES
+from parity.diagnostics import StepDiagnostics, attribute
+from parity.engines import HFEngine, Sampling
+from parity.errors import ParityError
+from parity.objectives import clip_predicate
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+
+try:
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("parity.integrations.trl needs TRL: pip install 'parity[trl]'") from e
+
+CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+RECIPE_DEFAULT_EPS = 0.2
+
+
+@dataclass
+class ParityOptions:
+    """What parity changes in GRPOTrainer; every other setting stays GRPOConfig's."""
+
+    engine_dtype: str = "bf16"
+    """Precision of parity's sampling engine: fp32|bf16|fp16 (bf16: the usual vLLM setting)."""
+    ratio_source: str = "engine"
+    """Denominator of the PPO ratio: engine | shadow | recompute (see the module docstring)."""
+    diagnostics: bool = True
+    """Shadow forward on every loss call: α/β per token and each clip attributed."""
+    trainer_dtype: str | None = None
+    """The trainer precision this setting expects (recipes set it); GRPOConfig's bf16/fp16 flags
+    must agree. None: whatever GRPOConfig says."""
+    cpu_fp16: str = "emulate"
+    """fp16 matrix products on CPU: `emulate` (tensor-core numerics, fast) or `native`."""
+
+    def validate(self) -> "ParityOptions":
+        if self.engine_dtype not in DTYPES:
+            raise ParityError(f"engine_dtype={self.engine_dtype!r} is not one of: "
+                              f"{', '.join(DTYPES)}")
+        if self.trainer_dtype is not None and self.trainer_dtype not in DTYPES:
+            raise ParityError(f"trainer_dtype={self.trainer_dtype!r} is not one of: "
+                              f"{', '.join(DTYPES)}")
+        if self.ratio_source not in RATIO_SOURCES:
+            raise ParityError(f"ratio_source={self.ratio_source!r} is not one of: "
+                              f"{', '.join(RATIO_SOURCES)}")
+        if self.cpu_fp16 not in ("emulate", "native"):
+            raise ParityError(f"cpu_fp16={self.cpu_fp16!r} is not one of: emulate, native")
+        return self
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides: Any) -> "ParityOptions":
+        """A parity recipe's precision and ratio source. Recipes whose fix lives elsewhere are
+        refused with where to set it instead."""
+        if name not in RECIPES:
+            raise ParityError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}")
+        st = RECIPES[name].settings
+        if st["correction"] != "none":
+            raise ParityError(f"recipe {name!r} reweights by exp(l_old - l_mu), which TRL's "
+                              f"GRPOTrainer applies only to vLLM samples; use parity train, or "
+                              f"ratio_source='recompute' here")
+        if st["eps_low"] != RECIPE_DEFAULT_EPS or st["eps_high"] != RECIPE_DEFAULT_EPS:
+            raise ParityError(f"recipe {name!r} changes the clip range, which is GRPOConfig's: "
+                              f"set GRPOConfig(epsilon=..., epsilon_high=...) with "
+                              f"ParityOptions.from_recipe('bf16-engine')")
+        return cls(engine_dtype=st["engine_dtype"], ratio_source=st["ratio_source"],
+                   trainer_dtype=st["trainer_dtype"], **overrides).validate()
+
+
+def _without_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy keeps TRL's fused-head forward, which closes over the original model's
+    forward: generating with the copy would run the original. Drop it (and accelerate's
+    wrapper) so the copy runs its own class forward."""
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("_original_forward", None)
+    return model
+
+
+class ParityGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with parity's engine, ratio sources and diagnostics (module docstring)."""
+
+    def __init__(self, *args: Any, parity: ParityOptions | None = None, **kwargs: Any):
+        self.parity = (parity or ParityOptions()).validate()
+        super().__init__(*args, **kwargs)
+        a = self.args
+        if self.use_vllm:
+            raise ParityError("ParityGRPOTrainer samples with parity's engine; set "
+                              "GRPOConfig(use_vllm=False)")
+        if (a.min_p is not None or a.repetition_penalty != 1.0 or a.generation_kwargs
+                or self.tools or self.rollout_func is not None):
+            raise ParityError("parity's engine samples with temperature, top_p and top_k only: "
+                              "min_p, repetition_penalty, generation_kwargs, tools and "
+                              "rollout_func are not supported")
+        self.trainer_dtype = "fp16" if a.fp16 else "bf16" if a.bf16 else "fp32"
+        want = self.parity.trainer_dtype
+        if want is not None and want != self.trainer_dtype:
+            flag = {"fp16": "fp16=True", "bf16": "bf16=True", "fp32": "bf16=False, fp16=False"}
+            raise ParityError(f"these parity options expect a {want} trainer but GRPOConfig "
+                              f"says {self.trainer_dtype}: set GRPOConfig({flag[want]})")
+        if (self.trainer_dtype == "fp16" and self.accelerator.device.type == "cpu"
+                and self.parity.cpu_fp16 == "emulate" and a.gradient_checkpointing):
+            # Checkpointing recomputes the forward inside backward, where the emulation's
+            # torch-function mode is not active: the recomputed tensors would differ.
+            raise ParityError("fp16 emulation on CPU cannot run under gradient checkpointing: "
+                              "set GRPOConfig(gradient_checkpointing=False), or "
+                              "ParityOptions(cpu_fp16='native') (several times slower)")
+        master = self.accelerator.unwrap_model(self.model)
+        head32 = bool(a.cast_lm_head_to_fp32)
+        self.engine = HFEngine(master, self.parity.engine_dtype, self.eos_token_ids,
+                               self._tokenizer.pad_token_id, self.parity.cpu_fp16, head32)
+        _without_patched_forward(self.engine.model)
+        self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0)
+        self.generator = torch.Generator().manual_seed(a.seed + self.accelerator.process_index)
+        self._synced_step: int | None = None
+        # An fp32 engine against an fp32 trainer: the shadow forward is the trainer's own.
+        self.shadow = None
+        if not (self.parity.engine_dtype == "fp32" and self.trainer_dtype == "fp32"):
+            self.shadow = _without_patched_forward(
+                low_precision_copy(master, self.parity.engine_dtype, head32))
+            add_fused_lm_head(self.shadow, temperature=self.temperature,
+                              cast_lm_head_to_fp32=head32)
+        self._loss_call: dict[str, torch.Tensor] | None = None
+        if self.trainer_dtype == "fp16" and self.accelerator.scaler is None:
+            # accelerate runs fp16 on CPU as plain fp32 with no scaler. With native_amp on, its
+            # autocast() turns fp16, and clip_grad_norm_ unscales before clipping; the scaler
+            # is the one AcceleratedOptimizer.step uses to skip overflowing steps.
+            self.accelerator.native_amp = True
+            self.accelerator.scaler = torch.amp.GradScaler(
+                self.accelerator.device.type, init_scale=2.0**16, growth_interval=400)
+
+    # -- sampling --------------------------------------------------------------------------
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise ParityError("parity's engine samples text only (no images)")
+        mode = "train" if self.model.training else "eval"
+        if self._synced_step != self.state.global_step:
+            changed = self.engine.sync(self.accelerator.unwrap_model(self.model))
+            self._synced_step = self.state.global_step
+            self._metrics[mode]["sync/changed_frac"].append(changed)
+        r = self.engine.generate(prompt_ids, self.max_completion_length, self.sampling,
+                                 self.generator)
+        ids = r.completions()
+        return ids, [r.engine_logprobs[i, :len(c)].tolist() for i, c in enumerate(ids)]
+
+    # -- the trainer's forward and the shadow's --------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with fp16_kernels(self.trainer_dtype, self.accelerator.device, self.parity.cpu_fp16):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with fp16_kernels(self.trainer_dtype, self.accelerator.device, self.parity.cpu_fp16):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        call = self._loss_call
+        if call is None or "pi" in call:  # not the loss's own forward (old, ref, eval)
+            return logps, entropies, aux
+        call["pi"] = logps.detach()
+        if self.parity.diagnostics or self.parity.ratio_source == "shadow":
+            call["s"] = self._shadow_logps(input_ids, attention_mask, logits_to_keep, logps)
+            if self.parity.ratio_source == "shadow":
+                # value ℓ_s, gradient ∇ℓ_π: TRL's exp(logps − ℓ_μ) becomes the shadow ratio
+                logps = logps - logps.detach() + call["s"]
+        return logps, entropies, aux
+
+    @torch.no_grad()
+    def _shadow_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      logits_to_keep: int, logp_pi: torch.Tensor) -> torch.Tensor:
+        if self.shadow is None:
+            return logp_pi.detach()
+        cast_weights_into(self.accelerator.unwrap_model(self.model), self.shadow, count=False)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        dev = input_ids.device
+        # Engine precision, whatever autocast the trainer's forward runs under.
+        with torch.autocast(dev.type, enabled=False), \
+                fp16_kernels(self.parity.engine_dtype, dev, self.parity.cpu_fp16):
+            out = self.shadow(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                              fused_lm_head=True)
+        return out.log_probs[:, -logits_to_keep:].float()
+
+    # -- the loss ---------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        mu = inputs.get("sampling_per_token_logps")
+        if mu is None:
+            raise ParityError("no engine log-probs in the batch: the completions did not come "
+                              "from parity's engine")
+        if self.parity.ratio_source in ("engine", "shadow"):
+            inputs = {**inputs, "old_per_token_logps": mu}
+        self._loss_call = {}
+        try:
+            loss = super()._compute_loss(model, inputs)
+            call = self._loss_call
+        finally:
+            self._loss_call = None
+        mode = "train" if self.model.training else "eval"
+        if self.accelerator.scaler is not None:
+            self._metrics[mode]["loss/scale"].append(float(self.accelerator.scaler.get_scale()))
+        if self.parity.diagnostics:
+            for k, v in self._diagnose(inputs, call, mu).items():
+                self._metrics[mode][k].append(v)
+        return loss
+
+    def _diagnose(self, inputs: dict, call: dict, mu: torch.Tensor) -> dict[str, float]:
+        """DESIGN's metrics for this micro-batch; `clipped` is what TRL's loss really clipped,
+        recomputed from the log-ratio it used."""
+        mask = inputs["completion_mask"].float()
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mask = mask.cpu()
+        pi, s, mu = call["pi"].float().cpu(), call["s"].float().cpu(), mu.float().cpu()
+        adv = inputs["advantages"].float().cpu()
+        pi, s, mu = pi * mask, s * mask, torch.nan_to_num(mu) * mask
+        source = self.parity.ratio_source
+        old = mu if source != "recompute" else inputs.get("old_per_token_logps")
+        old = pi if old is None else old.float().cpu() * mask
+        log_r = (s if source == "shadow" else pi) - old
+        sequence = self.importance_sampling_level == "sequence"
+        eps_low, eps_high = None, None
+        clipped = torch.zeros_like(mask, dtype=torch.bool)
+        if self.loss_type in CLIPPING_LOSSES:
+            eps_low, eps_high = self.epsilon_low, self.epsilon_high
+            if sequence:
+                x = (log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+                a = adv if adv.dim() == 1 else adv.mean(-1)
+                clipped = clip_predicate(x, a, eps_low, eps_high)[:, None].expand_as(mask)
+            else:
+                a = adv[:, None] if adv.dim() == 1 else adv
+                clipped = clip_predicate(log_r, a, eps_low, eps_high)
+        att = attribute(pi, s, mu, adv, mask, eps_low, eps_high, clipped, sequence=sequence)
+        diag = StepDiagnostics()
+        diag.add(att, pi, mu, adv, mask, first=True)
+        return diag.metrics()
