@@ -101,6 +101,10 @@ def test_audit_and_train_on_a_local_model_directory(kind, text_model, data, tmp_
     assert t.returncode == 0, t.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
+    print(f"\n{kind}: audit |beta| mean {audit['metrics']['mismatch/beta_abs_mean']:.2e}; "
+          f"train reward/mean by step {[round(m['reward/mean'], 3) for m in rows]}, "
+          f"rewards/short/mean {[m['rewards/short/mean'] for m in rows]}, "
+          f"rewards/says_the/mean {[m['rewards/says_the/mean'] for m in rows]}")
     for m in rows:
         # the logged total is the weighted sum of the functions' own means
         total = m["rewards/short/mean"] + 0.5 * m["rewards/says_the/mean"]
