@@ -231,9 +231,9 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
     ARITH_SAMPLES times at the run's temperature; cached beside the testbed models."""
     weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
-    # "engine": filters made by the earlier model.generate sampler must not be reused.
+    # The sampler's name: a filter drawn by another sampler is another sample of solve rates.
     key = hashlib.sha256(json.dumps([str(model_dir.resolve()), stamp, seed, temperature,
-                                     ARITH_CANDIDATES, ARITH_SAMPLES, "engine"]
+                                     ARITH_CANDIDATES, ARITH_SAMPLES, "engine-cdf"]
                                     ).encode()).hexdigest()[:16]
     path = (cache or testbed.cache_dir()) / "tasks" / f"arith-{key}.json"
     if path.is_file():

@@ -1,0 +1,123 @@
+"""Model FLOP utilisation of the engine (prefill, decode) and of the training step, against the
+matrix-product rate of this machine measured in the same run.
+
+    python bench/mfu.py                          # ladder-w512 (the largest testbed model), batch 256
+    python bench/mfu.py --model text --batch 64 --new-tokens 16
+
+FLOPs are counted as the model needs them, not as the kernels happen to run them:
+
+- matrix products: 2 per weight per token (embeddings excluded, the LM head included);
+- attention scores and values: 4 · layers · width · context per token;
+- training: 3x the forward (backward = 2x).
+
+The decode context is the prompt plus the tokens decoded so far. The reference rate is the
+best of several square products (2048^3 fp32, 4096^3 bf16), timed in the same process just
+before, so both numbers see the same machine load. MFU = achieved FLOP/s / reference FLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from parity import testbed
+from parity.engines import HFEngine, Rollout, Sampling, score_full
+from parity.precision import autocast
+from parity.trainer import load_policy
+
+
+def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up: thread pool, AMX tiles
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights that take part in a matrix product per token: every 2-D weight except the input
+    embeddings (a lookup)."""
+    emb = {id(p) for p in model.get_input_embeddings().parameters()}
+    head = model.get_output_embeddings().weight
+    n = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in emb)
+    return n + (head.numel() if id(head) in emb else 0)  # a tied head still multiplies
+
+
+def attn_flops(model: torch.nn.Module, ctx: float) -> float:
+    c = model.config
+    return 4 * c.num_hidden_layers * c.hidden_size * ctx
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=testbed.LARGEST)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+
+    model_dir = testbed.ensure(a.model)
+    master, tok = load_policy(model_dir)
+    N = matmul_params(master)
+    B, P, T = a.batch, a.prompt_tokens, a.new_tokens
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, len(tok), (B, P), generator=g).tolist()
+    print(f"{a.model}: {N / 1e6:.2f}M weights in matrix products, batch {B}, prompt {P} "
+          f"tokens, {T} new tokens, {torch.get_num_threads()} threads\n")
+    rows = []
+    for dtype in a.dtypes.split(","):
+        td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        ref = max(matmul_rate(td, 2048 if dtype == "fp32" else 4096) for _ in range(2))
+        # No token ends a completion (eos -1): every row decodes T tokens, as the FLOPs assume.
+        eng = HFEngine(master, dtype, [-1], tok.pad_token_id)
+        s = Sampling()
+        t_pre = timed(lambda: eng.generate(prompts, 1, s, g), a.reps)
+        t_all = timed(lambda: eng.generate(prompts, T + 1, s, g), a.reps)
+        t_dec = (t_all - t_pre) / T
+        f_pre = B * P * 2 * N + B * sum(attn_flops(master, c) for c in range(1, P + 1))
+        f_dec = B * (2 * N + attn_flops(master, P + T / 2))
+        rows.append(("prefill", dtype, t_pre, f_pre, ref))
+        rows.append(("decode step", dtype, t_dec, f_dec, ref))
+        # the training step: forward with grad over prompt + completion, backward, AdamW
+        r = eng.generate(prompts, T, s, g)
+        model = load_policy(model_dir)[0].train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+        def step(r: Rollout = r) -> None:
+            with autocast(dtype, torch.device("cpu")):
+                logp = score_full(model, r, s).logp
+            (-logp.sum() / B).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t_train = timed(step, a.reps)
+        L = P + T
+        f_train = 3 * (B * L * 2 * N + B * sum(attn_flops(master, c) for c in range(1, L + 1)))
+        rows.append(("train step", dtype, t_train, f_train, ref))
+
+    print("| phase | dtype | time s | GFLOP | GFLOP/s | matmul GFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|---|")
+    for phase, dtype, t, f, ref in rows:
+        print(f"| {phase} | {dtype} | {t:.4f} | {f / 1e9:.2f} | {f / t / 1e9:.1f} | "
+              f"{ref / 1e9:.0f} | {100 * f / t / ref:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

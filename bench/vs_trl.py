@@ -1,0 +1,149 @@
+"""parity against TRL's GRPOTrainer on the same CPU workload, side by side.
+
+    python bench/vs_trl.py                       # arith model and task, 16 prompts x 8, 8 tokens
+    python bench/vs_trl.py --steps 40 --repeats 3
+
+Both sides train the same testbed model on the same task rows (`arith`: the problems the model
+solves 20-80% of the time), with the same prompts per step x completions per prompt, completion
+length, learning rate, optimizer (AdamW, constant rate, no weight decay, gradient clip 1.0),
+GRPO loss (per-sequence mean, group-normalised advantages, clip 0.2, no KL term), precision
+(fp32 on both sides: GRPOConfig(bf16=False), parity's `fp32` recipe) and one optimizer step per
+generation. TRL runs without vLLM (`use_cpu=True`) and, to its advantage, without gradient
+checkpointing (its default), which only costs time on a model this size.
+
+Each run is its own process; runs alternate (TRL, parity, TRL, ...) so drift on a shared
+machine hits both. Step time is the median over the steps after the first two (warm-up): for
+TRL the wall time between consecutive `on_step_end` callbacks, for parity `time/step_s` (rollout
+plus update). The table gives step time, completions/s, completion tokens/s, their ratio, and
+the mean reward over the first and the last five steps, so "as fast" is judged at similar
+learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def trl_worker(a: argparse.Namespace, out: Path) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from parity import testbed
+    from parity.tasks import arith_reward, build_task
+    model_dir = testbed.ensure(a.model, progress=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    task = build_task("arith", None, model_dir, model, tok, a.max_new_tokens, None, a.seed, 1.0)
+    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]}
+                                     for r in task.rows])
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, max_steps=a.steps, learning_rate=a.lr,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
+        max_completion_length=a.max_new_tokens, temperature=1.0, epsilon=0.2, beta=0.0,
+        loss_type="grpo", scale_rewards="group", logging_steps=1, save_strategy="no",
+        report_to=[], seed=a.seed, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=arith_reward,
+                          args=args, train_dataset=ds, callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "reward" in h]
+    times = [b - a_ for a_, b in zip([start] + stamps[:-1], stamps)]
+    return {"step_s": times, "reward": [h["reward"] for h in steps],
+            "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps]}
+
+
+def parity_worker(a: argparse.Namespace, out: Path) -> dict:
+    from parity.config import make_config
+    from parity.trainer import train
+    cfg = make_config({"task": "arith", "recipe": "fp32", "model": a.model, "steps": a.steps,
+                       "lr": a.lr, "prompts_per_step": a.prompts, "samples_per_prompt": a.group,
+                       "max_new_tokens": a.max_new_tokens, "seed": a.seed, "optimizer": "adamw",
+                       "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
+                       "out": str(out / "parity"), "progress": False, "save_every": 0,
+                       "report_to": "none"})
+    run = train(cfg)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
+            "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows]}
+
+
+def run_worker(who: str, a: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--worker", who, "--result", str(res),
+               *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                 if k not in ("worker", "result", "repeats"))]
+        subprocess.run(cmd, check=True)
+        return json.loads(res.read_text())
+
+
+def summarize(r: dict, a: argparse.Namespace) -> dict:
+    warm = r["step_s"][2:] or r["step_s"]
+    step = statistics.median(warm)
+    tok = statistics.median(r["tokens"][2:] or r["tokens"])
+    return {"step_s": step, "completions_s": a.prompts * a.group / step, "tokens_s": tok / step,
+            "reward_first5": statistics.mean(r["reward"][:5]),
+            "reward_last5": statistics.mean(r["reward"][-5:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="arith")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
+    ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        fn = trl_worker if a.worker == "trl" else parity_worker
+        with tempfile.TemporaryDirectory() as tmp:
+            Path(a.result).write_text(json.dumps(fn(a, Path(tmp))))
+        return
+
+    from parity import testbed
+    testbed.ensure(a.model)  # built once, before any timed run
+    results: dict[str, list[dict]] = {"trl": [], "parity": []}
+    for i in range(a.repeats):
+        for who in (("trl", "parity") if i % 2 == 0 else ("parity", "trl")):
+            print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
+            results[who].append(summarize(run_worker(who, a), a))
+
+    print(f"\nworkload: {a.model}, {a.prompts} prompts x {a.group} completions, <= "
+          f"{a.max_new_tokens} tokens, {a.steps} steps, fp32, one process each, "
+          f"{a.repeats} alternating runs per side (medians over runs)\n")
+    cols = ("step_s", "completions_s", "tokens_s", "reward_first5", "reward_last5")
+    med = {w: {c: statistics.median(r[c] for r in rs) for c in cols} for w, rs in results.items()}
+    print(f"| side | {' | '.join(cols)} |")
+    print("|---|" + "---|" * len(cols))
+    for w in ("trl", "parity"):
+        print(f"| {w} | " + " | ".join(f"{med[w][c]:.4g}" for c in cols) + " |")
+    print(f"\nparity / TRL: completions/s {med['parity']['completions_s'] / med['trl']['completions_s']:.2f}x, "
+          f"tokens/s {med['parity']['tokens_s'] / med['trl']['tokens_s']:.2f}x")
+    for w, rs in results.items():
+        print(f"{w} runs: " + ", ".join(f"{r['step_s']:.3f} s/step" for r in rs))
+
+
+if __name__ == "__main__":
+    main()
