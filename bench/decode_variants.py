@@ -1,0 +1,87 @@
+"""One engine decode step, with each speed change of the engine switched on in turn.
+
+    python bench/decode_variants.py                    # ladder-w512, batch 256, bf16 and fp32
+
+Rows, each adding to the one above: the engine as it was (DynamicCache, torch.multinomial, SDPA);
+a static KV cache; inverse-CDF sampling (`engines.sample_rows`); eager attention, which is
+`HFEngine` today. The loop is the engine's own (`HFEngine._generate`) written out so the parts
+can be swapped; the median ms per decode step over 2 runs of 32 tokens, after a warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from parity import testbed
+from parity.engines import (Sampling, keep_last, left_pad, positions, processed_logits,
+                            sample_rows)
+from parity.precision import low_precision_copy
+from parity.trainer import load_policy
+
+VARIANTS = [("DynamicCache, multinomial, sdpa", False, "multinomial", "sdpa"),
+            ("+ static KV cache", True, "multinomial", "sdpa"),
+            ("+ inverse-CDF sampling", True, "cdf", "sdpa"),
+            ("+ eager attention (HFEngine)", True, "cdf", "eager")]
+
+
+def decode_ms(model, prompts, new_tokens: int, static: bool, sampler: str,
+              g: torch.Generator) -> float:
+    ids, mask = left_pad(prompts, 0)
+    B = ids.shape[0]
+    cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+             if static else DynamicCache())
+    pos = positions(mask)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=keep_last(ids.shape[1], 1))
+        attn, last = mask, pos[:, -1:]
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            logp = torch.log_softmax(processed_logits(out.logits[:, -1], Sampling()), -1)
+            if sampler == "multinomial":
+                tok = torch.multinomial(logp.exp(), 1, generator=g).squeeze(-1)
+            else:
+                tok = sample_rows(logp, g)
+            logp.gather(-1, tok[:, None])
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
+            last = last + 1
+            out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last,
+                        past_key_values=cache, use_cache=True)
+    return 1000 * (time.perf_counter() - t0) / new_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=testbed.LARGEST)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    a = ap.parse_args()
+    master, tok = load_policy(testbed.ensure(a.model))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, len(tok), (a.batch, a.prompt_tokens), generator=g).tolist()
+    dtypes = a.dtypes.split(",")
+    table = {}
+    for dtype in dtypes:
+        model = low_precision_copy(master, dtype)
+        for name, static, sampler, attn in VARIANTS:
+            model.set_attn_implementation(attn)
+            decode_ms(model, prompts, a.new_tokens, static, sampler, g)  # warm-up
+            table[name, dtype] = statistics.median(
+                decode_ms(model, prompts, a.new_tokens, static, sampler, g) for _ in range(2))
+    print(f"{a.model}, batch {a.batch}, prompt {a.prompt_tokens}, {a.new_tokens} new tokens: "
+          f"ms per decode step\n")
+    print("| engine | " + " | ".join(dtypes) + " |")
+    print("|---|" + "---|" * len(dtypes))
+    for name, *_ in VARIANTS:
+        print(f"| {name} | " + " | ".join(f"{table[name, d]:.1f}" for d in dtypes) + " |")
+
+
+if __name__ == "__main__":
+    main()
