@@ -10,7 +10,6 @@ can be swapped; the median ms per decode step over 2 runs of 32 tokens, after a 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -22,6 +21,8 @@ from parity.engines import (Sampling, keep_last, left_pad, positions, processed_
                             sample_rows)
 from parity.precision import low_precision_copy
 from parity.trainer import load_policy
+
+from mfu import workload_parser  # bench/ is the script's own directory
 
 VARIANTS = [("DynamicCache, multinomial, sdpa", False, "multinomial", "sdpa"),
             ("+ static KV cache", True, "multinomial", "sdpa"),
@@ -56,13 +57,7 @@ def decode_ms(model, prompts, new_tokens: int, static: bool, sampler: str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=testbed.LARGEST)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--dtypes", default="bf16,fp32")
-    a = ap.parse_args()
+    a = workload_parser(__doc__, "bf16,fp32").parse_args()
     master, tok = load_policy(testbed.ensure(a.model))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, len(tok), (a.batch, a.prompt_tokens), generator=g).tolist()

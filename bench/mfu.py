@@ -64,13 +64,20 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(doc: str, dtypes: str) -> argparse.ArgumentParser:
+    """The decode workload of this and bench/decode_variants.py: the largest testbed model,
+    batch 256, random 16-token prompts, 32 new tokens."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--model", default=testbed.LARGEST)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--dtypes", default=dtypes)
+    return ap
+
+
+def main() -> None:
+    ap = workload_parser(__doc__, "fp32,bf16")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
 
