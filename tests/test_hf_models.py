@@ -19,12 +19,12 @@ REWARDS = '''
 def short(prompts, completions, completion_ids, **kw):
     return [-float(len(c)) for c in completion_ids]
 
-def says_the(prompts, completions, completion_ids, **kw):
+def letters(prompts, completions, completion_ids, **kw):
     # conversational prompts: TRL hands completions over as assistant messages
     if isinstance(prompts[0], list):
         assert all(c[0]["role"] == "assistant" for c in completions), completions[0]
         completions = [c[0]["content"] for c in completions]
-    return [float("the" in c) for c in completions]
+    return [sum(ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
 '''
 
 
@@ -86,7 +86,7 @@ def test_audit_and_train_on_a_local_model_directory(kind, text_model, data, tmp_
     directory; the Qwen2 one takes a conversational dataset through its chat template."""
     model = _build(kind, text_model, tmp_path / kind)
     dataset = data / ("chat.jsonl" if kind == "qwen2" else "plain.jsonl")
-    rewards = f"{data / 'rewards.py'}:short,{data / 'rewards.py'}:says_the"
+    rewards = f"{data / 'rewards.py'}:short,{data / 'rewards.py'}:letters"
     a = _parity("audit", "--model", str(model), "--task", str(dataset), "--reward", rewards,
                 "--samples", "32", "--group", "4", "--max-new-tokens", "8", "--no-progress",
                 "--out", str(tmp_path / "audit"), cwd=tmp_path)
@@ -104,11 +104,12 @@ def test_audit_and_train_on_a_local_model_directory(kind, text_model, data, tmp_
     print(f"\n{kind}: audit |beta| mean {audit['metrics']['mismatch/beta_abs_mean']:.2e}; "
           f"train reward/mean by step {[round(m['reward/mean'], 3) for m in rows]}, "
           f"rewards/short/mean {[m['rewards/short/mean'] for m in rows]}, "
-          f"rewards/says_the/mean {[m['rewards/says_the/mean'] for m in rows]}")
+          f"rewards/letters/mean {[m['rewards/letters/mean'] for m in rows]}")
+    assert all(m["rewards/letters/mean"] > 0 for m in rows)  # so its weight is exercised
     for m in rows:
         # the logged total is the weighted sum of the functions' own means
-        total = m["rewards/short/mean"] + 0.5 * m["rewards/says_the/mean"]
-        assert m["reward/mean"] == pytest.approx(total, abs=1e-9)
+        total = m["rewards/short/mean"] + 0.5 * m["rewards/letters/mean"]
+        assert m["reward/mean"] == pytest.approx(total, abs=1e-5)  # float32 rewards
         assert m["mismatch/beta_abs_mean"] > 0
 
 
