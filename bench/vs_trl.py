@@ -73,6 +73,7 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
 
 def parity_worker(a: argparse.Namespace, out: Path) -> dict:
     from parity.config import make_config
+    from parity.reports import load_metrics
     from parity.trainer import train
     cfg = make_config({"task": a.task, "recipe": "fp32", "model": a.model, "steps": a.steps,
                        "lr": a.lr, "prompts_per_step": a.prompts, "samples_per_prompt": a.group,
@@ -80,8 +81,7 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
                        "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
                        "out": str(out / "parity"), "progress": False, "save_every": 0,
                        "report_to": "none"})
-    run = train(cfg)
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = load_metrics(train(cfg) / "metrics.jsonl")
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
             "update_s": [m["time/train_s"] for m in rows]}

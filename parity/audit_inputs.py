@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from parity.engines import Rollout, left_pad
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
 
 REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
 
@@ -30,8 +30,7 @@ def read_rollouts(path: str | Path, vocab_size: int) -> list[dict[str, Any]]:
         try:
             table = pq.read_table(p)
         except Exception as e:
-            raise ParityError(f"{p}: not a readable parquet file: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            raise ParityError(f"{p}: not a readable parquet file: {one_line(e)}") from None
         missing = [c for c in REQUIRED if c not in table.column_names]
         if missing:
             raise ParityError(f"{p}: missing column {missing[0]!r} (an audit file needs "

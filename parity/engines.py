@@ -141,8 +141,8 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
 def sample_rows(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `logp` [B, V], drawn from exp(logp) by inverse CDF: one uniform per
     row. torch.multinomial draws an exponential per vocabulary entry instead, B·V random numbers
-    a token (17 ms of a 53 ms bf16 decode step at 256 x 4096, bench/mfu.py). The CDF is summed in
-    float64 so a token's share of [0, 1) is its probability to ~1e-16."""
+    a token (bench/decode_variants.py, 256 x 4096: a bf16 step 55.5 -> 38.5 ms). The CDF is
+    summed in float64 so a token's share of [0, 1) is its probability to ~1e-16."""
     c = logp.double().exp().cumsum(-1)
     u = torch.rand((logp.shape[0], 1), generator=generator, dtype=torch.float64) * c[:, -1:]
     return torch.searchsorted(c, u, right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
@@ -167,7 +167,8 @@ class HFEngine:
         self.dtype, self.cpu_fp16 = dtype, cpu_fp16
         self.model = low_precision_copy(master, dtype, lm_head_fp32)
         # A decode step attends one query to a short cache, where torch's CPU SDPA kernel costs
-        # more than the products (bench/mfu.py, ladder-w512 at batch 256: bf16 35 -> 28 ms).
+        # more than the products (bench/decode_variants.py, ladder-w512 at batch 256: a bf16
+        # step 38.5 -> 30.4 ms).
         self.model.set_attn_implementation("eager")
         # Chat models end a turn with their own token (<|im_end|>) besides the tokenizer's EOS.
         self.eos_ids = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
@@ -192,7 +193,8 @@ class HFEngine:
                   generator: torch.Generator, record_rows: list[int]) -> Rollout:
         ids, mask = left_pad(prompts, self.pad_id)
         B = ids.shape[0]
-        # Preallocated: a growing cache copies every layer's keys and values at every token.
+        # Preallocated: a growing cache copies every layer's keys and values at every token
+        # (bench/decode_variants.py: an fp32 step 96.5 -> 85.9 ms; bf16 unchanged).
         cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + max_new_tokens)
         pos = positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,

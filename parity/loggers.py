@@ -17,14 +17,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
 
 BACKENDS = ("tensorboard", "wandb")
-
-
-def _why(e: BaseException) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _warn(msg: str) -> None:
@@ -58,9 +53,9 @@ def check_backends(report_to: str) -> list[str]:
         except Exception as e:
             if b in names:
                 raise ParityError(f"report_to={b} needs the {b} package, which does not import "
-                                  f"({_why(e)}): pip install {b}") from None
+                                  f"({one_line(e)}): pip install {b}") from None
             if not isinstance(e, ImportError):  # installed but broken: say so, don't hide it
-                _warn(f"{b} is installed but does not import ({_why(e)}); not logging to it")
+                _warn(f"{b} is installed but does not import ({one_line(e)}); not logging to it")
             continue
         chosen.append(b)
     return chosen
@@ -124,18 +119,18 @@ _OPEN = {"tensorboard": _TensorBoard, "wandb": _WandB}
 
 
 class MetricLoggers:
-    """Every backend `report_to` selects, for one run directory. `resume_step`: the step a
+    """The `backends` check_backends chose, for one run directory. `resume_step`: the step a
     resumed run restarts after (the restored checkpoint's, 0 with none), None for a new run.
     Use as a context manager, so the backends are closed (and flushed) however the run ends."""
 
-    def __init__(self, run: Path, report_to: str, config: dict[str, Any],
+    def __init__(self, run: Path, backends: list[str], config: dict[str, Any],
                  resume_step: int | None):
         self.backends: dict[str, Any] = {}
-        for name in check_backends(report_to):
+        for name in backends:
             try:
                 self.backends[name] = _OPEN[name](run, config, resume_step)
             except Exception as e:
-                _warn(f"{name} logging did not start ({_why(e)}); metrics.jsonl has every step")
+                _warn(f"{name} logging did not start ({one_line(e)}); metrics.jsonl has every step")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """The step's metrics, by the names metrics.jsonl uses (`step` is the x axis)."""
@@ -145,7 +140,7 @@ class MetricLoggers:
                 backend.log(step, scalars)
             except Exception as e:
                 del self.backends[name]
-                _warn(f"{name} logging failed at step {step} ({_why(e)}); stopped logging to "
+                _warn(f"{name} logging failed at step {step} ({one_line(e)}); stopped logging to "
                       f"it, metrics.jsonl has every step")
                 self._close(name, backend, failed=True)
 
@@ -153,7 +148,7 @@ class MetricLoggers:
         try:
             backend.close(failed)
         except Exception as e:
-            _warn(f"{name} logging did not close cleanly ({_why(e)})")
+            _warn(f"{name} logging did not close cleanly ({one_line(e)})")
 
     def close(self, failed: bool = False) -> None:
         backends, self.backends = self.backends, {}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parity import testbed
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
 
 RewardFn = Callable[..., list[float]]
 BUILTIN = ("neg-length", "arith")
@@ -55,10 +55,6 @@ class Task:
     reward_fns: list[Reward]
     prompt_ids: list[list[int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def reward_name(self) -> str:
-        return ",".join(r.spec for r in self.reward_fns)
 
     def rewards(self, row_idx: list[int], completions: list[str],
                 completion_ids: list[list[int]]) -> list[float]:
@@ -181,8 +177,7 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     except ParityError:
         raise
     except Exception as e:
-        raise ParityError(f"cannot read dataset {p}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ParityError(f"cannot read dataset {p}: {one_line(e)}") from None
     if len(ds) == 0:
         raise ParityError(f"dataset {p} has no rows")
     if "prompt" not in ds.column_names:

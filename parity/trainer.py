@@ -31,7 +31,7 @@ from parity import checkpoints, testbed
 from parity.config import Config, dump_yaml
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
 from parity.engines import HFEngine, Rollout, Sampling, score_full, stop_token_ids
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
 from parity.loggers import MetricLoggers, check_backends
 from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs, gae,
                                grpo_advantages, gspo_loss, log_ratio, pg_is_loss, ppo_clip_loss,
@@ -48,8 +48,7 @@ def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except Exception as e:
-        raise ParityError(f"cannot load a causal LM from {model_dir}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
     if tok.eos_token_id is None:
         raise ParityError(f"the tokenizer in {model_dir} has no eos token; completions could "
                           f"never end")
@@ -252,7 +251,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     restored = checkpoints.latest_valid(run) if resume else None
     if not resume:
         check_run_dir(run)
-    check_backends(cfg.report_to)  # a requested backend that is not installed fails here
+    backends = check_backends(cfg.report_to)  # a requested one not installed fails here
     model, tok, model_dir, task = setup(cfg)
     if not resume:
         check_run_dir(run)
@@ -270,8 +269,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     if on_model is not None:
         on_model(model)
     engine = HFEngine(model, cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-                      cfg.cpu_fp16,
-                      cfg.lm_head_fp32)
+                      cfg.cpu_fp16, cfg.lm_head_fp32)
     model.train()
     value_head = ValueHead(model.config.hidden_size) if cfg.objective == "ppo-value" else None
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
@@ -313,7 +311,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     # Line-buffered: every finished step is on disk, whatever happens to the next one. The other
     # backends are rewound to the same step on resume, and closed however the run ends.
     with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
-            MetricLoggers(run, cfg.report_to, cfg.to_dict(),
+            MetricLoggers(run, backends, cfg.to_dict(),
                           first_step - 1 if resume else None) as loggers, \
             progress("train", cfg.steps, cfg.progress, first_step - 1, eta=True) as bar:
         for step in range(first_step, cfg.steps + 1):

@@ -156,6 +156,7 @@ class ParityGRPOTrainer(GRPOTrainer):
                 low_precision_copy(master, self.parity.engine_dtype, head32))
             add_fused_lm_head(self.shadow, temperature=self.temperature,
                               cast_lm_head_to_fp32=head32)
+        self._shadow_step: int | None = None
         self._loss_call: dict[str, torch.Tensor] | None = None
         if self.trainer_dtype == "fp16" and self.accelerator.scaler is None:
             # accelerate runs fp16 on CPU as plain fp32 with no scaler. With native_amp on, its
@@ -211,7 +212,10 @@ class ParityGRPOTrainer(GRPOTrainer):
                       logits_to_keep: int, logp_pi: torch.Tensor) -> torch.Tensor:
         if self.shadow is None:
             return logp_pi.detach()
-        cast_weights_into(self.accelerator.unwrap_model(self.model), self.shadow, count=False)
+        if self._shadow_step != self.state.global_step:  # weights move only at optimizer steps
+            cast_weights_into(self.accelerator.unwrap_model(self.model), self.shadow,
+                              count=False)
+            self._shadow_step = self.state.global_step
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         dev = input_ids.device
