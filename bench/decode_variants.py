@@ -18,7 +18,7 @@ from transformers import DynamicCache, StaticCache
 
 from parity import testbed
 from parity.engines import (Sampling, keep_last, left_pad, positions, processed_logits,
-                            sample_rows)
+                            sample_rows, uniforms)
 from parity.precision import low_precision_copy
 from parity.trainer import load_policy
 
@@ -47,7 +47,7 @@ def decode_ms(model, prompts, new_tokens: int, static: bool, sampler: str,
             if sampler == "multinomial":
                 tok = torch.multinomial(logp.exp(), 1, generator=g).squeeze(-1)
             else:
-                tok = sample_rows(logp, g)
+                tok = sample_rows(logp, uniforms(g, logp.shape[0]))
             logp.gather(-1, tok[:, None])
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
             last = last + 1

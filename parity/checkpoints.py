@@ -3,6 +3,7 @@
     checkpoints/step-N/   model.safetensors + tokenizer (an ordinary HF directory, fp32)
                           engine.safetensors      the engine's own low-precision copy
                           value_head.safetensors  (ppo-value)
+                          engine-vN.safetensors   (async engine) pushed versions still in use
                           train.pt                optimizer and loss-scaler state
                           rng.pt                  torch, sampling-generator and Python RNG states
                           state.json              step, engine version, data order
@@ -52,7 +53,9 @@ def _fsync_dir(path: Path) -> None:
 
 def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,
          engine_version: int, opt: torch.optim.Optimizer, scaler_state: dict, prompts_state: dict,
-         gen: torch.Generator, value_head: torch.nn.Module | None, keep: int) -> Path:
+         gen: torch.Generator, value_head: torch.nn.Module | None, keep: int,
+         async_state: dict[str, Any] | None = None,
+         engine_versions: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
     final = run / "checkpoints" / f"step-{step}"
     tmp = run / "checkpoints" / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -64,11 +67,15 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
     save_model(engine_model, str(tmp / "engine.safetensors"))
     if value_head is not None:
         save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
+    for v, weights in (engine_versions or {}).items():
+        save_file(weights, str(tmp / f"engine-v{v}.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scaler": scaler_state}, tmp / "train.pt")
     torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
                 "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "engine_version": engine_version,
-                                                "prompts": prompts_state}))
+                                                "prompts": prompts_state,
+                                                **({"async": async_state} if async_state
+                                                   else {})}))
     files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
@@ -163,6 +170,13 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
     gen.set_state(rng["sampling"])
     random.setstate(_as_tuple(rng["python"]))
     return train["scaler"]
+
+
+def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:
+    """The async engine's pushed weight versions a checkpoint kept (empty for a synchronous
+    run)."""
+    return {int(v): load_file(str(r.path / f"engine-v{v}.safetensors"))
+            for v in r.state.get("async", {}).get("pushed", [])}
 
 
 def _tied(model: torch.nn.Module) -> set[str]:

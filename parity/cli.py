@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,7 +61,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 RESUME_MAY_CHANGE = ("steps", "progress", "threads", "save_every", "keep_checkpoints",
-                     "dump_rollouts", "report_to")
+                     "dump_rollouts", "report_to", "engine_threads", "dist_timeout_s")
 
 
 def resume_config(args: argparse.Namespace):
@@ -94,9 +95,26 @@ def cmd_train(args: argparse.Namespace) -> None:
                   f"engine={cfg.engine_dtype} trainer={cfg.trainer_dtype} "
                   f"ratio={cfg.ratio_source} steps={cfg.steps}")
     t0 = time.perf_counter()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _stop_on_sigterm()
     run = train(cfg, resume=bool(args.resume))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 wrote the metrics and prints the summary
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     _summary(rows, run, time.perf_counter() - t0)
+
+
+def _stop_on_sigterm() -> None:
+    """torchrun stops the other ranks with SIGTERM when one fails: say so in one line rather
+    than die mid-step without a word (the checkpoints on disk are whole either way)."""
+    import signal
+    from parity.distributed import RankFailure
+
+    def stop(signum, frame):
+        raise RankFailure(f"rank {os.environ.get('RANK', '?')} stopped by the launcher "
+                          f"(SIGTERM): another rank failed or the job was cancelled. "
+                          f"`parity train --resume RUN` continues from the newest checkpoint")
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _summary(rows: list[dict], run, seconds: float) -> None:

@@ -25,6 +25,7 @@ LOSS_AGGS = ("seq-mean", "token-mean", "token-sum")
 DPO_REFS = ("initial", "engine")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ENGINES = ("hf",)
+PARALLEL = ("ddp", "fsdp")
 REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
 
@@ -133,6 +134,26 @@ class Config:
     dump_rollouts: int = _f(0, "Write rollouts/step-N.parquet (one row per token per update) "
                             "every N steps; `--dump-rollouts` alone means every step; 0: off.",
                             const=1)
+    # -- scale (docs/scaling.md)
+    async_engine: bool = _f(False, "Run the engine in its own process: it samples the next "
+                            "steps' rollouts while the trainer learns, from weights at most "
+                            "`max_staleness` optimizer steps old (alpha then carries the "
+                            "staleness; `async/staleness` reports it per step).")
+    max_staleness: int = _f(1, "Async: a rollout is sampled from the weights of exactly this many "
+                            "steps ago, once there are that many (fewer right after the start "
+                            "or a sync_every gap); 0 waits for the newest weights, as the "
+                            "synchronous loop does.")
+    sync_every: int = _f(1, "Async: push the trainer's weights to the engine every N steps "
+                         "(1 <= N <= max_staleness + 1, so no rollout is staler than "
+                         "max_staleness).")
+    engine_threads: int = _f(0, "Async: torch threads of the engine process (0: one). The "
+                             "trainer keeps `threads`: split the cores with both when sampling "
+                             "is the longer side.")
+    parallel: str = _f("ddp", "Multi-process runs (torchrun / accelerate launch): `ddp` (every "
+                       "rank holds the model) or `fsdp` (parameters, gradients and optimizer "
+                       "state sharded with FSDP2's fully_shard).")
+    dist_timeout_s: float = _f(600.0, "Multi-process: seconds a rank waits for the others in a "
+                               "collective before the run stops with an error.")
     # -- bookkeeping
     seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.")
     out: str | None = _f(None, "Run directory. None: runs/<task>-<recipe>-s<seed>.")
@@ -157,6 +178,20 @@ class Config:
         for name in ("engine_dtype", "trainer_dtype"):
             choice(name, DTYPES)
         choice("engine", ENGINES)
+        choice("parallel", PARALLEL)
+        if self.max_staleness < 0:
+            raise ParityError(f"max_staleness={self.max_staleness} must be >= 0")
+        if not 1 <= self.sync_every <= self.max_staleness + 1:
+            raise ParityError(f"sync_every={self.sync_every} must be in [1, max_staleness + 1 = "
+                              f"{self.max_staleness + 1}]: rarer pushes would leave rollouts "
+                              f"staler than max_staleness")
+        if self.sync_every != 1 and not self.async_engine:
+            raise ParityError(f"sync_every={self.sync_every} applies to the asynchronous engine: "
+                              f"add --async-engine")
+        if self.engine_threads < 0:
+            raise ParityError(f"engine_threads={self.engine_threads} must be >= 0")
+        if not (self.dist_timeout_s > 0 and math.isfinite(self.dist_timeout_s)):
+            raise ParityError(f"dist_timeout_s={self.dist_timeout_s} must be a finite number > 0")
         choice("cpu_fp16", ("emulate", "native"))
         choice("ratio_source", RATIO_SOURCES)
         choice("correction", CORRECTIONS)

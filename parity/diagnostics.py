@@ -174,7 +174,23 @@ class StepDiagnostics:
             "alpha_clipped")}
         self.first: dict[str, list[torch.Tensor]] = {"logp_pi": [], "logp_mu": [], "mask": []}
         self.kl_exact: list[torch.Tensor] = []
-        self.kernel_gap: float | None = None
+        self.gap_sum, self.gap_n = 0.0, 0   # |α| over the step's first update
+        self.first_update_seen = False
+
+    @classmethod
+    def merge(cls, parts: list["StepDiagnostics"]) -> "StepDiagnostics":
+        """One step's diagnostics from the ranks' parts (each rank saw its shard of every
+        update): the metrics of all their tokens, as one process computes them."""
+        out = cls()
+        for d in parts:
+            for k, v in d.tok.items():
+                out.tok[k] += v
+            for k, v in d.first.items():
+                out.first[k] += v
+            out.kl_exact += d.kl_exact
+            out.gap_sum += d.gap_sum
+            out.gap_n += d.gap_n
+        return out
 
     def add(self, att: Attribution, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
             adv: torch.Tensor, mask: torch.Tensor, first: bool) -> None:
@@ -186,8 +202,10 @@ class StepDiagnostics:
                      ("phantom", att.phantom), ("hidden", att.hidden),
                      ("alpha_clipped", att.alpha_clipped)):
             self.tok[k].append(v[m].detach().cpu())
-        if self.kernel_gap is None and m.any():
-            self.kernel_gap = float(att.alpha[m].abs().double().mean())
+        if not self.first_update_seen:
+            self.first_update_seen = True
+            self.gap_sum = float(att.alpha[m].abs().double().sum())
+            self.gap_n = int(m.sum())
         if first:
             for k, v in (("logp_pi", logp_pi), ("logp_mu", logp_mu), ("mask", mask)):
                 self.first[k].append(v.detach().cpu())
@@ -213,8 +231,8 @@ class StepDiagnostics:
             corr = _corr(beta, t["adv"])
             if corr is not None:
                 out["mismatch/beta_adv_corr"] = corr
-            if self.kernel_gap is not None:
-                out["mismatch/kernel_gap_abs_mean"] = self.kernel_gap
+            if self.gap_n:
+                out["mismatch/kernel_gap_abs_mean"] = self.gap_sum / self.gap_n
             out.update(_bucketed(beta, t["prob"], PROB_BUCKETS, "beta_by_prob"))
             out.update(_bucketed(beta, t["pos"], POS_BUCKETS, "beta_by_pos"))
         if self.first["mask"]:

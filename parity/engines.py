@@ -9,7 +9,7 @@ records, for every sampled token, ℓ_μ: its log-prob under the distribution ac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import StaticCache
@@ -80,13 +80,26 @@ class Rollout:
         """The completions `idx` picks (the recorded distributions stay with the full batch)."""
         return Rollout(*(getattr(self, f)[idx] for f in self._BATCHED))
 
+    def pad_to(self, T: int, pad_id: int) -> "Rollout":
+        """The same completions right-padded to T positions (the batch's length on every rank,
+        so the trainer's products have one process's shapes)."""
+        n = T - self.completion_ids.shape[1]
+        if n <= 0:
+            return self
+        pad = torch.nn.functional.pad
+        return Rollout(self.prompt_ids, self.prompt_mask,
+                       pad(self.completion_ids, (0, n), value=pad_id),
+                       pad(self.completion_mask, (0, n)), pad(self.engine_logprobs, (0, n)),
+                       self.finished, self.dist_rows, self.dists)
+
     def completions(self) -> list[list[int]]:
         lens = self.completion_mask.sum(-1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lens)]
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, width: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(width, max(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -138,14 +151,36 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
     return score_full(model, r, s).logp
 
 
-def sample_rows(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of `logp` [B, V], drawn from exp(logp) by inverse CDF: one uniform per
-    row. torch.multinomial draws an exponential per vocabulary entry instead, B·V random numbers
-    a token (bench/decode_variants.py, 256 x 4096: a bf16 step 55.5 -> 38.5 ms). The CDF is
-    summed in float64 so a token's share of [0, 1) is its probability to ~1e-16."""
+def uniforms(generator: torch.Generator, batch: int, rows: list[int] | None = None
+             ) -> torch.Tensor:
+    """One float64 uniform per row of a `batch` for one sampled position, [len(rows), 1]. A
+    rank that samples only `rows` of the batch still draws all `batch` numbers, so its rows get
+    the numbers a one-process run gives them and the generators of all ranks stay equal."""
+    u = torch.rand((batch, 1), generator=generator, dtype=torch.float64)
+    return u if rows is None else u[rows]
+
+
+def sample_rows(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logp` [B, V], drawn from exp(logp) by inverse CDF with the uniforms
+    `u` [B, 1]. torch.multinomial draws an exponential per vocabulary entry instead, B·V random
+    numbers a token (bench/decode_variants.py, 256 x 4096: a bf16 step 55.5 -> 38.5 ms). The CDF
+    is summed in float64 so a token's share of [0, 1) is its probability to ~1e-16."""
     c = logp.double().exp().cumsum(-1)
-    u = torch.rand((logp.shape[0], 1), generator=generator, dtype=torch.float64) * c[:, -1:]
-    return torch.searchsorted(c, u, right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
+    return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp(
+        max=logp.shape[-1] - 1)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The rows of a batch that this rank samples (`rows`, positions in the whole `batch`), and
+    how to learn that every rank's rows have ended (decoding stops together, as one process
+    stops when all of its rows have)."""
+    rows: list[int]
+    batch: int
+    all_done: Callable[[bool], bool] = bool
+    # The whole batch's prompt width: every rank pads its prompts as one process would, so the
+    # engine's low-precision products have the same shapes (bf16 results depend on them).
+    width: int = 0
 
 
 def stop_token_ids(model: torch.nn.Module, tok: Any) -> list[int]:
@@ -166,6 +201,19 @@ class HFEngine:
                  cpu_fp16: str = "emulate", lm_head_fp32: bool = False):
         self.dtype, self.cpu_fp16 = dtype, cpu_fp16
         self.model = low_precision_copy(master, dtype, lm_head_fp32)
+        self._setup(eos_id, pad_id)
+
+    @classmethod
+    def of_copy(cls, model: torch.nn.Module, dtype: str, eos_id: int | list[int], pad_id: int,
+                cpu_fp16: str = "emulate") -> "HFEngine":
+        """An engine on a model that already is an engine-precision copy (the async engine
+        process receives one)."""
+        self = cls.__new__(cls)
+        self.dtype, self.cpu_fp16, self.model = dtype, cpu_fp16, model
+        self._setup(eos_id, pad_id)
+        return self
+
+    def _setup(self, eos_id: int | list[int], pad_id: int) -> None:
         # A decode step attends one query to a short cache, where torch's CPU SDPA kernel costs
         # more than the products (bench/decode_variants.py, ladder-w512 at batch 256: a bf16
         # step 38.5 -> 30.4 ms).
@@ -182,17 +230,21 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
-                 generator: torch.Generator, record_rows: list[int] | None = None) -> Rollout:
+                 generator: torch.Generator, record_rows: list[int] | None = None,
+                 shard: Shard | None = None) -> Rollout:
         """Sample one completion per prompt. For the batch rows in `record_rows` the whole
-        sampling distribution at every position is kept as well (`Rollout.dists`)."""
+        sampling distribution at every position is kept as well (`Rollout.dists`). With a
+        `shard` the prompts are some rows of a batch sampled across ranks."""
         device = next(self.model.parameters()).device
         with fp16_kernels(self.dtype, device, self.cpu_fp16):
-            return self._generate(prompts, max_new_tokens, s, generator, record_rows or [])
+            return self._generate(prompts, max_new_tokens, s, generator, record_rows or [],
+                                  shard or Shard(list(range(len(prompts))), len(prompts)))
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
-                  generator: torch.Generator, record_rows: list[int]) -> Rollout:
-        ids, mask = left_pad(prompts, self.pad_id)
+                  generator: torch.Generator, record_rows: list[int], shard: Shard) -> Rollout:
+        ids, mask = left_pad(prompts, self.pad_id, shard.width)
         B = ids.shape[0]
+        whole = len(shard.rows) == shard.batch
         # Preallocated: a growing cache copies every layer's keys and values at every token
         # (bench/decode_variants.py: an fp32 step 96.5 -> 85.9 ms; bf16 unchanged).
         cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + max_new_tokens)
@@ -211,13 +263,14 @@ class HFEngine:
             logp = torch.log_softmax(x, dim=-1)
             if record_rows:
                 recorded.append(logp[record_rows])
-            tok = sample_rows(logp, generator)
+            u = uniforms(generator, shard.batch, None if whole else shard.rows)
+            tok = sample_rows(logp, u)
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
             valid[:, t] = alive.float()
             done |= alive & torch.isin(tok, self.eos_ids)
-            if bool(done.all()) or t == max_new_tokens - 1:
+            if shard.all_done(bool(done.all())) or t == max_new_tokens - 1:
                 break
             # Finished rows keep decoding a pad token; their output is discarded above.
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)

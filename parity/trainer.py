@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -27,10 +28,12 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity import checkpoints, testbed
+from parity import checkpoints, distributed, testbed
+from parity.async_engine import AsyncEngine, Request
 from parity.config import Config, dump_yaml
+from parity.distributed import Dist, RankFailure, failure_message
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
-from parity.engines import HFEngine, Rollout, Sampling, score_full, stop_token_ids
+from parity.engines import HFEngine, Rollout, Sampling, Shard, score_full, stop_token_ids
 from parity.errors import ParityError, one_line
 from parity.loggers import MetricLoggers, check_backends
 from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs, gae,
@@ -113,19 +116,24 @@ def prepare(cfg: Config, model: torch.nn.Module, value_head: ValueHead | None,
 
 def objective_loss(cfg: Config, logp_pi: torch.Tensor, log_r: torch.Tensor, mb: Rollout,
                    p: Prepared, idx: slice, rewards: torch.Tensor, logp_s: torch.Tensor,
-                   value_head: ValueHead | None, hidden: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The configured objective on one minibatch: (loss, clipped mask, extra metrics)."""
+                   value_head: ValueHead | None, hidden: torch.Tensor | None,
+                   dist: Dist = Dist()) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The configured objective on one minibatch: (loss, clipped mask, extra metrics). Across
+    ranks each loss is this rank's share of the minibatch's global loss (`Dist.share`)."""
     mask, adv = mb.completion_mask, p.adv[idx]
     weights = p.weights[idx] if p.weights is not None else None
     no_clip = torch.zeros_like(mask, dtype=torch.bool)
+    # What a loss is a mean over: ranks hold equal rows, but not equal tokens or pairs.
+    n_tok = float(mask.sum())
+    n_agg = n_tok if cfg.loss_agg == "token-mean" else float(mask.shape[0])
     if cfg.objective in ("ppo-clip", "ppo-value"):
         loss, clipped = ppo_clip_loss(log_r, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_agg,
                                       cfg.max_new_tokens, weights)
+        loss = dist.share(loss, n_agg)
         if value_head is None:
             return loss, clipped, {}
-        v_loss = value_loss(value_head(hidden), p.old_values[idx], p.returns[idx], mask,
-                            cfg.value_clip)
+        v_loss = dist.share(value_loss(value_head(hidden), p.old_values[idx], p.returns[idx],
+                                       mask, cfg.value_clip), n_tok)
         return loss + cfg.value_coef * v_loss, clipped, {"loss/value": float(v_loss.detach())}
     if cfg.objective == "gspo":
         loss, clipped = gspo_loss(log_r, adv, mask, cfg.seq_eps_low, cfg.seq_eps_high, weights)
@@ -133,9 +141,10 @@ def objective_loss(cfg: Config, logp_pi: torch.Tensor, log_r: torch.Tensor, mb: 
     if cfg.objective == "pg-is":
         loss, stats = pg_is_loss(logp_pi, log_r, adv, mask, cfg.is_cap, cfg.loss_agg,
                                  cfg.max_new_tokens, weights)
-        return loss, no_clip, stats
+        return dist.share(loss, n_agg), no_clip, stats
     chosen, rejected = dpo_pairs(rewards[idx], cfg.samples_per_prompt)
     loss, margins = dpo_loss(logp_pi, p.ref[idx], mask, chosen, rejected, cfg.dpo_scale)
+    loss = dist.share(loss, float(len(chosen)))
     margins = margins.detach()
     extra = {"dpo/pairs": float(len(chosen))}
     if len(chosen):
@@ -236,24 +245,144 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _reduce(dicts: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
+    """Ranks' metric dicts as one: extremes by max/min, counts summed, the rest weighted means."""
+    out = {}
+    for k in sorted({k for d in dicts for k in d}):
+        vals = [(d[k], w) for d, w in zip(dicts, weights) if k in d]
+        if "max" in k:
+            out[k] = max(v for v, _ in vals)
+        elif "min" in k:
+            out[k] = min(v for v, _ in vals)
+        elif k == "dpo/pairs":
+            out[k] = sum(v for v, _ in vals)
+        else:
+            total = sum(w for _, w in vals)
+            out[k] = (sum(v * w for v, w in vals) / total if total
+                      else sum(v for v, _ in vals) / len(vals))
+    return out
+
+
+@dataclass
+class StepPart:
+    """What one rank saw of a step; rank 0 turns all ranks' parts into the step's metrics."""
+    rewards: list[float]
+    parts: dict[str, list[float]]
+    n_tok: float
+    finished: int
+    diag: StepDiagnostics
+    prep: dict[str, float]
+    extras: dict[str, float]
+    loss_sum: float
+    times: dict[str, float]
+    dump: list = field(default_factory=list)
+
+
+def step_metrics(parts: list[StepPart], cfg: Config) -> dict[str, Any]:
+    rewards = torch.tensor([x for p in parts for x in p.rewards])
+    names = list(parts[0].parts)
+    n_tok = sum(p.n_tok for p in parts)
+    tok_w = [p.n_tok for p in parts]
+    pairs_w = [p.extras.get("dpo/pairs", 1.0) for p in parts]
+    prep_w = (tok_w if cfg.correction.startswith("token") or cfg.objective == "ppo-value"
+              else [1.0] * len(parts))
+    times = {k: max(p.times[k] for p in parts) for k in parts[0].times}
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        # each function's own mean, unweighted, when there are several (TRL's names)
+        **({f"rewards/{k}/mean": (sum(x for p in parts for x in p.parts[k]) / len(rewards))
+            for k in names} if len(names) > 1 else {}),
+        "completion/len_mean": n_tok / len(rewards),
+        "completion/eos_frac": sum(p.finished for p in parts) / len(rewards),
+        **StepDiagnostics.merge([p.diag for p in parts]).metrics(),
+        **_reduce([p.prep for p in parts], prep_w),
+        **_reduce([p.extras for p in parts], pairs_w if cfg.objective == "online-dpo"
+                  else [1.0] * len(parts)),
+        "loss/policy": sum(p.loss_sum for p in parts) / len(parts),
+        **times,
+        "throughput/tokens_per_s": n_tok / times["time/step_s"],
+    }
+
+
+@dataclass
+class Plan:
+    """The prompts of one step and this rank's part of them."""
+    rows: list[int]            # prompt rows of this rank's completions, one per completion
+    sample_ids: list[int]      # their positions in the step's whole batch
+    prompts: list[list[int]]
+    record_rows: list[int]     # this rank's rows whose whole distribution is kept
+    batch: int
+    width: int                 # the longest prompt of the whole batch
+
+
+def make_plan(cfg: Config, task: Task, prompts: PromptSampler, dist: Dist,
+              kl_rows: list[int]) -> Plan:
+    G = cfg.samples_per_prompt
+    step_rows = prompts.next(cfg.prompts_per_step)
+    mine = dist.shard(cfg.prompts_per_step, cfg.minibatches)
+    sample_ids = [i * G + g for i in mine for g in range(G)]
+    local = {sid: j for j, sid in enumerate(sample_ids)}
+    return Plan([step_rows[i] for i in mine for _ in range(G)], sample_ids,
+                [task.prompt_ids[step_rows[i]] for i in mine for _ in range(G)],
+                [local[k] for k in kl_rows if k in local], cfg.prompts_per_step * G,
+                max(len(task.prompt_ids[i]) for i in step_rows))
+
+
+def _comm_error(e: BaseException) -> bool:
+    import torch.distributed as td
+    return isinstance(e, td.DistError) or any(
+        w in str(e) for w in ("Gloo", "gloo", "Connection closed", "Connection reset"))
+
+
 def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None,
           resume: bool = False) -> Path:
     """Run RL as `cfg` says; returns the run directory. All input is checked before the run
     directory is touched. With `resume`, `cfg.out` is an earlier run: it continues from its
     newest valid checkpoint, exactly as if it had not stopped. `on_model` is called with the fp32
     master model before the engine and shadow copies are made (instrumentation, fault
-    injection in tests)."""
+    injection in tests). Under torchrun / accelerate launch every rank calls this; rank 0 alone
+    writes the run directory."""
+    dist = distributed.init(cfg.dist_timeout_s)
+    try:
+        return _train(cfg, dist, on_model, resume)
+    except RuntimeError as e:
+        if dist.on and _comm_error(e):
+            raise RankFailure(failure_message(e)) from None
+        raise
+    finally:
+        dist.close()
+
+
+def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] | None,
+           resume: bool) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.prompts_per_step % (cfg.minibatches * dist.world):
+        raise ParityError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by "
+                          f"minibatches x ranks = {cfg.minibatches} x {dist.world}: every rank "
+                          f"takes whole prompt groups of every minibatch")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    run = run_dir_for(cfg)
-    restored = checkpoints.latest_valid(run) if resume else None
-    if not resume:
-        check_run_dir(run)
-    backends = check_backends(cfg.report_to)  # a requested one not installed fails here
-    model, tok, model_dir, task = setup(cfg)
-    if not resume:
+    run = run_dir_for(cfg) if dist.main else Path()
+    run = Path(dist.gather(str(run))[0])
+    # Rank 0 checks the run directory and builds the testbed's caches; the others follow.
+    error, restored, ctx = None, None, None
+    if dist.main:
+        try:
+            restored = checkpoints.latest_valid(run) if resume else None
+            if not resume:
+                check_run_dir(run)
+            backends = check_backends(cfg.report_to)  # a requested one not installed fails here
+            ctx = setup(cfg)
+        except ParityError as e:
+            error = str(e)
+    dist.agree(error)
+    restored = dist.gather(restored)[0]
+    if ctx is None:
+        ctx = setup(cfg)
+    model, tok, model_dir, task = ctx
+    if dist.main and not resume:
         check_run_dir(run)
         run.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, run / "config.yaml")
@@ -291,7 +420,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     eps_low, eps_high = _clip_range(cfg)
     kl_rows = exact_kl_rows(cfg.prompts_per_step * G, cfg.kl_exact_rows)
     first_step = 1
-    if resume and restored is None:
+    if resume and restored is None and dist.main:
         truncate_metrics(run / "metrics.jsonl", 0)
     if restored is not None:
         scaler.load_state_dict(checkpoints.load_into(restored, model, engine.model, opt, gen,
@@ -299,49 +428,113 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
         prompts.load_state_dict(restored.state["prompts"])
         engine.version = restored.state["engine_version"]
         first_step = restored.step + 1
-        truncate_metrics(run / "metrics.jsonl", restored.step)
-        for stale in (run / "checkpoints").glob(".tmp-step-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # a write the crash interrupted
+        if dist.main:
+            truncate_metrics(run / "metrics.jsonl", restored.step)
+            for stale in (run / "checkpoints").glob(".tmp-step-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # a write the crash interrupted
+    # Forward passes with gradient go through DDP, which averages the gradients over ranks.
+    policy, value = dist.wrap(model), dist.wrap(value_head)
+
+    aeng: AsyncEngine | None = None
+    plans: dict[int, Plan] = {}
+    prompt_states: dict[int, dict] = {first_step - 1: prompts.state_dict()}
+    gen_after: dict[int, torch.Tensor] = {first_step - 1: gen.get_state()}
+
+    def plan(step: int) -> Plan:
+        plans[step] = make_plan(cfg, task, prompts, dist, kl_rows)
+        prompt_states[step] = prompts.state_dict()
+        return plans[step]
+
+    next_request = first_step
+    if cfg.async_engine:
+        # The trainer keeps its threads and the engine adds one: on CPU the update is the
+        # longer side, and halving its threads costs more than the overlap gains
+        # (bench/async_step.py on 2 cores: 2+1 threads 0.94x the synchronous step, 1+1 1.33x).
+        e_threads = cfg.engine_threads or 1
+        a_state = restored.state.get("async", {}) if restored is not None else {}
+        pushed = (checkpoints.engine_versions(restored) if a_state
+                  else {first_step - 1: {k: v.detach().clone()
+                                         for k, v in engine.model.state_dict().items()}})
+        changed = {int(k): v for k, v in a_state.get("changed", {}).items()} or {
+            v: 0.0 for v in pushed}
+        aeng = AsyncEngine(engine, s, cfg.max_new_tokens, cfg.max_staleness, cfg.sync_every,
+                           e_threads, gen, pushed, changed)
+
+        def submit_ready() -> None:
+            nonlocal next_request
+            while next_request <= cfg.steps and \
+                    (v := aeng.version_for(next_request)) is not None:
+                p = plan(next_request)
+                aeng.submit(next_request, Request(next_request, v, p.prompts, p.record_rows,
+                                                  Shard(p.sample_ids, p.batch, width=p.width)))
+                next_request += 1
+        submit_ready()
 
     def save(step: int) -> None:
+        if not dist.main:
+            return
+        g = torch.Generator()
+        g.set_state(gen_after[step])
         checkpoints.save(run, step, model, tok, engine.model, engine.version, opt,
-                         scaler.state_dict(), prompts.state_dict(), gen, value_head,
-                         cfg.keep_checkpoints)
+                         scaler.state_dict(), prompt_states[step], g, value_head,
+                         cfg.keep_checkpoints,
+                         aeng.checkpoint_state() if aeng else None,
+                         {v: w for v, w in aeng.pushed.items()} if aeng else None)
 
-    # Line-buffered: every finished step is on disk, whatever happens to the next one. The other
-    # backends are rewound to the same step on resume, and closed however the run ends.
-    with open(run / "metrics.jsonl", "a", buffering=1) as metrics_file, \
-            MetricLoggers(run, backends, cfg.to_dict(),
-                          first_step - 1 if resume else None) as loggers, \
-            progress("train", cfg.steps, cfg.progress, first_step - 1, eta=True) as bar:
+    with contextlib.ExitStack() as stack:
+        if aeng is not None:
+            stack.callback(aeng.close)
+        if dist.main:
+            # Line-buffered: every finished step is on disk, whatever happens to the next one.
+            # The other backends are rewound to the same step on resume, and closed however
+            # the run ends.
+            metrics_file = stack.enter_context(open(run / "metrics.jsonl", "a", buffering=1))
+            loggers = stack.enter_context(MetricLoggers(run, backends, cfg.to_dict(),
+                                                        first_step - 1 if resume else None))
+        bar = stack.enter_context(progress("train", cfg.steps, cfg.progress and dist.main,
+                                           first_step - 1, eta=True))
+        t_prev = time.perf_counter()
         for step in range(first_step, cfg.steps + 1):
             t0 = time.perf_counter()
-            changed = engine.sync(model)
-            rows = prompts.next(cfg.prompts_per_step)
-            r = engine.generate([task.prompt_ids[i] for i in rows for _ in range(G)],
-                                cfg.max_new_tokens, s, gen, kl_rows)
+            extra_m: dict[str, Any] = {}
+            if aeng is None:
+                changed = engine.sync(model)
+                p = plan(step)
+                t_roll = time.perf_counter()
+                r = engine.generate(p.prompts, cfg.max_new_tokens, s, gen, p.record_rows,
+                                    Shard(p.sample_ids, p.batch, dist.all_true, p.width))
+                gen_after[step] = gen.get_state()
+                rollout_s = time.perf_counter() - t_roll
+            else:
+                d = aeng.get(step)
+                p, r, rollout_s = plans.pop(step), d.rollout, d.rollout_s
+                changed = aeng.changed.get(d.version, 0.0)
+                gen_after[step] = d.gen_state
+                extra_m = {"async/staleness": step - 1 - d.version,
+                           "async/engine_version": d.version,
+                           "async/wait_s": time.perf_counter() - t0}
+            if dist.on:
+                r = r.pad_to(int(dist.max(r.completion_ids.shape[1])), tok.pad_token_id)
             comp_ids = r.completions()
             texts = tok.batch_decode(comp_ids, skip_special_tokens=True)
-            total, parts = task.reward_parts([i for i in rows for _ in range(G)], texts,
-                                             comp_ids)
+            total, parts = task.reward_parts(p.rows, texts, comp_ids)
             rewards = torch.tensor(total)
             prep = prepare(cfg, model, value_head, ref_model, r, rewards, s, device)
             adv = prep.adv
             t1 = time.perf_counter()
 
-            mb_size = cfg.prompts_per_step // cfg.minibatches * G
-            n_tok = r.completion_mask.sum()
+            mb_size = len(p.rows) // cfg.minibatches
             losses, norms, diag, dump, update, extras = [], [], StepDiagnostics(), [], 0, []
             skipped_before = scaler.skipped
             dumping = cfg.dump_rollouts and step % cfg.dump_rollouts == 0
-            sample_ids = torch.arange(len(comp_ids))
-            prompt_ids = torch.tensor([i for i in rows for _ in range(G)])
+            sample_ids = torch.tensor(p.sample_ids)
+            prompt_ids = torch.tensor(p.rows)
             for epoch in range(cfg.epochs):
-                for start in range(0, len(rows) * G, mb_size):
+                for start in range(0, len(p.rows), mb_size):
                     idx = slice(start, start + mb_size)
                     mb = r.select(idx)
                     with autocast(cfg.trainer_dtype, device, cfg.cpu_fp16):
-                        sc = score_full(model, mb, s, hidden=value_head is not None)
+                        sc = score_full(policy, mb, s, hidden=value_head is not None)
                     logp_pi, logits = sc.logp, sc.logits
                     # ℓ_s on the weights ℓ_π just saw, before this update moves them.
                     logp_s = (shadow.logprobs(model, mb, s, logp_pi) if shadow
@@ -349,7 +542,8 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                     log_r = log_ratio(cfg.ratio_source, logp_pi, mb.engine_logprobs, logp_s,
                                       prep.old[idx] if prep.old is not None else None)
                     loss, clipped, extra = objective_loss(cfg, logp_pi, log_r, mb, prep, idx,
-                                                          rewards, logp_s, value_head, sc.hidden)
+                                                          rewards, logp_s, value, sc.hidden,
+                                                          dist)
                     extras.append(extra)
                     att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv[idx],
                                     mb.completion_mask, eps_low, eps_high, clipped,
@@ -368,24 +562,31 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                     losses.append(float(loss.detach()))
                     norms.append(norm)
                     update += 1
-            if dump:
-                write_dump(run / "rollouts" / f"step-{step}.parquet", dump)
+            if aeng is not None:
+                aeng.push(step, model)   # the weights after this step, if a sync step
+                submit_ready()
             t2 = time.perf_counter()
-
+            times = {"time/rollout_s": rollout_s if aeng else t1 - t0, "time/train_s": t2 - t1,
+                     "time/step_s": t2 - (t_prev if aeng else t0)}
+            t_prev = t2
+            part = StepPart(total, parts, float(r.completion_mask.sum()),
+                            int(r.finished.sum()), diag, prep.metrics, _mean_dicts(extras),
+                            sum(losses) / len(losses), times, dump)
+            all_parts = dist.gather(part)
+            for k in [k for k in prompt_states if k < step]:
+                del prompt_states[k]
+                gen_after.pop(k, None)
+            if not dist.main:
+                continue
+            if dumping:
+                # update by update, each in rank order: the one-process row order
+                write_dump(run / "rollouts" / f"step-{step}.parquet",
+                           [t for u in range(update) for q in all_parts for t in q.dump[u:u + 1]])
             m: dict[str, Any] = {
                 "step": step,
-                "reward/mean": float(rewards.mean()),
-                "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                # each function's own mean, unweighted, when there are several (TRL's names)
-                **({f"rewards/{k}/mean": sum(v) / len(v) for k, v in parts.items()}
-                   if len(parts) > 1 else {}),
-                "completion/len_mean": float(n_tok / len(comp_ids)),
-                "completion/eos_frac": float(r.finished.float().mean()),
-                **diag.metrics(),
-                **prep.metrics,
-                **_mean_dicts(extras),
+                **step_metrics(all_parts, cfg),
+                **extra_m,
                 "sync/changed_frac": changed,
-                "loss/policy": sum(losses) / len(losses),
                 "loss/scale": scaler.scale,
                 # over applied updates; null when the step's every update was skipped
                 "train/grad_norm": (sum(ok) / len(ok) if (ok := [n for n in norms
@@ -393,11 +594,11 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
                                     else None),
                 "train/skipped_updates": scaler.skipped,
                 "train/skipped_this_step": scaler.skipped - skipped_before,
-                "time/rollout_s": t1 - t0,
-                "time/train_s": t2 - t1,
-                "time/step_s": t2 - t0,
-                "throughput/tokens_per_s": float(n_tok) / (t2 - t0),
             }
+            if extra_m.get("async/staleness"):
+                # |α| at the first update is the kernel gap only where the engine had the
+                # trainer's weights; a stale rollout's α holds the updates it missed.
+                m.pop("mismatch/kernel_gap_abs_mean", None)
             metrics_file.write(json.dumps(_json_safe(m)) + "\n")
             loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:

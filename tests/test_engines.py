@@ -112,14 +112,14 @@ def test_engine_logprobs_match_trainer_forward_fp32_and_differ_in_bf16(text_mode
 def test_inverse_cdf_sampler_draws_each_row_from_its_own_distribution():
     """`sample_rows` against known distributions: zero-probability tokens (top-k/top-p cuts,
     -inf log-probs) are never drawn, and the frequencies pass a chi-square test per row."""
-    from parity.engines import sample_rows
+    from parity.engines import sample_rows, uniforms
     p = torch.tensor([[0.5, 0.0, 0.25, 0.25, 0.0],
                       [0.0, 0.0, 0.0, 0.1, 0.9],
                       [0.2, 0.2, 0.2, 0.2, 0.2]], dtype=torch.float64)
     logp = p.log().float()
     g = torch.Generator().manual_seed(0)
     n = 20000
-    draws = torch.stack([sample_rows(logp, g) for _ in range(n)])  # [n, 3]
+    draws = torch.stack([sample_rows(logp, uniforms(g, logp.shape[0])) for _ in range(n)])  # [n, 3]
     for row in range(3):
         counts = torch.bincount(draws[:, row], minlength=5).double()
         assert counts[p[row] == 0].sum() == 0

@@ -1,0 +1,164 @@
+"""Asynchronous rollouts: the engine in its own process, sampling while the trainer learns.
+
+Versions count optimizer steps: the trainer's weights after step k are version k. The trainer
+pushes its weights (cast to engine precision) after every `sync_every`-th step, and rollout j,
+which step j trains on, is sampled from
+
+    v(j) = the oldest pushed version ≥ j − 1 − max_staleness,
+
+so its staleness j − 1 − v(j) never exceeds `max_staleness`, and the engine runs up to
+`max_staleness` steps ahead of the trainer. The schedule depends on nothing but j, so a run is
+reproducible and a resumed run continues exactly: the engine's random stream is the same one
+the synchronous loop uses (one generator, rollouts in step order), and a checkpoint keeps the
+pushed versions that later rollouts still need. With max_staleness = 0 every rollout waits for
+the newest weights: the synchronous loop, in two processes.
+
+The engine process gets its own torch threads (`engine_threads`); on a CPU the trainer keeps
+the rest. Sampling and the trainer's forward passes hold the GIL for much of a decode step
+(transformers' Python per layer), which is why this is a process and not a thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from parity.engines import HFEngine, Rollout, Sampling, Shard
+from parity.errors import ParityError
+
+
+@dataclass
+class Request:
+    step: int
+    version: int
+    prompts: list[list[int]]
+    record_rows: list[int]
+    shard: Shard
+
+
+@dataclass
+class Delivered:
+    rollout: Rollout
+    version: int          # the weights it was sampled from
+    rollout_s: float      # the engine's time on it
+    gen_state: torch.Tensor  # the sampling generator after it (a checkpoint resumes from there)
+
+
+def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, cpu_fp16: str,
+           s: Sampling, max_new_tokens: int, threads: int, gen_state: torch.Tensor,
+           inbox: Any, outbox: Any, parent: int) -> None:
+    """The engine process: load pushed weights, answer requests in order, until told to stop
+    or the trainer is gone."""
+    try:
+        torch.set_num_threads(threads)
+        engine = HFEngine.of_copy(model, dtype, eos_ids, pad_id, cpu_fp16)
+        gen = torch.Generator()
+        gen.set_state(gen_state)
+        weights: dict[int, dict[str, torch.Tensor]] = {}
+        loaded = None
+        while True:
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return  # the trainer died without saying goodbye
+                continue
+            if msg[0] == "stop":
+                return
+            if msg[0] == "weights":
+                weights[msg[1]] = msg[2]
+                continue
+            req: Request = msg[1]
+            if loaded != req.version:
+                with torch.no_grad():
+                    params = dict(engine.model.state_dict())
+                    for name, t in weights[req.version].items():
+                        params[name].copy_(t)
+                loaded = req.version
+                for v in [v for v in weights if v < req.version]:
+                    del weights[v]  # requests come in step order: older versions are done
+            t0 = time.perf_counter()
+            r = engine.generate(req.prompts, max_new_tokens, s, gen, req.record_rows, req.shard)
+            outbox.put(("rollout", req.step, Delivered(r, req.version, time.perf_counter() - t0,
+                                                       gen.get_state())))
+    except Exception:
+        outbox.put(("error", traceback.format_exc()))
+
+
+class AsyncEngine:
+    """The trainer's side: pushes weights, plans requests ahead, and hands out rollouts."""
+
+    def __init__(self, mirror: HFEngine, s: Sampling, max_new_tokens: int, max_staleness: int,
+                 sync_every: int, threads: int, gen: torch.Generator,
+                 pushed: dict[int, dict[str, torch.Tensor]], changed: dict[int, float]):
+        self.mirror, self.m, self.every = mirror, max_staleness, sync_every
+        # The pushed versions later requests may still need, and each one's sync/changed_frac.
+        self.pushed, self.changed = dict(pushed), dict(changed)
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_serve, daemon=True, args=(
+            copy.deepcopy(mirror.model), mirror.dtype, mirror.eos_ids.tolist(), mirror.pad_id,
+            mirror.cpu_fp16, s, max_new_tokens, threads, gen.get_state(), self.inbox,
+            self.outbox, os.getpid()))
+        self.proc.start()
+        for v in sorted(self.pushed):
+            self.inbox.put(("weights", v, self.pushed[v]))
+        self.submitted: dict[int, int] = {}   # step -> version
+        self.ready: dict[int, Delivered] = {}
+
+    def version_for(self, step: int) -> int | None:
+        """v(step), or None while no pushed version is new enough yet."""
+        ok = [v for v in self.pushed if v >= step - 1 - self.m]
+        return min(ok) if ok else None
+
+    def push(self, version: int, master: torch.nn.Module) -> None:
+        """After step `version`: cast and send the weights if this step is a sync step."""
+        if version % self.every:
+            return
+        self.changed[version] = self.mirror.sync(master)
+        state = {k: v.detach().clone() for k, v in self.mirror.model.state_dict().items()}
+        self.pushed[version] = state
+        self.inbox.put(("weights", version, state))
+        for v in [v for v in self.pushed if v < version - self.m]:
+            del self.pushed[v], self.changed[v]  # no later step can use it
+
+    def submit(self, step: int, request: Request) -> None:
+        self.submitted[step] = request.version
+        self.inbox.put(("generate", request))
+
+    def get(self, step: int) -> Delivered:
+        """Rollout `step`, waiting for it; a dead or failed engine process is an error, not a
+        hang."""
+        while step not in self.ready:
+            try:
+                msg = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise ParityError(f"the engine process stopped (exit code "
+                                      f"{self.proc.exitcode}) before it delivered the rollout of "
+                                      f"step {step}") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"the engine process failed:\n{msg[1]}")
+            self.ready[msg[1]] = msg[2]
+        return self.ready.pop(step)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"pushed": sorted(self.pushed), "changed": {str(k): v for k, v in
+                                                           self.changed.items()}}
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.inbox.put(("stop",))
+            self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)

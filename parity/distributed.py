@@ -1,0 +1,142 @@
+"""Multi-process training on torch.distributed: one process per rank, started by `torchrun` or
+`accelerate launch`, gloo on CPU.
+
+Every rank holds the whole model (DDP) and samples its shard of each step's prompts. The shards
+are cut so that a rank's part of every minibatch is a slice of the one-process minibatch, each
+row draws the random number the one-process run draws for it, and a metric is computed on the
+tokens of all ranks: a 2-process run gives the 1-process metrics (tests/test_distributed.py).
+
+DDP averages gradients over ranks, which is the gradient of the global loss only when every
+rank's loss has the same denominator. `Dist.share` rescales a rank's loss to its part of the
+global one (token means, DPO pairs); rank 0 alone writes files.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as td
+
+from parity.errors import ParityError, one_line
+
+T = TypeVar("T")
+
+
+class RankFailure(ParityError):
+    """A collective with the other ranks failed: one of them stopped, or it timed out."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on(self) -> bool:
+        return self.world > 1
+
+    # -- sharding ------------------------------------------------------------------------
+    def shard(self, n_prompts: int, minibatches: int) -> list[int]:
+        """Positions in the step's prompt list that this rank samples: its 1/world of every
+        minibatch, so minibatch m of every rank together is the one-process minibatch m."""
+        per_mb = n_prompts // minibatches
+        per_rank = per_mb // self.world
+        return [m * per_mb + self.rank * per_rank + j
+                for m in range(minibatches) for j in range(per_rank)]
+
+    # -- collectives (a failed one is a RankFailure, not a hang or a gloo traceback) -------
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except RuntimeError as e:
+            raise RankFailure(failure_message(e)) from None
+
+    def sum(self, x: float) -> float:
+        if not self.on:
+            return float(x)
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        self._call(lambda: td.all_reduce(t))
+        return float(t)
+
+    def max(self, x: float) -> float:
+        if not self.on:
+            return float(x)
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        self._call(lambda: td.all_reduce(t, op=td.ReduceOp.MAX))
+        return float(t)
+
+    def all_true(self, flag: bool) -> bool:
+        return self.sum(0.0 if flag else 1.0) == 0.0 if self.on else bool(flag)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (pickled: for metrics, not weights)."""
+        if not self.on:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._call(lambda: td.all_gather_object(out, obj))
+        return out
+
+    def agree(self, error: str | None) -> None:
+        """Raise the first rank's error on every rank: a check that fails on one rank (rank 0
+        alone looks at the run directory) must not leave the others waiting in a collective."""
+        errors = [e for e in self.gather(error) if e]
+        if errors:
+            raise ParityError(errors[0])
+
+    def barrier(self) -> None:
+        if self.on:
+            self._call(td.barrier)
+
+    # -- the loss ----------------------------------------------------------------------------
+    def share(self, loss: torch.Tensor, n: float) -> torch.Tensor:
+        """`loss` is a mean over this rank's `n` items (tokens, rows, pairs). DDP averages the
+        ranks' gradients, so scale it to n·world/N_total: the average is then the gradient of the
+        mean over all N_total items, as one process computes it."""
+        if not self.on:
+            return loss
+        total = self.sum(n)
+        return loss * (n * self.world / total) if total > 0 else loss * 0.0
+
+    def wrap(self, module: torch.nn.Module | None) -> Any:
+        if module is None or not self.on:
+            return module
+        # Buffers (rotary tables) never change: no broadcast before each forward.
+        return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
+
+    def close(self) -> None:
+        if self.on and td.is_initialized():
+            td.destroy_process_group()
+
+
+def failure_message(e: BaseException) -> str:
+    rank = os.environ.get("RANK", "?")
+    return (f"rank {rank}: a collective with the other ranks failed ({one_line(e)}): another "
+            f"rank stopped or did not answer in time. The run stops here; `parity train --resume "
+            f"RUN` continues it from its newest checkpoint")
+
+
+def init(timeout_s: float) -> Dist:
+    """The launcher's rank and world size (RANK, WORLD_SIZE, MASTER_ADDR/PORT, as torchrun and
+    accelerate launch set them); one process without them."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ParityError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set: start "
+                          f"multi-process runs with `torchrun --nproc_per_node N -m parity train "
+                          f"...` or `accelerate launch`")
+    if not td.is_initialized():
+        try:
+            td.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:
+            raise ParityError(f"cannot join the process group: {one_line(e)}") from None
+    return Dist(td.get_rank(), td.get_world_size())

@@ -1,0 +1,174 @@
+"""Multi-process training: real `torchrun` / `accelerate launch` processes on gloo, against the
+one-process run on the same data and seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from cli_helpers import assert_user_error
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+COMMON = ["--task", "neg-length", "--model", "text-xs", "--no-progress", "--report-to", "none", "--threads", "1"]
+
+
+def parity(args: list[str], launcher: list[str] | None = None, timeout: int = 600,
+           ) -> subprocess.CompletedProcess:
+    cmd = (launcher + ["-m", "parity"] if launcher else [sys.executable, "-m", "parity"])
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        keys = {k for k in x if not k.startswith(("time/", "throughput/"))}
+        assert keys == {k for k in y if not k.startswith(("time/", "throughput/"))}
+        for k in sorted(keys):
+            if x[k] is None or y[k] is None:
+                assert x[k] is y[k], (x["step"], k)
+            else:
+                assert abs(x[k] - y[k]) <= tol * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
+
+
+def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, tmp_path):
+    """fp32 on both sides: every metric, the rollout dump and a resumed run match one process.
+    Two minibatches and token-mean aggregation: each rank holds half of every minibatch, and
+    its loss is rescaled to its share of the minibatch's tokens."""
+    cfg = COMMON + ["--recipe", "fp32", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                    "--minibatches", "2", "--loss-agg", "token-mean", "--max-new-tokens", "12",
+                    "--dump-rollouts", "--save-every", "2"]
+    one = parity(["train", *cfg, "--steps", "4", "--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = parity(["train", *cfg, "--steps", "3", "--out", str(tmp_path / "two")], TORCHRUN)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert len(b) == 3  # rank 0 alone writes: one line per step
+    assert_same_metrics(a[:3], b, 1e-5)
+    # the dump of every token, written by rank 0 from both ranks' rows
+    for step in (1, 2, 3):
+        t1 = pq.read_table(tmp_path / "one" / "rollouts" / f"step-{step}.parquet").to_pandas()
+        t2 = pq.read_table(tmp_path / "two" / "rollouts" / f"step-{step}.parquet").to_pandas()
+        key = ["update", "sample_id", "position"]
+        t1, t2 = t1.sort_values(key).reset_index(drop=True), t2.sort_values(key).reset_index(drop=True)
+        assert len(t1) == len(t2) > 0
+        assert (t1["token_id"] == t2["token_id"]).all()
+        assert (t1["trainer_logprob"] - t2["trainer_logprob"]).abs().max() < 1e-4
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == \
+        ["step-2", "step-3"]
+    resumed = parity(["train", "--resume", str(tmp_path / "two"), "--steps", "4",
+                      "--no-progress"], TORCHRUN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_metrics(a, metrics(tmp_path / "two"), 1e-5)
+
+
+def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path):
+    """The default recipe: the first step's rollout, rewards, α/β split and clip attribution
+    across two ranks equal one process's. (After an update, fp32 sums in another order can move
+    a master weight across a bf16 rounding boundary, and the runs part within a few steps.)"""
+    cfg = COMMON + ["--steps", "1", "--max-new-tokens", "12"]
+    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    two = parity(["train", *cfg, "--out", str(tmp_path / "two")], TORCHRUN)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert a[0]["mismatch/beta_abs_mean"] > 1e-3  # a real bf16 gap, split the same way
+    assert_same_metrics(a, b, 1e-4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_launch_runs_the_same_training(text_model, tmp_path):
+    """`accelerate launch` starts the ranks with torchrun's environment; on a CPU machine
+    `--multi_gpu` is its multi-process launcher."""
+    cfg = COMMON + ["--recipe", "fp32", "--steps", "2", "--max-new-tokens", "10"]
+    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    two = parity(["train", *cfg, "--out", str(tmp_path / "two")], launcher)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"), 1e-5)
+
+
+def test_a_batch_that_does_not_split_over_ranks_is_refused_on_every_rank(text_model, tmp_path):
+    p = parity(["train", *COMMON, "--prompts-per-step", "3", "--steps", "1",
+                "--out", str(tmp_path / "run")], TORCHRUN, timeout=120)
+    assert p.returncode != 0
+    assert p.stderr.count("must be divisible by minibatches x ranks = 1 x 2") == 2
+    assert not (tmp_path / "run").exists()
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The worker process of `rank` among `parent`'s descendants (from /proc)."""
+    import psutil
+    for child in psutil.Process(parent).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "parity" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_killing_one_rank_ends_the_run_with_a_clear_error(text_model, tmp_path):
+    """SIGKILL rank 1 mid-run: the whole run stops within a minute, rank 0 says why in one
+    line, and the steps already written stay intact."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(TORCHRUN + ["-m", "parity", "train", *COMMON, "--steps", "200",
+                                        "--max-new-tokens", "12", "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 300
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.time() < deadline, "the run did not start"
+            time.sleep(0.5)
+        pid = _rank_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=120)  # a hang fails the test here
+        assert time.time() - t0 < 90
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    # rank 0's own line: either its collective failed or torchrun stopped it
+    assert "parity: error: rank 0" in err and "another rank" in err, err[-3000:]
+    print(next(ln for ln in err.splitlines() if ln.startswith("parity: error:")),
+          f"({time.time() - t0:.1f} s after the kill)")
+    lines = metrics(run)
+    assert lines and [m["step"] for m in lines] == list(range(1, len(lines) + 1))
+    assert len(lines) < 200
+
+
+def test_multiprocess_launch_without_a_rendezvous_is_a_user_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "parity", "train", *COMMON, "--steps", "1",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                       env={**env, "WORLD_SIZE": "2"}, timeout=120)
+    assert_user_error(p, "WORLD_SIZE=2", "torchrun")
+    assert not (tmp_path / "run").exists()
+
+
+def test_shards_tile_every_minibatch():
+    """Rank r's share of minibatch m is the r-th slice of the one-process minibatch m."""
+    from parity.distributed import Dist
+    assert [Dist(r, 2).shard(8, 2) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [Dist(r, 4).shard(8, 1) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
