@@ -55,12 +55,16 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
          engine_version: int, opt: torch.optim.Optimizer, scaler_state: dict, prompts_state: dict,
          gen: torch.Generator, value_head: torch.nn.Module | None, keep: int,
          async_state: dict[str, Any] | None = None,
-         engine_versions: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
+         engine_versions: dict[int, dict[str, torch.Tensor]] | None = None,
+         model_state: dict[str, torch.Tensor] | None = None, opt_state: dict | None = None
+         ) -> Path:
     final = run / "checkpoints" / f"step-{step}"
     tmp = run / "checkpoints" / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    # FSDP: the caller gathered the whole weights and optimizer state (collectives every rank
+    # takes part in); rank 0 writes them as a one-process run would.
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     tok.save_pretrained(tmp)
     # The engine's copy is not a cast of the final weights (it was cast at the step's start).
     # save_model, not save_file: a tied head (GPT-2) shares its tensor with the embedding.
@@ -69,7 +73,8 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
         save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
     for v, weights in (engine_versions or {}).items():
         save_file(weights, str(tmp / f"engine-v{v}.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scaler": scaler_state}, tmp / "train.pt")
+    torch.save({"optimizer": opt_state if opt_state is not None else opt.state_dict(),
+                "scaler": scaler_state}, tmp / "train.pt")
     torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
                 "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "engine_version": engine_version,
@@ -152,7 +157,7 @@ def latest_valid(run: Path) -> Restored | None:
 
 
 def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
-              opt: torch.optim.Optimizer, gen: torch.Generator,
+              opt: torch.optim.Optimizer | None, gen: torch.Generator,
               value_head: torch.nn.Module | None) -> dict:
     """Restore weights, optimizer, RNGs in place; returns the scaler state to load."""
     weights = load_file(str(r.path / "model.safetensors"))
@@ -164,12 +169,17 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
     if value_head is not None:
         value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
     train = torch.load(r.path / "train.pt", weights_only=True)
-    opt.load_state_dict(train["optimizer"])
+    if opt is not None:  # None: FSDP loads it after sharding (`optimizer_state`)
+        opt.load_state_dict(train["optimizer"])
     rng = torch.load(r.path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     gen.set_state(rng["sampling"])
     random.setstate(_as_tuple(rng["python"]))
     return train["scaler"]
+
+
+def optimizer_state(r: Restored) -> dict:
+    return torch.load(r.path / "train.pt", weights_only=True)["optimizer"]
 
 
 def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:

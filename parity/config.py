@@ -24,7 +24,7 @@ OBJECTIVES = ("ppo-clip", "gspo", "pg-is", "ppo-value", "online-dpo")
 LOSS_AGGS = ("seq-mean", "token-mean", "token-sum")
 DPO_REFS = ("initial", "engine")
 OPTIMIZERS = ("adamw", "adam", "sgd")
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 PARALLEL = ("ddp", "fsdp")
 REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
@@ -56,7 +56,9 @@ class Config:
                            "Face causal LM directory. None: the built-in task's testbed model "
                            "(a dataset task must name one).")
     # -- precision (the subject of parity)
-    engine: str = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache).")
+    engine: str = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache, CPU or "
+                     "GPU) or `vllm` (vLLM on a CUDA GPU, `pip install 'parity[vllm]'`; "
+                     "unverified so far, docs/scaling.md).")
     engine_dtype: str = _f("bf16", "Precision of the engine's copy of the weights: fp32|bf16|fp16.")
     trainer_dtype: str = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast over "
                             "fp32 master weights.")
@@ -149,6 +151,8 @@ class Config:
     engine_threads: int = _f(0, "Async: torch threads of the engine process (0: one). The "
                              "trainer keeps `threads`: split the cores with both when sampling "
                              "is the longer side.")
+    vllm_gpu_memory: float = _f(0.3, "engine=vllm: share of the GPU's memory vLLM may take "
+                                "(weights and KV cache).")
     parallel: str = _f("ddp", "Multi-process runs (torchrun / accelerate launch): `ddp` (every "
                        "rank holds the model) or `fsdp` (parameters, gradients and optimizer "
                        "state sharded with FSDP2's fully_shard).")
@@ -188,6 +192,11 @@ class Config:
         if self.sync_every != 1 and not self.async_engine:
             raise ParityError(f"sync_every={self.sync_every} applies to the asynchronous engine: "
                               f"add --async-engine")
+        if self.engine == "vllm" and (self.async_engine or self.lm_head_fp32):
+            raise ParityError("engine=vllm samples in the trainer's process: it takes neither "
+                              "--async-engine nor --lm-head-fp32")
+        if not 0 < self.vllm_gpu_memory <= 1:
+            raise ParityError(f"vllm_gpu_memory={self.vllm_gpu_memory} must be in (0, 1]")
         if self.engine_threads < 0:
             raise ParityError(f"engine_threads={self.engine_threads} must be >= 0")
         if not (self.dist_timeout_s > 0 and math.isfinite(self.dist_timeout_s)):

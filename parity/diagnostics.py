@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from parity.engines import Rollout, Sampling, processed_logits, score
+from parity.engines import ENGINE_ATTENTION, Rollout, Sampling, processed_logits, score
 from parity.objectives import clip_predicate
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
@@ -47,6 +47,7 @@ class Shadow:
         self.model = None
         if not self.identity:
             self.model = low_precision_copy(master, engine_dtype, lm_head_fp32)
+            self.model.set_attn_implementation(ENGINE_ATTENTION)  # the engine's kernels
 
     @torch.no_grad()
     def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,

@@ -111,9 +111,26 @@ class Dist:
         # Buffers (rotary tables) never change: no broadcast before each forward.
         return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
 
+    def fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: each transformer block (the model's `_no_split_modules`) and then the rest is
+        one unit whose parameters, gradients and optimizer state are split over the ranks."""
+        from torch.distributed.fsdp import fully_shard
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for m in model.modules():
+            if type(m).__name__ in blocks:
+                fully_shard(m)
+        fully_shard(model)
+        return model
+
     def close(self) -> None:
         if self.on and td.is_initialized():
             td.destroy_process_group()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP) tensor gathered whole on every rank; any other tensor as it is. A
+    collective: every rank must ask for the same tensors in the same order."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def failure_message(e: BaseException) -> str:

@@ -17,6 +17,13 @@ from transformers import StaticCache
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
+# A decode step attends one query to a short cache, where torch's CPU SDPA kernel costs more
+# than the products (bench/decode_variants.py, ladder-w512 at batch 256: a bf16 step 38.5 ->
+# 30.4 ms). The shadow forward attends the same way: a different attention kernel is a
+# kernel gap inside α (bench/kernel_gap.py: 3.3e-3 against an SDPA shadow, 2.4e-7 eager).
+ENGINE_ATTENTION = "eager"
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 1.0
@@ -214,10 +221,7 @@ class HFEngine:
         return self
 
     def _setup(self, eos_id: int | list[int], pad_id: int) -> None:
-        # A decode step attends one query to a short cache, where torch's CPU SDPA kernel costs
-        # more than the products (bench/decode_variants.py, ladder-w512 at batch 256: a bf16
-        # step 38.5 -> 30.4 ms).
-        self.model.set_attn_implementation("eager")
+        self.model.set_attn_implementation(ENGINE_ATTENTION)
         # Chat models end a turn with their own token (<|im_end|>) besides the tokenizer's EOS.
         self.eos_ids = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
         self.pad_id = pad_id

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from parity.distributed import full_tensor
+
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -137,7 +139,8 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
     """Copy fp32 master weights into `target` in its own dtype; return the fraction of target
     values that changed (`sync/changed_frac`; 0.0 when not `count`ed). Small updates can leave a
     bf16 cast unchanged."""
-    src = dict(master.state_dict())
+    # FSDP shards: gathered whole (every rank casts at the same points of the step).
+    src = {k: full_tensor(v) for k, v in master.state_dict().items()}
     changed = total = 0
     for name, t in target.state_dict().items():
         new = src[name].to(t.dtype)

@@ -26,12 +26,14 @@ from typing import Any, Callable
 
 import torch
 import transformers
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity import checkpoints, distributed, testbed
+from parity import checkpoints, distributed, testbed, vllm_engine
 from parity.async_engine import AsyncEngine, Request
 from parity.config import Config, dump_yaml
-from parity.distributed import Dist, RankFailure, failure_message
+from parity.distributed import Dist, RankFailure, failure_message, full_tensor
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
 from parity.engines import HFEngine, Rollout, Sampling, Shard, score_full, stop_token_ids
 from parity.errors import ParityError, one_line
@@ -374,6 +376,8 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             if not resume:
                 check_run_dir(run)
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
+            if cfg.engine == "vllm":
+                vllm_engine.check_available()
             ctx = setup(cfg)
         except ParityError as e:
             error = str(e)
@@ -397,8 +401,13 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
         fp32_head(model)
     if on_model is not None:
         on_model(model)
-    engine = HFEngine(model, cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-                      cfg.cpu_fp16, cfg.lm_head_fp32)
+    if cfg.engine == "vllm":
+        engine: HFEngine | vllm_engine.VLLMEngine = vllm_engine.VLLMEngine(
+            model, str(model_dir), cfg.engine_dtype, stop_token_ids(model, tok),
+            tok.pad_token_id, cfg.vllm_gpu_memory, cfg.seed)
+    else:
+        engine = HFEngine(model, cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
+                          cfg.cpu_fp16, cfg.lm_head_fp32)
     model.train()
     value_head = ValueHead(model.config.hidden_size) if cfg.objective == "ppo-value" else None
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
@@ -407,6 +416,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
     if value_head is not None:
         params += list(value_head.parameters())
     opt = make_optimizer(cfg, params)
+    fsdp = dist.on and cfg.parallel == "fsdp"
     scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
                         cfg.loss_scale_growth_interval)
     prompts = PromptSampler(len(task.rows), cfg.seed)
@@ -423,8 +433,8 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
     if resume and restored is None and dist.main:
         truncate_metrics(run / "metrics.jsonl", 0)
     if restored is not None:
-        scaler.load_state_dict(checkpoints.load_into(restored, model, engine.model, opt, gen,
-                                                     value_head))
+        scaler.load_state_dict(checkpoints.load_into(restored, model, engine.model,
+                                                     None if fsdp else opt, gen, value_head))
         prompts.load_state_dict(restored.state["prompts"])
         engine.version = restored.state["engine_version"]
         first_step = restored.step + 1
@@ -432,8 +442,18 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             truncate_metrics(run / "metrics.jsonl", restored.step)
             for stale in (run / "checkpoints").glob(".tmp-step-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # a write the crash interrupted
-    # Forward passes with gradient go through DDP, which averages the gradients over ranks.
-    policy, value = dist.wrap(model), dist.wrap(value_head)
+    # Forward passes with gradient go through DDP (or the FSDP-sharded model itself), which
+    # averages the gradients over ranks.
+    policy, value = (model if fsdp else dist.wrap(model)), dist.wrap(value_head)
+    if fsdp:
+        # The optimizer and its state live on the shards: built again on them.
+        dist.fully_shard(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        params += list(value_head.parameters()) if value_head is not None else []
+        opt = make_optimizer(cfg, params)
+        if restored is not None:
+            set_optimizer_state_dict(model, opt, checkpoints.optimizer_state(restored),
+                                     options=StateDictOptions(full_state_dict=True))
 
     aeng: AsyncEngine | None = None
     plans: dict[int, Plan] = {}
@@ -471,6 +491,11 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
         submit_ready()
 
     def save(step: int) -> None:
+        model_state = opt_state = None
+        if fsdp:  # gathered by every rank, written by rank 0
+            model_state = {k: full_tensor(v) for k, v in model.state_dict().items()}
+            opt_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
         if not dist.main:
             return
         g = torch.Generator()
@@ -479,7 +504,8 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
                          scaler.state_dict(), prompt_states[step], g, value_head,
                          cfg.keep_checkpoints,
                          aeng.checkpoint_state() if aeng else None,
-                         {v: w for v, w in aeng.pushed.items()} if aeng else None)
+                         {v: w for v, w in aeng.pushed.items()} if aeng else None,
+                         model_state, opt_state)
 
     with contextlib.ExitStack() as stack:
         if aeng is not None:
@@ -576,35 +602,34 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             for k in [k for k in prompt_states if k < step]:
                 del prompt_states[k]
                 gen_after.pop(k, None)
-            if not dist.main:
-                continue
-            if dumping:
-                # update by update, each in rank order: the one-process row order
-                write_dump(run / "rollouts" / f"step-{step}.parquet",
-                           [t for u in range(update) for q in all_parts for t in q.dump[u:u + 1]])
-            m: dict[str, Any] = {
-                "step": step,
-                **step_metrics(all_parts, cfg),
-                **extra_m,
-                "sync/changed_frac": changed,
-                "loss/scale": scaler.scale,
-                # over applied updates; null when the step's every update was skipped
-                "train/grad_norm": (sum(ok) / len(ok) if (ok := [n for n in norms
-                                                                 if math.isfinite(n)])
-                                    else None),
-                "train/skipped_updates": scaler.skipped,
-                "train/skipped_this_step": scaler.skipped - skipped_before,
-            }
-            if extra_m.get("async/staleness"):
-                # |α| at the first update is the kernel gap only where the engine had the
-                # trainer's weights; a stale rollout's α holds the updates it missed.
-                m.pop("mismatch/kernel_gap_abs_mean", None)
-            metrics_file.write(json.dumps(_json_safe(m)) + "\n")
-            loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
+            if dist.main:  # rank 0 alone writes
+                if dumping:
+                    # update by update, each in rank order: the one-process row order
+                    write_dump(run / "rollouts" / f"step-{step}.parquet",
+                               [q.dump[u] for u in range(update) for q in all_parts])
+                m: dict[str, Any] = {
+                    "step": step,
+                    **step_metrics(all_parts, cfg),
+                    **extra_m,
+                    "sync/changed_frac": changed,
+                    "loss/scale": scaler.scale,
+                    # over applied updates; null when the step's every update was skipped
+                    "train/grad_norm": (sum(ok) / len(ok) if (ok := [n for n in norms
+                                                                     if math.isfinite(n)])
+                                        else None),
+                    "train/skipped_updates": scaler.skipped,
+                    "train/skipped_this_step": scaler.skipped - skipped_before,
+                }
+                if extra_m.get("async/staleness"):
+                    # |α| at the first update is the kernel gap only where the engine had the
+                    # trainer's weights; a stale rollout's α holds the updates it missed.
+                    m.pop("mismatch/kernel_gap_abs_mean", None)
+                metrics_file.write(json.dumps(_json_safe(m)) + "\n")
+                loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
+                bar.advance(1, f"reward {m['reward/mean']:+.3f}  len "
+                               f"{m['completion/len_mean']:.1f}  clip {m['clip/frac']:.3f}")
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-                save(step)
-            bar.advance(1, f"reward {m['reward/mean']:+.3f}  len "
-                           f"{m['completion/len_mean']:.1f}  clip {m['clip/frac']:.3f}")
+                save(step)  # on every rank: FSDP gathers the shards first
     if first_step <= cfg.steps:  # else a finished run was "resumed": its final checkpoint stands
         save(cfg.steps)
     return run

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from cli_helpers import assert_user_error
 
@@ -43,16 +44,20 @@ def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
                 assert abs(x[k] - y[k]) <= tol * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
 
 
-def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, tmp_path):
-    """fp32 on both sides: every metric, the rollout dump and a resumed run match one process.
-    Two minibatches and token-mean aggregation: each rank holds half of every minibatch, and
-    its loss is rescaled to its share of the minibatch's tokens."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, tmp_path,
+                                                                     parallel):
+    """fp32 on both sides: every metric, the rollout dump and a resumed run match one process,
+    with DDP and with FSDP2 (sharded parameters and optimizer state, gathered for the weight
+    casts and the checkpoints). Two minibatches and token-mean aggregation: each rank holds half
+    of every minibatch, and its loss is rescaled to its share of the minibatch's tokens."""
     cfg = COMMON + ["--recipe", "fp32", "--prompts-per-step", "4", "--samples-per-prompt", "4",
                     "--minibatches", "2", "--loss-agg", "token-mean", "--max-new-tokens", "12",
                     "--dump-rollouts", "--save-every", "2"]
     one = parity(["train", *cfg, "--steps", "4", "--out", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = parity(["train", *cfg, "--steps", "3", "--out", str(tmp_path / "two")], TORCHRUN)
+    two = parity(["train", *cfg, "--parallel", parallel, "--steps", "3",
+                  "--out", str(tmp_path / "two")], TORCHRUN)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert len(b) == 3  # rank 0 alone writes: one line per step

@@ -40,7 +40,7 @@ import torch
 
 from parity.config import DTYPES, RATIO_SOURCES, RECIPES
 from parity.diagnostics import StepDiagnostics, attribute
-from parity.engines import HFEngine, Sampling
+from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
 from parity.errors import ParityError
 from parity.objectives import clip_predicate
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
@@ -154,6 +154,7 @@ class ParityGRPOTrainer(GRPOTrainer):
         if not (self.parity.engine_dtype == "fp32" and self.trainer_dtype == "fp32"):
             self.shadow = _without_patched_forward(
                 low_precision_copy(master, self.parity.engine_dtype, head32))
+            self.shadow.set_attn_implementation(ENGINE_ATTENTION)  # the engine's kernels
             add_fused_lm_head(self.shadow, temperature=self.temperature,
                               cast_lm_head_to_fp32=head32)
         self._shadow_step: int | None = None

@@ -1,0 +1,62 @@
+"""The vLLM engine's parts that run without vLLM: what it asks vLLM for, how its outputs become
+a Rollout, and the refusal on a machine without vLLM or a GPU. The engine itself is unverified
+(docs/scaling.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cli_helpers import assert_user_error
+from parity.engines import HFEngine, Sampling
+from parity.vllm_engine import rollout_from_outputs, sampling_kwargs
+
+
+def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob_with_parity_settings():
+    kw = sampling_kwargs(Sampling(0.7, 0.9, 0), 24, [2, 7], seed=5)
+    assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9
+    assert kw["top_k"] == -1            # parity's 0 (off) is vLLM's -1
+    assert kw["logprobs"] == 0          # the sampled token's own log-prob only
+    assert kw["max_tokens"] == 24 and kw["stop_token_ids"] == [2, 7] and kw["seed"] == 5
+    assert sampling_kwargs(Sampling(1.0, 1.0, 20), 8, [2], 0)["top_k"] == 20
+
+
+def test_rollout_from_outputs_lays_out_completions_as_the_hf_engine_does(tiny_lm):
+    """Feed the HF engine's own completions and log-probs through the vLLM conversion: the same
+    tensors come out (left-padded prompts, right-padded completions, 0 off the valid tokens)."""
+    prompts = [[3, 4, 5], [6], [7, 8], [9, 10, 11, 12]]
+    eng = HFEngine(tiny_lm, "fp32", eos_id=1, pad_id=0)
+    r = eng.generate(prompts, 6, Sampling(), torch.Generator().manual_seed(0))
+    comps = r.completions()
+    lps = [r.engine_logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)]
+    v = rollout_from_outputs(prompts, comps, lps, r.finished.tolist(), pad_id=0)
+    T = r.completion_ids.shape[1]
+    assert v.completion_ids.shape[1] == max(len(c) for c in comps) <= T
+    for name in ("prompt_ids", "prompt_mask", "finished"):
+        assert torch.equal(getattr(v, name), getattr(r, name)), name
+    n = v.completion_ids.shape[1]
+    assert torch.equal(v.completion_mask, r.completion_mask[:, :n])
+    assert torch.equal(v.completion_ids[v.completion_mask > 0],
+                       r.completion_ids[:, :n][r.completion_mask[:, :n] > 0])
+    assert torch.equal(v.engine_logprobs, r.engine_logprobs[:, :n])
+
+
+def test_rollout_from_outputs_refuses_mismatched_logprobs():
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        rollout_from_outputs([[1]], [[4, 5]], [[-0.1]], [False], pad_id=0)
+
+
+def test_engine_vllm_without_vllm_is_a_user_error(tmp_path):
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    p = subprocess.run([sys.executable, "-m", "parity", "train", "--engine", "vllm",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=120)
+    assert_user_error(p, "engine=vllm needs vLLM", "parity[vllm]")
+    assert not (tmp_path / "run").exists()
