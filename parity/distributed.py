@@ -148,7 +148,8 @@ def init(timeout_s: float) -> Dist:
         return Dist()
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise ParityError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set: start "
+        raise ParityError(f"WORLD_SIZE={world} but {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: start "
                           f"multi-process runs with `torchrun --nproc_per_node N -m parity train "
                           f"...` or `accelerate launch`")
     if not td.is_initialized():

@@ -38,6 +38,7 @@ from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, e
 from parity.engines import HFEngine, Rollout, Sampling, Shard, score_full, stop_token_ids
 from parity.errors import ParityError, one_line
 from parity.loggers import MetricLoggers, check_backends
+from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
 from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs, gae,
                                grpo_advantages, gspo_loss, log_ratio, pg_is_loss, ppo_clip_loss,
                                value_loss, whiten)
@@ -188,16 +189,6 @@ def _exact_kl_in(r: Rollout, start: int, logits: torch.Tensor, mask: torch.Tenso
     return torch.cat(kls) if kls else torch.empty(0)
 
 
-def _json_safe(m: dict[str, Any]) -> dict[str, Any]:
-    """Non-finite values (the gradient norm of a skipped fp16 update) as null: NaN is not JSON."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
-
-
-def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for d in ds for k in d}
-    return {k: sum(d[k] for d in ds if k in d) / sum(k in d for d in ds) for k in sorted(keys)}
-
-
 def free_dir(base: Path) -> Path:
     """`base`, or base-2, base-3, ... : the first that does not exist yet, so repeating a
     command never collides with the output of the one before it."""
@@ -245,66 +236,6 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text("".join(x + "\n" for x in keep))
     os.replace(tmp, path)
-
-
-def _reduce(dicts: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
-    """Ranks' metric dicts as one: extremes by max/min, counts summed, the rest weighted means."""
-    out = {}
-    for k in sorted({k for d in dicts for k in d}):
-        vals = [(d[k], w) for d, w in zip(dicts, weights) if k in d]
-        if "max" in k:
-            out[k] = max(v for v, _ in vals)
-        elif "min" in k:
-            out[k] = min(v for v, _ in vals)
-        elif k == "dpo/pairs":
-            out[k] = sum(v for v, _ in vals)
-        else:
-            total = sum(w for _, w in vals)
-            out[k] = (sum(v * w for v, w in vals) / total if total
-                      else sum(v for v, _ in vals) / len(vals))
-    return out
-
-
-@dataclass
-class StepPart:
-    """What one rank saw of a step; rank 0 turns all ranks' parts into the step's metrics."""
-    rewards: list[float]
-    parts: dict[str, list[float]]
-    n_tok: float
-    finished: int
-    diag: StepDiagnostics
-    prep: dict[str, float]
-    extras: dict[str, float]
-    loss_sum: float
-    times: dict[str, float]
-    dump: list = field(default_factory=list)
-
-
-def step_metrics(parts: list[StepPart], cfg: Config) -> dict[str, Any]:
-    rewards = torch.tensor([x for p in parts for x in p.rewards])
-    names = list(parts[0].parts)
-    n_tok = sum(p.n_tok for p in parts)
-    tok_w = [p.n_tok for p in parts]
-    pairs_w = [p.extras.get("dpo/pairs", 1.0) for p in parts]
-    prep_w = (tok_w if cfg.correction.startswith("token") or cfg.objective == "ppo-value"
-              else [1.0] * len(parts))
-    times = {k: max(p.times[k] for p in parts) for k in parts[0].times}
-    return {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        # each function's own mean, unweighted, when there are several (TRL's names)
-        **({f"rewards/{k}/mean": (sum(x for p in parts for x in p.parts[k]) / len(rewards))
-            for k in names} if len(names) > 1 else {}),
-        "completion/len_mean": n_tok / len(rewards),
-        "completion/eos_frac": sum(p.finished for p in parts) / len(rewards),
-        **StepDiagnostics.merge([p.diag for p in parts]).metrics(),
-        **_reduce([p.prep for p in parts], prep_w),
-        **_reduce([p.extras for p in parts], pairs_w if cfg.objective == "online-dpo"
-                  else [1.0] * len(parts)),
-        "loss/policy": sum(p.loss_sum for p in parts) / len(parts),
-        **times,
-        "throughput/tokens_per_s": n_tok / times["time/step_s"],
-    }
 
 
 @dataclass
@@ -596,7 +527,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
                      "time/step_s": t2 - (t_prev if aeng else t0)}
             t_prev = t2
             part = StepPart(total, parts, float(r.completion_mask.sum()),
-                            int(r.finished.sum()), diag, prep.metrics, _mean_dicts(extras),
+                            int(r.finished.sum()), diag, prep.metrics, mean_dicts(extras),
                             sum(losses) / len(losses), times, dump)
             all_parts = dist.gather(part)
             for k in [k for k in prompt_states if k < step]:
@@ -624,7 +555,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
                     # |α| at the first update is the kernel gap only where the engine had the
                     # trainer's weights; a stale rollout's α holds the updates it missed.
                     m.pop("mismatch/kernel_gap_abs_mean", None)
-                metrics_file.write(json.dumps(_json_safe(m)) + "\n")
+                metrics_file.write(json.dumps(json_safe(m)) + "\n")
                 loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
                 bar.advance(1, f"reward {m['reward/mean']:+.3f}  len "
                                f"{m['completion/len_mean']:.1f}  clip {m['clip/frac']:.3f}")
