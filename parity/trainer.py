@@ -400,7 +400,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
     if cfg.async_engine:
         # The trainer keeps its threads and the engine adds one: on CPU the update is the
         # longer side, and halving its threads costs more than the overlap gains
-        # (bench/async_step.py on 2 cores: 2+1 threads 0.94x the synchronous step, 1+1 1.33x).
+        # (bench/async_step.py on 2 cores: 2+1 threads 0.89x the synchronous step, 1+1 1.28x).
         e_threads = cfg.engine_threads or 1
         a_state = restored.state.get("async", {}) if restored is not None else {}
         pushed = (checkpoints.engine_versions(restored) if a_state
