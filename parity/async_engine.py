@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import queue
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -140,14 +141,18 @@ class AsyncEngine:
         while step not in self.ready:
             try:
                 msg = self.outbox.get(timeout=1.0)
-            except queue.Empty:
+            except (queue.Empty, OSError, EOFError):
+                # OSError: it died while handing over a rollout's shared memory
+                self.proc.join(timeout=1.0)
                 if not self.proc.is_alive():
                     raise ParityError(f"the engine process stopped (exit code "
                                       f"{self.proc.exitcode}) before it delivered the rollout of "
                                       f"step {step}") from None
                 continue
             if msg[0] == "error":
-                raise RuntimeError(f"the engine process failed:\n{msg[1]}")
+                print(msg[1], file=sys.stderr)  # the engine's traceback, then one line
+                last = msg[1].strip().splitlines()[-1]
+                raise ParityError(f"the engine process failed at step {step}: {last}")
             self.ready[msg[1]] = msg[2]
         return self.ready.pop(step)
 
@@ -156,9 +161,24 @@ class AsyncEngine:
                                                            self.changed.items()}}
 
     def close(self) -> None:
+        """Stop the engine process: requests not yet started are dropped (on an error path
+        there can be `max_staleness` of them), and rollouts it still sends are read away so
+        that its queue can drain and the process exit."""
+        _drain(self.inbox)
         if self.proc.is_alive():
             self.inbox.put(("stop",))
-            self.proc.join(timeout=10)
+            deadline = time.monotonic() + 10
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                _drain(self.outbox)
+                self.proc.join(timeout=0.1)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(timeout=5)
+
+
+def _drain(q: Any) -> None:
+    try:
+        while True:
+            q.get_nowait()
+    except queue.Empty:
+        pass

@@ -192,6 +192,9 @@ class Config:
         if self.sync_every != 1 and not self.async_engine:
             raise ParityError(f"sync_every={self.sync_every} applies to the asynchronous engine: "
                               f"add --async-engine")
+        if self.parallel == "fsdp" and self.objective == "ppo-value":
+            raise ParityError("objective=ppo-value keeps its value head outside the FSDP-sharded "
+                              "model: use parallel=ddp")
         if self.engine == "vllm" and (self.async_engine or self.lm_head_fp32):
             raise ParityError("engine=vllm samples in the trainer's process: it takes neither "
                               "--async-engine nor --lm-head-fp32")

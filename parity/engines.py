@@ -188,6 +188,9 @@ class Shard:
     # The whole batch's prompt width: every rank pads its prompts as one process would, so the
     # engine's low-precision products have the same shapes (bf16 results depend on them).
     width: int = 0
+    # Draw every position's numbers even after all rows have ended, so that ranks which stop
+    # at different lengths (asynchronous engines, one per rank) keep equal generators.
+    fixed_draws: bool = False
 
 
 def stop_token_ids(model: torch.nn.Module, tok: Any) -> list[int]:
@@ -281,6 +284,9 @@ class HFEngine:
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
                              position_ids=last_pos, past_key_values=cache, use_cache=True)
+        if shard.fixed_draws:
+            for _ in range(t + 1, max_new_tokens):
+                uniforms(generator, shard.batch)
         T = int(valid.sum(0).nonzero().max()) + 1
         r = Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
         if record_rows:

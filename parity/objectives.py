@@ -8,6 +8,7 @@ precision, no grad), ℓ_old = trainer log-prob recomputed before the first upda
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv.float(), (adv + v).float() * mask
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / std over valid tokens (PPO's advantage normalisation)."""
-    m = mask > 0
-    mean, std = x[m].mean(), x[m].std() if int(m.sum()) > 1 else x.new_tensor(1.0)
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+           total: Callable[[float], float] = float) -> torch.Tensor:
+    """(x − mean) / std over valid tokens (PPO's advantage normalisation), the unbiased std from
+    the sums n, Σx, Σx² in float64. `total` sums each over ranks, so every rank normalises by the
+    whole batch's statistics."""
+    v = x[mask > 0].double()
+    n, s1, s2 = total(float(v.numel())), total(float(v.sum())), total(float((v * v).sum()))
+    mean = s1 / n if n else 0.0
+    std = math.sqrt(max(s2 - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 1.0
     return (x - mean) / (std + eps) * mask
 
 

@@ -91,7 +91,7 @@ class Prepared:
 @torch.no_grad()
 def prepare(cfg: Config, model: torch.nn.Module, value_head: ValueHead | None,
             ref_model: torch.nn.Module | None, r: Rollout, rewards: torch.Tensor, s: Sampling,
-            device: torch.device) -> Prepared:
+            device: torch.device, dist: Dist = Dist()) -> Prepared:
     mask = r.completion_mask
     p = Prepared(adv=grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards))
     if cfg.ratio_source == "recompute" or value_head is not None:
@@ -106,7 +106,7 @@ def prepare(cfg: Config, model: torch.nn.Module, value_head: ValueHead | None,
         if value_head is not None:
             p.old_values = value_head(sc.hidden) * mask
             adv, p.returns = gae(rewards, p.old_values, mask, cfg.gae_gamma, cfg.gae_lambda)
-            p.adv = whiten(adv, mask)
+            p.adv = whiten(adv, mask, total=dist.sum)
             p.metrics["value/mean"] = float(p.old_values.sum() / mask.sum())
     if cfg.objective == "online-dpo":
         if cfg.dpo_ref == "engine":
@@ -383,7 +383,12 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
         params += list(value_head.parameters()) if value_head is not None else []
         opt = make_optimizer(cfg, params)
         if restored is not None:
-            set_optimizer_state_dict(model, opt, checkpoints.optimizer_state(restored),
+            state = checkpoints.optimizer_state(restored)
+            if any(isinstance(k, int) for k in state.get("state", {})):
+                raise ParityError(f"{restored.path} was written by a one-process run, whose "
+                                  f"optimizer state FSDP cannot load: resume it with one "
+                                  f"process, as it was started")
+            set_optimizer_state_dict(model, opt, state,
                                      options=StateDictOptions(full_state_dict=True))
 
     aeng: AsyncEngine | None = None
@@ -416,10 +421,10 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             while next_request <= cfg.steps and \
                     (v := aeng.version_for(next_request)) is not None:
                 p = plan(next_request)
-                aeng.submit(next_request, Request(next_request, v, p.prompts, p.record_rows,
-                                                  Shard(p.sample_ids, p.batch, width=p.width)))
+                aeng.submit(next_request, Request(
+                    next_request, v, p.prompts, p.record_rows,
+                    Shard(p.sample_ids, p.batch, width=p.width, fixed_draws=dist.on)))
                 next_request += 1
-        submit_ready()
 
     def save(step: int) -> None:
         model_state = opt_state = None
@@ -441,6 +446,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
     with contextlib.ExitStack() as stack:
         if aeng is not None:
             stack.callback(aeng.close)
+            submit_ready()
         if dist.main:
             # Line-buffered: every finished step is on disk, whatever happens to the next one.
             # The other backends are rewound to the same step on resume, and closed however
@@ -476,7 +482,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             texts = tok.batch_decode(comp_ids, skip_special_tokens=True)
             total, parts = task.reward_parts(p.rows, texts, comp_ids)
             rewards = torch.tensor(total)
-            prep = prepare(cfg, model, value_head, ref_model, r, rewards, s, device)
+            prep = prepare(cfg, model, value_head, ref_model, r, rewards, s, device, dist)
             adv = prep.adv
             t1 = time.perf_counter()
 

@@ -50,6 +50,12 @@ def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: 
                 detokenize=False, skip_special_tokens=False)
 
 
+def row_seeds(base: int, rows: list[int]) -> list[int]:
+    """One vLLM seed per completion, from the step's base seed and the row's place in the whole
+    batch: distinct within the batch, and the same whichever rank samples the row."""
+    return [(base + r) % (2**31 - 1) for r in rows]
+
+
 def rollout_from_outputs(prompts: list[list[int]], completions: list[list[int]],
                          logprobs: list[list[float]], finished: list[bool], pad_id: int,
                          width: int = 0) -> Rollout:
@@ -112,8 +118,13 @@ class VLLMEngine:
         """One completion per prompt. vLLM keeps no whole distributions: `record_rows` is
         ignored and the exact KL is not reported with this engine."""
         from vllm import SamplingParams
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        params = SamplingParams(**sampling_kwargs(s, max_new_tokens, self.eos_ids, seed))
+        # vLLM seeds each request on its own: the copies of a prompt need different seeds, or
+        # a GRPO group would be G copies of one completion. Row ids of the whole batch make the
+        # seeds independent of how the batch is split over ranks.
+        base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        seeds = row_seeds(base, shard.rows if shard else list(range(len(prompts))))
+        params = [SamplingParams(**sampling_kwargs(s, max_new_tokens, self.eos_ids, seed))
+                  for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                  use_tqdm=False)
         comps, lps, done = [], [], []

@@ -98,7 +98,7 @@ def test_a_dead_engine_process_stops_the_run_with_a_clear_error(text_model, tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 2
+    assert proc.returncode == 2, err[-3000:]
     assert "parity: error: the engine process stopped (exit code -9)" in err, err[-2000:]
 
 

@@ -35,8 +35,9 @@ def metrics(run: Path) -> list[dict]:
 def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
-        keys = {k for k in x if not k.startswith(("time/", "throughput/"))}
-        assert keys == {k for k in y if not k.startswith(("time/", "throughput/"))}
+        timing = ("time/", "throughput/", "async/wait_s")
+        keys = {k for k in x if not k.startswith(timing)}
+        assert keys == {k for k in y if not k.startswith(timing)}
         for k in sorted(keys):
             if x[k] is None or y[k] is None:
                 assert x[k] is y[k], (x["step"], k)
@@ -90,6 +91,55 @@ def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path):
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert a[0]["mismatch/beta_abs_mean"] > 1e-3  # a real bf16 gap, split the same way
     assert_same_metrics(a, b, 1e-4)
+
+
+def test_two_ranks_ppo_value_matches_one_process(text_model, tmp_path):
+    """PPO with a value head: GAE advantages are whitened with the whole batch's statistics
+    (sums over ranks), the value loss is each rank's share of the token mean, and the value
+    head's gradients are averaged by its own DDP wrapper."""
+    cfg = COMMON + ["--recipe", "fp32", "--objective", "ppo-value", "--prompts-per-step", "4",
+                    "--samples-per-prompt", "4", "--max-new-tokens", "12", "--steps", "2"]
+    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    two = parity(["train", *cfg, "--out", str(tmp_path / "two")], TORCHRUN)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert "loss/value" in a[0] and "value/mean" in a[1]
+    assert_same_metrics(a, b, 1e-5)
+
+
+def test_async_engines_on_two_ranks_resume_exactly(text_model, tmp_path):
+    """One engine process per rank: they stop decoding at different lengths but draw the same
+    random numbers, so rank 0's saved generator state serves every rank and a resumed run
+    equals one that never stopped."""
+    cfg = COMMON + ["--async-engine", "--max-staleness", "1", "--prompts-per-step", "4",
+                    "--samples-per-prompt", "4", "--max-new-tokens", "12", "--save-every", "2"]
+    whole = parity(["train", *cfg, "--steps", "4", "--out", str(tmp_path / "whole")], TORCHRUN)
+    part = parity(["train", *cfg, "--steps", "2", "--out", str(tmp_path / "part")], TORCHRUN)
+    assert whole.returncode == 0 and part.returncode == 0, part.stderr[-3000:]
+    resumed = parity(["train", "--resume", str(tmp_path / "part"), "--steps", "4",
+                      "--no-progress"], TORCHRUN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "part")
+    assert [m["async/staleness"] for m in a] == [0, 1, 1, 1]
+    assert_same_metrics(a, b, 1e-6)
+
+
+def test_fsdp_with_a_value_head_is_refused():
+    from parity.config import make_config
+    from parity.errors import ParityError
+    with pytest.raises(ParityError, match="use parallel=ddp"):
+        make_config({"objective": "ppo-value", "parallel": "fsdp"})
+
+
+def test_fsdp_cannot_resume_a_one_process_checkpoint(text_model, tmp_path):
+    cfg = COMMON + ["--parallel", "fsdp", "--recipe", "fp32", "--prompts-per-step", "4",
+                    "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps", "1"]
+    assert parity(["train", *cfg, "--out", str(tmp_path / "run")]).returncode == 0
+    p = parity(["train", "--resume", str(tmp_path / "run"), "--steps", "2", "--no-progress"],
+               TORCHRUN)
+    assert p.returncode != 0
+    assert "written by a one-process run, whose optimizer state FSDP cannot load" in p.stderr
+    assert len(metrics(tmp_path / "run")) == 1
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ import torch
 
 from cli_helpers import assert_user_error
 from parity.engines import HFEngine, Sampling
-from parity.vllm_engine import rollout_from_outputs, sampling_kwargs
+from parity.vllm_engine import rollout_from_outputs, row_seeds, sampling_kwargs
 
 
 def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob_with_parity_settings():
@@ -42,6 +42,17 @@ def test_rollout_from_outputs_lays_out_completions_as_the_hf_engine_does(tiny_lm
     assert torch.equal(v.completion_ids[v.completion_mask > 0],
                        r.completion_ids[:, :n][r.completion_mask[:, :n] > 0])
     assert torch.equal(v.engine_logprobs, r.engine_logprobs[:, :n])
+
+
+def test_every_completion_gets_its_own_seed_whatever_the_split():
+    """vLLM seeds each request alone: the G copies of a prompt must not share a seed, and a row
+    sampled on another rank must get the seed it gets in one process."""
+    whole = row_seeds(2**31 - 5, list(range(16)))
+    assert len(set(whole)) == 16
+    halves = row_seeds(2**31 - 5, [0, 1, 4, 5, 8, 9, 12, 13]), \
+        row_seeds(2**31 - 5, [2, 3, 6, 7, 10, 11, 14, 15])
+    assert sorted(halves[0] + halves[1]) == sorted(whole)
+    assert halves[1][0] == whole[2]
 
 
 def test_rollout_from_outputs_refuses_mismatched_logprobs():
