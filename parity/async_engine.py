@@ -79,10 +79,7 @@ def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, 
                 continue
             req: Request = msg[1]
             if loaded != req.version:
-                with torch.no_grad():
-                    params = dict(engine.model.state_dict())
-                    for name, t in weights[req.version].items():
-                        params[name].copy_(t)
+                engine.model.load_state_dict(weights[req.version])
                 loaded = req.version
                 for v in [v for v in weights if v < req.version]:
                     del weights[v]  # requests come in step order: older versions are done
@@ -98,11 +95,18 @@ class AsyncEngine:
     """The trainer's side: pushes weights, plans requests ahead, and hands out rollouts."""
 
     def __init__(self, mirror: HFEngine, s: Sampling, max_new_tokens: int, max_staleness: int,
-                 sync_every: int, threads: int, gen: torch.Generator,
-                 pushed: dict[int, dict[str, torch.Tensor]], changed: dict[int, float]):
+                 sync_every: int, threads: int, gen: torch.Generator, version: int,
+                 saved: dict[str, Any] | None = None,
+                 saved_versions: dict[int, dict[str, torch.Tensor]] | None = None):
+        """`mirror` holds the trainer's engine-precision weights of `version`, the first one
+        pushed; a resumed run passes its checkpoint's `checkpoint_state()` and versions."""
         self.mirror, self.m, self.every = mirror, max_staleness, sync_every
         # The pushed versions later requests may still need, and each one's sync/changed_frac.
-        self.pushed, self.changed = dict(pushed), dict(changed)
+        if saved:
+            self.pushed = dict(saved_versions or {})
+            self.changed = {int(k): v for k, v in saved["changed"].items()}
+        else:
+            self.pushed, self.changed = {version: self._snapshot()}, {version: 0.0}
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_serve, daemon=True, args=(
@@ -112,7 +116,6 @@ class AsyncEngine:
         self.proc.start()
         for v in sorted(self.pushed):
             self.inbox.put(("weights", v, self.pushed[v]))
-        self.submitted: dict[int, int] = {}   # step -> version
         self.ready: dict[int, Delivered] = {}
 
     def version_for(self, step: int) -> int | None:
@@ -125,14 +128,16 @@ class AsyncEngine:
         if version % self.every:
             return
         self.changed[version] = self.mirror.sync(master)
-        state = {k: v.detach().clone() for k, v in self.mirror.model.state_dict().items()}
-        self.pushed[version] = state
+        state = self.pushed[version] = self._snapshot()
         self.inbox.put(("weights", version, state))
         for v in [v for v in self.pushed if v < version - self.m]:
             del self.pushed[v], self.changed[v]  # no later step can use it
 
-    def submit(self, step: int, request: Request) -> None:
-        self.submitted[step] = request.version
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        # A copy of its own: the mirror is cast into again while the engine still reads this.
+        return {k: v.detach().clone() for k, v in self.mirror.model.state_dict().items()}
+
+    def submit(self, request: Request) -> None:
         self.inbox.put(("generate", request))
 
     def get(self, step: int) -> Delivered:

@@ -157,9 +157,9 @@ def latest_valid(run: Path) -> Restored | None:
 
 
 def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
-              opt: torch.optim.Optimizer | None, gen: torch.Generator,
-              value_head: torch.nn.Module | None) -> dict:
-    """Restore weights, optimizer, RNGs in place; returns the scaler state to load."""
+              gen: torch.Generator, value_head: torch.nn.Module | None) -> dict:
+    """Restore weights and RNGs in place; returns train.pt's {"optimizer", "scaler"} states,
+    which the caller loads once its optimizer exists (under FSDP, on the shards)."""
     weights = load_file(str(r.path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if k not in _tied(model)]:
@@ -168,18 +168,11 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
     load_model(engine_model, str(r.path / "engine.safetensors"))
     if value_head is not None:
         value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
-    train = torch.load(r.path / "train.pt", weights_only=True)
-    if opt is not None:  # None: FSDP loads it after sharding (`optimizer_state`)
-        opt.load_state_dict(train["optimizer"])
     rng = torch.load(r.path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     gen.set_state(rng["sampling"])
     random.setstate(_as_tuple(rng["python"]))
-    return train["scaler"]
-
-
-def optimizer_state(r: Restored) -> dict:
-    return torch.load(r.path / "train.pt", weights_only=True)["optimizer"]
+    return torch.load(r.path / "train.pt", weights_only=True)
 
 
 def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:

@@ -91,10 +91,6 @@ class Dist:
         if errors:
             raise ParityError(errors[0])
 
-    def barrier(self) -> None:
-        if self.on:
-            self._call(td.barrier)
-
     # -- the loss ----------------------------------------------------------------------------
     def share(self, loss: torch.Tensor, n: float) -> torch.Tensor:
         """`loss` is a mean over this rank's `n` items (tokens, rows, pairs). DDP averages the
@@ -131,6 +127,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded (FSDP) tensor gathered whole on every rank; any other tensor as it is. A
     collective: every rank must ask for the same tensors in the same order."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A failed collective raised outside `Dist`'s own calls (DDP's and FSDP's gradient
+    reductions inside backward)."""
+    return isinstance(e, td.DistError) or any(
+        w in str(e) for w in ("Gloo", "gloo", "Connection closed", "Connection reset"))
 
 
 def failure_message(e: BaseException) -> str:

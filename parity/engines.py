@@ -158,7 +158,7 @@ def score(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
     return score_full(model, r, s).logp
 
 
-def uniforms(generator: torch.Generator, batch: int, rows: list[int] | None = None
+def uniforms(generator: torch.Generator, batch: int, rows: torch.Tensor | None = None
              ) -> torch.Tensor:
     """One float64 uniform per row of a `batch` for one sampled position, [len(rows), 1]. A
     rank that samples only `rows` of the batch still draws all `batch` numbers, so its rows get
@@ -251,7 +251,7 @@ class HFEngine:
                   generator: torch.Generator, record_rows: list[int], shard: Shard) -> Rollout:
         ids, mask = left_pad(prompts, self.pad_id, shard.width)
         B = ids.shape[0]
-        whole = len(shard.rows) == shard.batch
+        rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
         # Preallocated: a growing cache copies every layer's keys and values at every token
         # (bench/decode_variants.py: an fp32 step 96.5 -> 85.9 ms; bf16 unchanged).
         cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + max_new_tokens)
@@ -270,8 +270,7 @@ class HFEngine:
             logp = torch.log_softmax(x, dim=-1)
             if record_rows:
                 recorded.append(logp[record_rows])
-            u = uniforms(generator, shard.batch, None if whole else shard.rows)
-            tok = sample_rows(logp, u)
+            tok = sample_rows(logp, uniforms(generator, shard.batch, rows))
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)

@@ -33,9 +33,10 @@ def _reduce(dicts: list[dict[str, float]], weights: list[float]) -> dict[str, fl
     out = {}
     for k in sorted({k for d in dicts for k in d}):
         vals = [(d[k], w) for d, w in zip(dicts, weights) if k in d]
-        if "max" in k:
+        words = set(k.replace("/", "_").split("_"))   # is/weight_max_raw -> {..., "max", ...}
+        if "max" in words:
             out[k] = max(v for v, _ in vals)
-        elif "min" in k:
+        elif "min" in words:
             out[k] = min(v for v, _ in vals)
         elif k == "dpo/pairs":
             out[k] = sum(v for v, _ in vals)

@@ -139,11 +139,12 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
     """Copy fp32 master weights into `target` in its own dtype; return the fraction of target
     values that changed (`sync/changed_frac`; 0.0 when not `count`ed). Small updates can leave a
     bf16 cast unchanged."""
-    # FSDP shards: gathered whole (every rank casts at the same points of the step).
-    src = {k: full_tensor(v) for k, v in master.state_dict().items()}
+    src = master.state_dict()
     changed = total = 0
     for name, t in target.state_dict().items():
-        new = src[name].to(t.dtype)
+        # An FSDP shard is gathered whole, one tensor at a time (every rank casts at the same
+        # points of the step, in the same order).
+        new = full_tensor(src[name]).to(t.dtype)
         if count and t.is_floating_point():
             changed += int((new != t).sum())
             total += t.numel()

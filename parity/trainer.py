@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from parity import checkpoints, distributed, testbed, vllm_engine
 from parity.async_engine import AsyncEngine, Request
 from parity.config import Config, dump_yaml
-from parity.distributed import Dist, RankFailure, failure_message, full_tensor
+from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
 from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
 from parity.engines import HFEngine, Rollout, Sampling, Shard, score_full, stop_token_ids
 from parity.errors import ParityError, one_line
@@ -262,12 +262,6 @@ def make_plan(cfg: Config, task: Task, prompts: PromptSampler, dist: Dist,
                 max(len(task.prompt_ids[i]) for i in step_rows))
 
 
-def _comm_error(e: BaseException) -> bool:
-    import torch.distributed as td
-    return isinstance(e, td.DistError) or any(
-        w in str(e) for w in ("Gloo", "gloo", "Connection closed", "Connection reset"))
-
-
 def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None,
           resume: bool = False) -> Path:
     """Run RL as `cfg` says; returns the run directory. All input is checked before the run
@@ -280,7 +274,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     try:
         return _train(cfg, dist, on_model, resume)
     except RuntimeError as e:
-        if dist.on and _comm_error(e):
+        if dist.on and is_comm_failure(e):
             raise RankFailure(failure_message(e)) from None
         raise
     finally:
@@ -343,10 +337,6 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
     value_head = ValueHead(model.config.hidden_size) if cfg.objective == "ppo-value" else None
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
                  if cfg.objective == "online-dpo" and cfg.dpo_ref == "initial" else None)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if value_head is not None:
-        params += list(value_head.parameters())
-    opt = make_optimizer(cfg, params)
     fsdp = dist.on and cfg.parallel == "fsdp"
     scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
                         cfg.loss_scale_growth_interval)
@@ -363,9 +353,10 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
     first_step = 1
     if resume and restored is None and dist.main:
         truncate_metrics(run / "metrics.jsonl", 0)
+    train_state = None
     if restored is not None:
-        scaler.load_state_dict(checkpoints.load_into(restored, model, engine.model,
-                                                     None if fsdp else opt, gen, value_head))
+        train_state = checkpoints.load_into(restored, model, engine.model, gen, value_head)
+        scaler.load_state_dict(train_state["scaler"])
         prompts.load_state_dict(restored.state["prompts"])
         engine.version = restored.state["engine_version"]
         first_step = restored.step + 1
@@ -375,19 +366,21 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
                 shutil.rmtree(stale, ignore_errors=True)  # a write the crash interrupted
     # Forward passes with gradient go through DDP (or the FSDP-sharded model itself), which
     # averages the gradients over ranks.
-    policy, value = (model if fsdp else dist.wrap(model)), dist.wrap(value_head)
     if fsdp:
-        # The optimizer and its state live on the shards: built again on them.
-        dist.fully_shard(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        params += list(value_head.parameters()) if value_head is not None else []
-        opt = make_optimizer(cfg, params)
-        if restored is not None:
-            state = checkpoints.optimizer_state(restored)
-            if any(isinstance(k, int) for k in state.get("state", {})):
-                raise ParityError(f"{restored.path} was written by a one-process run, whose "
-                                  f"optimizer state FSDP cannot load: resume it with one "
-                                  f"process, as it was started")
+        dist.fully_shard(model)  # before the optimizer: its state lives on the shards
+    policy, value = (model if fsdp else dist.wrap(model)), dist.wrap(value_head)
+    params = [p for p in model.parameters() if p.requires_grad]
+    params += list(value_head.parameters()) if value_head is not None else []
+    opt = make_optimizer(cfg, params)
+    if train_state is not None:
+        state = train_state["optimizer"]
+        if not fsdp:
+            opt.load_state_dict(state)
+        elif any(isinstance(k, int) for k in state.get("state", {})):
+            raise ParityError(f"{restored.path} was written by a one-process run, whose "
+                              f"optimizer state FSDP cannot load: resume it with one "
+                              f"process, as it was started")
+        else:
             set_optimizer_state_dict(model, opt, state,
                                      options=StateDictOptions(full_state_dict=True))
 
@@ -407,21 +400,17 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
         # longer side, and halving its threads costs more than the overlap gains
         # (bench/async_step.py on 2 cores: 2+1 threads 0.89x the synchronous step, 1+1 1.28x).
         e_threads = cfg.engine_threads or 1
-        a_state = restored.state.get("async", {}) if restored is not None else {}
-        pushed = (checkpoints.engine_versions(restored) if a_state
-                  else {first_step - 1: {k: v.detach().clone()
-                                         for k, v in engine.model.state_dict().items()}})
-        changed = {int(k): v for k, v in a_state.get("changed", {}).items()} or {
-            v: 0.0 for v in pushed}
+        a_state = restored.state.get("async") if restored is not None else None
         aeng = AsyncEngine(engine, s, cfg.max_new_tokens, cfg.max_staleness, cfg.sync_every,
-                           e_threads, gen, pushed, changed)
+                           e_threads, gen, first_step - 1, a_state,
+                           checkpoints.engine_versions(restored) if a_state else None)
 
         def submit_ready() -> None:
             nonlocal next_request
             while next_request <= cfg.steps and \
                     (v := aeng.version_for(next_request)) is not None:
                 p = plan(next_request)
-                aeng.submit(next_request, Request(
+                aeng.submit(Request(
                     next_request, v, p.prompts, p.record_rows,
                     Shard(p.sample_ids, p.batch, width=p.width, fixed_draws=dist.on)))
                 next_request += 1
@@ -463,14 +452,12 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             if aeng is None:
                 changed = engine.sync(model)
                 p = plan(step)
-                t_roll = time.perf_counter()
                 r = engine.generate(p.prompts, cfg.max_new_tokens, s, gen, p.record_rows,
                                     Shard(p.sample_ids, p.batch, dist.all_true, p.width))
                 gen_after[step] = gen.get_state()
-                rollout_s = time.perf_counter() - t_roll
             else:
                 d = aeng.get(step)
-                p, r, rollout_s = plans.pop(step), d.rollout, d.rollout_s
+                p, r = plans.pop(step), d.rollout
                 changed = aeng.changed.get(d.version, 0.0)
                 gen_after[step] = d.gen_state
                 extra_m = {"async/staleness": step - 1 - d.version,
@@ -529,7 +516,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
                 aeng.push(step, model)   # the weights after this step, if a sync step
                 submit_ready()
             t2 = time.perf_counter()
-            times = {"time/rollout_s": rollout_s if aeng else t1 - t0, "time/train_s": t2 - t1,
+            times = {"time/rollout_s": d.rollout_s if aeng else t1 - t0, "time/train_s": t2 - t1,
                      "time/step_s": t2 - (t_prev if aeng else t0)}
             t_prev = t2
             part = StepPart(total, parts, float(r.completion_mask.sum()),

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from safetensors.torch import load_file
 import pytest
 
 from cli_helpers import assert_user_error
@@ -74,6 +75,11 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
         assert (t1["trainer_logprob"] - t2["trainer_logprob"]).abs().max() < 1e-4
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == \
         ["step-2", "step-3"]
+    # rank 0's checkpoint (under FSDP gathered from the shards) holds the one-process weights
+    w1, w2 = (load_file(str(tmp_path / run / "checkpoints" / "step-2" / "model.safetensors"))
+              for run in ("one", "two"))
+    assert w1.keys() == w2.keys()
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
     resumed = parity(["train", "--resume", str(tmp_path / "two"), "--steps", "4",
                       "--no-progress"], TORCHRUN)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
