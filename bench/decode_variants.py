@@ -20,7 +20,7 @@ from parity import testbed
 from parity.engines import (Sampling, keep_last, left_pad, positions, processed_logits,
                             sample_rows, uniforms)
 from parity.precision import low_precision_copy
-from parity.trainer import load_policy
+from parity.runs import load_policy
 
 from mfu import workload_parser  # bench/ is the script's own directory
 

@@ -16,9 +16,10 @@ import argparse
 import torch
 
 from parity import testbed
-from parity.engines import HFEngine, Sampling, score
+from parity.engines import HFEngine, Sampling
+from parity.scoring import score
 from parity.precision import low_precision_copy
-from parity.trainer import load_policy
+from parity.runs import load_policy
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity import testbed  # noqa: E402
 from parity.engines import keep_last, positions  # noqa: E402
 from parity.precision import low_precision_copy  # noqa: E402
-from parity.trainer import load_policy  # noqa: E402
+from parity.runs import load_policy  # noqa: E402
 
 
 def main() -> None:

@@ -20,8 +20,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity import testbed  # noqa: E402
-from parity.engines import HFEngine, Sampling, score  # noqa: E402
-from parity.trainer import load_policy  # noqa: E402
+from parity.engines import HFEngine, Sampling  # noqa: E402
+from parity.scoring import score  # noqa: E402
+from parity.runs import load_policy  # noqa: E402
 
 
 def main() -> None:

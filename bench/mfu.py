@@ -24,9 +24,10 @@ import time
 import torch
 
 from parity import testbed
-from parity.engines import HFEngine, Rollout, Sampling, score_full
+from parity.engines import HFEngine, Rollout, Sampling
+from parity.scoring import score_full
 from parity.precision import autocast
-from parity.trainer import load_policy
+from parity.runs import load_policy
 
 
 def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5) -> float:

@@ -24,12 +24,14 @@ import torch
 from parity import testbed, ui
 from parity.ui import progress
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
-                                dump_table, exact_kl, write_dump)
+                                dump_table, exact_kl_of_rows, exact_kl_rows, write_dump)
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.engines import HFEngine, Rollout, Sampling, score_full, stop_token_ids
+from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids
+from parity.scoring import score_full
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
+from parity.runs import check_run_dir, free_dir, load_policy, max_positions
 
 @dataclass
 class AuditSettings:
@@ -83,9 +85,7 @@ class Measurement:
         att = attribute(logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
         self.diag.add(att, logp_pi, r.engine_logprobs, adv_t, mask, first=True)
         if r.dists is not None:
-            for j, row in enumerate(r.dist_rows.tolist()):
-                n = int(mask[row].sum())
-                self.diag.add_exact_kl(exact_kl(r.dists[j, :n], logits[row, :n], s))
+            self.diag.add_exact_kl(exact_kl_of_rows(r, logits, mask, s))
         m = mask > 0
         self.adv.append(adv_t[:, None].expand_as(mask)[m])
         for k, v in (("engine_logprob", r.engine_logprobs), ("trainer_logprob", logp_pi),
@@ -127,7 +127,6 @@ class Measurement:
 def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
             s: Sampling, bar: ui.Bar) -> str:
     from parity.tasks import PromptSampler, build_task, prompt_token_ids
-    from parity.trainer import exact_kl_rows, max_positions
     if a.prompts:
         texts = read_prompts(a.prompts)
         prompt_ids = [prompt_token_ids(tok, t, a.chat_template) for t in texts]
@@ -173,7 +172,6 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
 
 def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
             bar: ui.Bar) -> str:
-    from parity.trainer import max_positions
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = read_rollouts(a.rollouts, vocab)
     limit = max_positions(model)
@@ -196,14 +194,12 @@ def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: 
 
 
 def default_out(a: AuditSettings) -> Path:
-    from parity.trainer import free_dir
     return free_dir(Path("audits") / f"{Path(a.model).name}-{a.engine_dtype}-vs-"
                     f"{a.trainer_dtype}")
 
 
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
     """Run one audit; returns audit.json's content. Input is checked before `out` is written."""
-    from parity.trainer import check_run_dir, load_policy
     t0 = time.perf_counter()
     out = out or default_out(a)
     check_run_dir(out)
@@ -324,7 +320,6 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
     """Audit every model of the size ladder on the same prompts and fit each metric against
     parameter count, with the fit extrapolated to 0.6B and 1.5B parameters. `done`: audits
     already run with these settings, by model name, used instead of running them again."""
-    from parity.trainer import check_run_dir
     check_run_dir(out)
     models = models or list(testbed.LADDER)
     axis_of = {}

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from parity.engines import ENGINE_ATTENTION, Rollout, Sampling, processed_logits, score
+from parity.engines import ENGINE_ATTENTION, Rollout, Sampling, processed_logits
+from parity.scoring import score
 from parity.objectives import clip_predicate
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
@@ -126,6 +127,27 @@ def exact_kl(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> tor
     mu_l = mu_logp.double()
     terms = torch.where(support, mu_l.exp() * (mu_l - log_pi), torch.zeros_like(mu_l))
     return terms.sum(-1)
+
+
+def exact_kl_rows(batch: int, k: int) -> list[int]:
+    """k rows spread over the batch (so over k different prompt groups where k <= prompts):
+    the completions whose whole engine distribution is kept for the exact KL."""
+    k = min(k, batch)
+    return [i * batch // k for i in range(k)] if k else []
+
+
+def exact_kl_of_rows(r: Rollout, logits: torch.Tensor, mask: torch.Tensor, s: Sampling,
+                     start: int = 0) -> torch.Tensor:
+    """Exact KL(μ‖π) at the valid positions of the rows of `r` whose distribution the engine
+    kept, from the trainer's logits of rows start, start + 1, ... (a minibatch of `r`, or all
+    of it): no extra forward. Rows outside those logits are left out."""
+    kls = []
+    for j, row in enumerate(r.dist_rows.tolist()):
+        i = row - start
+        if 0 <= i < logits.shape[0]:
+            n = int(mask[i].sum())
+            kls.append(exact_kl(r.dists[j, :n], logits[i, :n], s))
+    return torch.cat(kls) if kls else torch.empty(0)
 
 
 def clip_fractions(alpha: torch.Tensor, beta: torch.Tensor, adv: torch.Tensor | None,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from parity import testbed, ui
 from parity.errors import ParityError
+from parity.runs import check_run_dir, free_dir, load_policy, max_positions
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14
@@ -121,7 +122,6 @@ def _tensors(out: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 def default_out(model: str) -> Path:
-    from parity.trainer import free_dir
     return free_dir(Path("audits") / f"{Path(model).name}-fp16-check")
 
 
@@ -201,7 +201,6 @@ def check(model: str, prompts_file: str | None = None, max_prompts: int = 8,
     """Run every check; returns fp16_check.json's content (also written to `out`). Input is
     checked before anything is loaded or written."""
     from parity.audit_inputs import read_prompts
-    from parity.trainer import check_run_dir, load_policy, max_positions
     t0 = time.perf_counter()
     if max_prompts <= 0:
         raise ParityError("fp16-check: --max-prompts must be > 0")

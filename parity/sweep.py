@@ -167,14 +167,14 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
 
 def _prebuild(todo: list[RunSpec]) -> None:
     from parity.config import make_config
-    from parity.trainer import setup
+    from parity.runs import load_model_and_task
     seen = set()
     for r in todo:
         cfg = make_config(dict(r.explicit))
         key = (cfg.task, cfg.model, cfg.seed if cfg.task == "arith" else 0, cfg.max_new_tokens)
         if key not in seen:
             seen.add(key)
-            setup(cfg)
+            load_model_and_task(cfg)
 
 
 # ---- summary ---------------------------------------------------------------------------------

@@ -34,8 +34,10 @@ from parity import checkpoints, distributed, testbed, vllm_engine
 from parity.async_engine import AsyncEngine, Request
 from parity.config import Config, dump_yaml
 from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
-from parity.diagnostics import Shadow, StepDiagnostics, attribute, dump_table, exact_kl, write_dump
-from parity.engines import HFEngine, Rollout, Sampling, Shard, score_full, stop_token_ids
+from parity.diagnostics import (Shadow, StepDiagnostics, attribute, dump_table, exact_kl_of_rows,
+                                exact_kl_rows, write_dump)
+from parity.engines import HFEngine, Rollout, Sampling, Shard, stop_token_ids
+from parity.scoring import score_full
 from parity.errors import ParityError, one_line
 from parity.loggers import MetricLoggers, check_backends
 from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
@@ -43,29 +45,11 @@ from parity.objectives import (ValueHead, behaviour_weights, dpo_loss, dpo_pairs
                                grpo_advantages, gspo_loss, log_ratio, pg_is_loss, ppo_clip_loss,
                                value_loss, whiten)
 from parity.precision import LossScaler, autocast, fp32_head
+from parity.runs import check_run_dir, load_model_and_task, run_dir_for, truncate_metrics
 from parity.tasks import PromptSampler, Task, build_task
 from parity.ui import progress
 
 
-def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
-    """fp32 master weights and the tokenizer; a directory that is not a causal LM is a user error."""
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    except Exception as e:
-        raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
-    if tok.eos_token_id is None:
-        raise ParityError(f"the tokenizer in {model_dir} has no eos token; completions could "
-                          f"never end")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return model, tok
-
-
-def max_positions(model: torch.nn.Module) -> int | None:
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
 def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -170,72 +154,11 @@ def _clip_range(cfg: Config) -> tuple[float | None, float | None]:
     return cfg.eps_low, cfg.eps_high
 
 
-def exact_kl_rows(batch: int, k: int) -> list[int]:
-    """k rows spread over the batch (so over k different prompt groups where k <= prompts)."""
-    k = min(k, batch)
-    return [i * batch // k for i in range(k)] if k else []
 
 
-def _exact_kl_in(r: Rollout, start: int, logits: torch.Tensor, mask: torch.Tensor,
-                 s: Sampling) -> torch.Tensor:
-    """Exact KL(μ‖π) at the valid positions of the recorded rows that fall in this minibatch,
-    from the trainer's own logits (no extra forward)."""
-    kls = []
-    for j, row in enumerate(r.dist_rows.tolist()):
-        i = row - start
-        if 0 <= i < logits.shape[0]:
-            n = int(mask[i].sum())
-            kls.append(exact_kl(r.dists[j, :n], logits[i, :n], s))
-    return torch.cat(kls) if kls else torch.empty(0)
 
 
-def free_dir(base: Path) -> Path:
-    """`base`, or base-2, base-3, ... : the first that does not exist yet, so repeating a
-    command never collides with the output of the one before it."""
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
-
-def run_dir_for(cfg: Config) -> Path:
-    """--out as given; otherwise the first free runs/<task>-<recipe>-s<seed>[-N]."""
-    if cfg.out:
-        return Path(cfg.out)
-    return free_dir(Path("runs") / f"{Path(cfg.task).stem}-{cfg.recipe}-s{cfg.seed}")
-
-
-def check_run_dir(path: Path) -> None:
-    """Never overwrite an earlier run: a run directory must stay consistent with its metrics."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ParityError(f"run directory {path} already exists and is not empty; choose "
-                          f"another --out")
-
-
-def setup(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
-    model_dir = testbed.resolve_model(cfg.model)
-    model, tok = load_policy(model_dir)
-    task = build_task(cfg.task, cfg.reward_specs(), model_dir, model, tok, cfg.max_new_tokens,
-                      max_positions(model), cfg.seed, cfg.temperature,
-                      cfg.reward_weight_list(), cfg.chat_template)
-    return model, tok, model_dir, task
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines past the checkpoint a run resumes from (and a torn last line), atomically."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= last_step:
-                keep.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break  # a line cut by the crash: nothing after it was written either
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text("".join(x + "\n" for x in keep))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -303,13 +226,13 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
             if cfg.engine == "vllm":
                 vllm_engine.check_available()
-            ctx = setup(cfg)
+            ctx = load_model_and_task(cfg)
         except ParityError as e:
             error = str(e)
     dist.agree(error)
     restored = dist.gather(restored)[0]
     if ctx is None:
-        ctx = setup(cfg)
+        ctx = load_model_and_task(cfg)
     model, tok, model_dir, task = ctx
     if dist.main and not resume:
         check_run_dir(run)
@@ -501,7 +424,7 @@ def _train(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] 
                     diag.add(att, logp_pi, mb.engine_logprobs, adv[idx], mb.completion_mask,
                              first=epoch == 0)
                     if epoch == 0 and r.dists is not None:
-                        diag.add_exact_kl(_exact_kl_in(r, start, logits, mb.completion_mask, s))
+                        diag.add_exact_kl(exact_kl_of_rows(r, logits, mb.completion_mask, s, start))
                     if dumping:
                         dump.append(dump_table(step, update, epoch, sample_ids[idx],
                                                prompt_ids[idx], mb, adv[idx], logp_pi, logp_s,

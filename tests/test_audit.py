@@ -63,7 +63,7 @@ def test_rollouts_from_another_system_give_the_same_audit(sampled, tmp_path, tex
     out, res = sampled
     t = pq.read_table(out / "tokens.parquet").to_pandas()
     from parity.tasks import build_task
-    from parity.trainer import load_policy
+    from parity.runs import load_policy
     model, tok = load_policy(text_model)
     task = build_task("neg-length", None, text_model, model, tok, 16, None, 0, 1.0)
     rows = []

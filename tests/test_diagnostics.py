@@ -10,7 +10,8 @@ import torch
 
 from parity.diagnostics import (Shadow, StepDiagnostics, attribute, clip_fractions, exact_kl,
                                 kl_estimates)
-from parity.engines import Rollout, Sampling, score
+from parity.engines import Rollout, Sampling
+from parity.scoring import score
 from parity.objectives import clip_predicate
 
 

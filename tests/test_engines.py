@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.engines import HFEngine, Sampling, processed_logits, score
+from parity.engines import HFEngine, Sampling, processed_logits
+from parity.scoring import score
 
 PROMPT = [3, 4, 5]
 

@@ -45,7 +45,7 @@ def one_error_line(p, *words):
 def scaled(text_model, tmp_path_factory):
     """Two copies of text-xs: one with a weight matrix past FP16's max, one whose weights all
     fit but whose final norm is scaled so the logits overflow."""
-    from parity.trainer import load_policy
+    from parity.runs import load_policy
     dirs = {}
     for kind, name, factor in (("weight", OVER, 1e6), ("activation", NORM, 3e4)):
         model, tok = load_policy(text_model)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from parity.config import OBJECTIVES, RECIPES, make_config
-from parity.engines import Rollout, Sampling, score
+from parity.engines import Rollout, Sampling
+from parity.scoring import score
 from parity.objectives import log_ratio
 from parity.trainer import train
 
