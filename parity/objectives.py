@@ -137,6 +137,23 @@ def ppo_clip_token_loss(log_ratio: torch.Tensor, adv: torch.Tensor, eps_low: flo
     return -torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
 
 
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(1/|y_i|) Σ_t x_it per sequence, [B]: GSPO's log of the geometric-mean ratio."""
+    return _masked(x, mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def clipped_tokens(log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                   eps_low: float | None, eps_high: float | None, sequence: bool = False
+                   ) -> torch.Tensor:
+    """Where the clipped branch is taken, [B, T] bool, False on padding. Token level: C(log r_t,
+    A). Sequence level (GSPO): C on the sequence's mean log-ratio with its advantage A_i [B],
+    and the sequence's verdict holds for each of its tokens."""
+    valid = mask > 0
+    if sequence:
+        return clip_predicate(sequence_mean(log_r, mask), adv, eps_low, eps_high)[:, None] & valid
+    return clip_predicate(log_r, _tokens(adv), eps_low, eps_high) & valid
+
+
 # ---- aggregation ---------------------------------------------------------------------------
 
 
