@@ -30,9 +30,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
 
 MANIFEST = "manifest.json"
+# What a resumed run reads from state.json; a checkpoint without one of them is not valid.
+STATE_KEYS = ("step", "engine_version", "prompts")
 
 
 def _sha256(path: Path) -> str:
@@ -58,6 +60,28 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
          engine_versions: dict[int, dict[str, torch.Tensor]] | None = None,
          model_state: dict[str, torch.Tensor] | None = None, opt_state: dict | None = None
          ) -> Path:
+    try:
+        return _save(run, step, model, tok, engine_model, engine_version, opt, scaler_state,
+                     prompts_state, gen, value_head, keep, async_state, engine_versions,
+                     model_state, opt_state)
+    except OSError as e:  # the checkpoints path became a file, the disk filled, ...
+        raise ParityError(f"cannot write the checkpoint of step {step} under {run / 'checkpoints'}"
+                          f": {one_line(e)}; metrics.jsonl holds every step so far, and "
+                          f"`--resume` continues from the newest checkpoint on disk") from None
+
+
+def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,
+          engine_version: int, opt: torch.optim.Optimizer, scaler_state: dict,
+          prompts_state: dict, gen: torch.Generator, value_head: torch.nn.Module | None,
+          keep: int, async_state: dict[str, Any] | None,
+          engine_versions: dict[int, dict[str, torch.Tensor]] | None,
+          model_state: dict[str, torch.Tensor] | None, opt_state: dict | None) -> Path:
+    weights = model_state if model_state is not None else model.state_dict()
+    bad = next((k for k, v in weights.items() if v.is_floating_point()
+                and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:  # never write weights no run could use
+        raise ParityError(f"step {step}: parameter {bad} is not finite; the checkpoint is not "
+                          f"written (the newest one on disk stays the one to resume from)")
     final = run / "checkpoints" / f"step-{step}"
     tmp = run / "checkpoints" / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -97,8 +121,11 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
 
 def steps_on_disk(run: Path) -> list[int]:
     d = run / "checkpoints"
-    if not d.is_dir():
+    if not d.exists():
         return []
+    if not d.is_dir():
+        raise ParityError(f"{d} is not a directory: the run's checkpoints cannot be read. "
+                          f"Nothing was changed; move it aside to start the run again")
     return sorted(int(p.name[5:]) for p in d.iterdir()
                   if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
 
@@ -116,17 +143,22 @@ def verify(path: Path) -> str | None:
     if not m.is_file():
         return "no manifest.json"
     try:
-        files = json.loads(m.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return "manifest.json is not readable"
-    for name, meta in files.items():
-        p = path / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != meta["bytes"]:
-            return f"{name} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}"
-        if _sha256(p) != meta["sha256"]:
-            return f"{name} does not match its checksum"
+        files = json.loads(m.read_text(encoding="utf-8"))["files"]
+        for name, meta in files.items():
+            p = path / name
+            if not p.is_file():
+                return f"{name} is missing"
+            if p.stat().st_size != meta["bytes"]:
+                return f"{name} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}"
+            if _sha256(p) != meta["sha256"]:
+                return f"{name} does not match its checksum"
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            return f"state.json lacks {missing[0]!r}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        # Any manifest or state that cannot be read as written is "not valid", never a crash.
+        return f"its manifest or state is not readable ({type(e).__name__}: {one_line(e)})"
     return None
 
 
@@ -149,7 +181,7 @@ def latest_valid(run: Path) -> Restored | None:
         path = run / "checkpoints" / f"step-{s}"
         problem = verify(path)
         if problem is None:
-            return Restored(s, path, json.loads((path / "state.json").read_text()))
+            return Restored(s, path, json.loads((path / "state.json").read_text(encoding="utf-8")))
         print(f"parity: warning: checkpoint {path} is corrupt ({problem}); trying an older one",
               file=sys.stderr)
     raise ParityError(f"{run}: every checkpoint is corrupt ({', '.join(f'step-{s}' for s in steps)}"

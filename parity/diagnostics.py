@@ -24,7 +24,7 @@ import torch
 
 from parity.engines import ENGINE_ATTENTION, Rollout, Sampling, processed_logits
 from parity.scoring import score
-from parity.objectives import clip_predicate
+from parity.objectives import clip_predicate, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 # Buckets for β by the trainer's token probability and by position in the completion: where
@@ -82,20 +82,12 @@ def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor
     ratio is not ℓ_π − ℓ_μ (the shadow ratio clips on α alone); by default C(α + β, A).
     `sequence`: the objective clips a sequence's mean log-ratio (GSPO), so C applies to the
     token means of α and α + β, and a sequence's verdict holds for all its tokens."""
-    valid = mask > 0
     alpha = (logp_s - logp_mu).detach() * mask
     beta = (logp_pi - logp_s).detach() * mask
-    if sequence:
-        n = mask.sum(-1).clamp(min=1)
-        x_a, x = alpha.sum(-1) / n, (alpha + beta).sum(-1) / n
-        c_alpha = clip_predicate(x_a, adv, eps_low, eps_high)[:, None] & valid
-        c = (clip_predicate(x, adv, eps_low, eps_high)[:, None] if clipped is None
-             else clipped) & valid
-        return Attribution(alpha, beta, c, c & ~c_alpha, ~c & c_alpha, c_alpha)
-    a = adv[:, None] if adv.dim() == 1 else adv
-    c_alpha = clip_predicate(alpha, a, eps_low, eps_high) & valid
-    c = clip_predicate(alpha + beta, a, eps_low, eps_high) if clipped is None else clipped
-    c = c & valid
+    c_alpha = clipped_tokens(alpha, adv, mask, eps_low, eps_high, sequence)
+    if clipped is None:
+        clipped = clipped_tokens(alpha + beta, adv, mask, eps_low, eps_high, sequence)
+    c = clipped & (mask > 0)
     return Attribution(alpha, beta, c, c & ~c_alpha, ~c & c_alpha, c_alpha)
 
 

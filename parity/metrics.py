@@ -1,4 +1,4 @@
-"""A step's metrics (DESIGN.md's names), from what each rank saw of the step.
+"""A step's metrics (their names: docs/design.md), from what each rank saw of the step.
 
 One process is the case of one rank. Across ranks, the per-token diagnostics are pooled before
 they are summarised and the rewards are concatenated, so the metrics equal the one-process
@@ -16,6 +16,7 @@ import torch
 
 from parity.config import Config
 from parity.diagnostics import StepDiagnostics
+from parity.objectives import OBJECTIVES
 
 
 def json_safe(m: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +58,7 @@ class StepPart:
     diag: StepDiagnostics
     prep: dict[str, float]
     extras: dict[str, float]
-    loss_sum: float
+    policy_loss: float         # the mean over this rank's updates of the policy loss
     times: dict[str, float]
     dump: list = field(default_factory=list)
 
@@ -68,7 +69,9 @@ def step_metrics(parts: list[StepPart], cfg: Config) -> dict[str, Any]:
     n_tok = sum(p.n_tok for p in parts)
     tok_w = [p.n_tok for p in parts]
     pairs_w = [p.extras.get("dpo/pairs", 1.0) for p in parts]
-    prep_w = (tok_w if cfg.correction.startswith("token") or cfg.objective == "ppo-value"
+    obj = OBJECTIVES[cfg.objective]
+    # per-token statistics weigh by tokens, per-sequence ones by rows, DPO's by pairs
+    prep_w = (tok_w if cfg.correction.startswith("token") or obj.value_head
               else [1.0] * len(parts))
     times = {k: max(p.times[k] for p in parts) for k in parts[0].times}
     return {
@@ -81,9 +84,9 @@ def step_metrics(parts: list[StepPart], cfg: Config) -> dict[str, Any]:
         "completion/eos_frac": sum(p.finished for p in parts) / len(rewards),
         **StepDiagnostics.merge([p.diag for p in parts]).metrics(),
         **_reduce([p.prep for p in parts], prep_w),
-        **_reduce([p.extras for p in parts], pairs_w if cfg.objective == "online-dpo"
+        **_reduce([p.extras for p in parts], pairs_w if obj.pairs
                   else [1.0] * len(parts)),
-        "loss/policy": sum(p.loss_sum for p in parts) / len(parts),
+        "loss/policy": sum(p.policy_loss for p in parts) / len(parts),
         **times,
         "throughput/tokens_per_s": n_tok / times["time/step_s"],
     }

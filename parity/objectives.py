@@ -8,7 +8,8 @@ precision, no grad), ℓ_old = trainer log-prob recomputed before the first upda
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +195,7 @@ def ppo_clip_loss(log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
     per_token = ppo_clip_token_loss(log_r, a, eps_low, eps_high)
     if weights is not None:
         per_token = per_token * weights.detach()
-    clipped = clip_predicate(log_r.detach(), a, eps_low, eps_high) & (mask > 0)
+    clipped = clipped_tokens(log_r.detach(), adv, mask, eps_low, eps_high)
     return aggregate(per_token, mask, agg, max_len), clipped
 
 
@@ -204,12 +205,11 @@ def gspo_loss(log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
     """GSPO: the sequence's geometric-mean ratio  s_i = exp((1/|y_i|) Σ_t log r_it)  in
     L = (1/B) Σ_i w_i · −min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i), with its own
     (much smaller) clip range. Returns (loss, clipped mask broadcast to the sequence's tokens)."""
-    n = mask.sum(-1).clamp(min=1)
-    log_s = _masked(log_r, mask).sum(-1) / n
+    log_s = sequence_mean(log_r, mask)
     per_seq = ppo_clip_token_loss(log_s, adv, eps_low, eps_high)
     if weights is not None:
-        per_seq = per_seq * (weights.detach() * mask).sum(-1) / n
-    clipped = clip_predicate(log_s.detach(), adv, eps_low, eps_high)[:, None] & (mask > 0)
+        per_seq = per_seq * sequence_mean(weights.detach(), mask)
+    clipped = clipped_tokens(log_r.detach(), adv, mask, eps_low, eps_high, sequence=True)
     return per_seq.mean(), clipped
 
 
@@ -280,3 +280,114 @@ def dpo_loss(logp_pi: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
     if m.numel() == 0:
         return (logp_pi * 0).sum(), m
     return -F.logsigmoid(m).mean(), m
+
+
+# ---- the objective table --------------------------------------------------------------------
+# Each objective's loss on one minibatch, and the facts the trainer and the diagnostics look up
+# instead of testing its name. `share(loss, n)` turns a mean over this rank's n items (tokens,
+# sequences, pairs) into its share of the mean over every rank's items; in one process it is
+# the identity.
+
+Share = Callable[[torch.Tensor, float], torch.Tensor]
+
+
+@dataclass
+class Minibatch:
+    """One minibatch as the objectives see it: [B, T] per token, [B] per completion."""
+    log_r: torch.Tensor                      # log r per the ratio source
+    logp_pi: torch.Tensor                    # ℓ_π, with gradient
+    logp_s: torch.Tensor                     # ℓ_s (ℓ_π.detach() without a shadow)
+    mask: torch.Tensor
+    adv: torch.Tensor                        # [B] GRPO advantages, or [B, T] from GAE
+    rewards: torch.Tensor                    # [B] (online-dpo builds its pairs from them)
+    weights: torch.Tensor | None = None      # behaviour weights of a `recompute` correction
+    values: torch.Tensor | None = None       # ppo-value: V on this minibatch, with gradient
+    old_values: torch.Tensor | None = None   # ppo-value: V at θ_old
+    returns: torch.Tensor | None = None      # ppo-value: GAE returns
+    ref: torch.Tensor | None = None          # online-dpo: reference log-probs
+
+
+@dataclass
+class Loss:
+    total: torch.Tensor                      # what backward runs on
+    policy: float                            # the policy objective alone (loss/policy)
+    clipped: torch.Tensor                    # [B, T] tokens on the clipped branch
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _agg_units(cfg: Any, mask: torch.Tensor) -> float:
+    """What a token objective's loss is a mean over: tokens for token-mean, sequences else."""
+    return float(mask.sum()) if cfg.loss_agg == "token-mean" else float(mask.shape[0])
+
+
+def _ppo_clip(cfg: Any, b: Minibatch, share: Share) -> Loss:
+    loss, clipped = ppo_clip_loss(b.log_r, b.adv, b.mask, cfg.eps_low, cfg.eps_high,
+                                  cfg.loss_agg, cfg.max_new_tokens, b.weights)
+    loss = share(loss, _agg_units(cfg, b.mask))
+    return Loss(loss, float(loss.detach()), clipped)
+
+
+def _ppo_value(cfg: Any, b: Minibatch, share: Share) -> Loss:
+    pol = _ppo_clip(cfg, b, share)
+    v_loss = share(value_loss(b.values, b.old_values, b.returns, b.mask, cfg.value_clip),
+                   float(b.mask.sum()))
+    return Loss(pol.total + cfg.value_coef * v_loss, pol.policy, pol.clipped,
+                {"loss/value": float(v_loss.detach())})
+
+
+def _gspo(cfg: Any, b: Minibatch, share: Share) -> Loss:
+    loss, clipped = gspo_loss(b.log_r, b.adv, b.mask, cfg.seq_eps_low, cfg.seq_eps_high,
+                              b.weights)
+    loss = share(loss, float(b.mask.shape[0]))
+    return Loss(loss, float(loss.detach()), clipped)
+
+
+def _pg_is(cfg: Any, b: Minibatch, share: Share) -> Loss:
+    loss, stats = pg_is_loss(b.logp_pi, b.log_r, b.adv, b.mask, cfg.is_cap, cfg.loss_agg,
+                             cfg.max_new_tokens, b.weights)
+    loss = share(loss, _agg_units(cfg, b.mask))
+    return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), stats)
+
+
+def _online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
+    chosen, rejected = dpo_pairs(b.rewards, cfg.samples_per_prompt)
+    loss, margins = dpo_loss(b.logp_pi, b.ref, b.mask, chosen, rejected, cfg.dpo_scale)
+    loss = share(loss, float(len(chosen)))
+    margins = margins.detach()
+    m = {"dpo/pairs": float(len(chosen))}
+    if len(chosen):
+        m["dpo/margin"] = float(margins.mean())
+        m["dpo/accuracy"] = float((margins > 0).float().mean())
+        if cfg.dpo_ref == "engine":
+            # With ℓ_μ as the reference the margin carries Σβ(chosen) − Σβ(rejected).
+            beta_seq = ((b.logp_pi.detach() - b.logp_s) * b.mask).sum(-1)
+            mb_beta = cfg.dpo_scale * (beta_seq[chosen] - beta_seq[rejected])
+            m["dpo/margin_beta"] = float(mb_beta.mean())
+            m["dpo/margin_beta_abs"] = float(mb_beta.abs().mean())
+    return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), m)
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    loss: Callable[[Any, Minibatch, Share], Loss]
+    clip: Literal["token", "sequence"] | None  # eps_low/eps_high, seq_eps_low/seq_eps_high, none
+    value_head: bool = False   # a learned V(s_t) and GAE advantages
+    reference: bool = False    # reference log-probs (the frozen initial policy, or ℓ_μ)
+    pairs: bool = False        # its loss is a mean over preference pairs, not tokens
+
+    def clip_range(self, cfg: Any) -> tuple[float | None, float | None]:
+        if self.clip == "token":
+            return cfg.eps_low, cfg.eps_high
+        if self.clip == "sequence":
+            return cfg.seq_eps_low, cfg.seq_eps_high
+        return None, None
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in [
+    Objective("ppo-clip", _ppo_clip, clip="token"),
+    Objective("gspo", _gspo, clip="sequence"),
+    Objective("pg-is", _pg_is, clip=None),
+    Objective("ppo-value", _ppo_value, clip="token", value_head=True),
+    Objective("online-dpo", _online_dpo, clip=None, reference=True, pairs=True),
+]}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from parity.distributed import full_tensor
+from parity.errors import ParityError
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,8 +28,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class FP16MatmulOnCPU(TorchFunctionMode):
     """fp16 matrix products as GPU tensor cores compute them: fp16 inputs, fp32 accumulation,
-    fp16 output. On CPU, torch's native fp16 GEMM has no fast kernel (4-11x slower than this
-    emulation, bench/fp16_cpu.py), so we compute the product of the fp16-rounded inputs in
+    fp16 output. On CPU, torch's native fp16 GEMM has no fast kernel (several times slower than
+    this emulation: docs/performance.md), so we compute the product of the fp16-rounded inputs in
     fp32 and round the result to fp16. A product of two fp16 numbers is exact in fp32, so this is
     the tensor-core numerics up to accumulation order. Covers what fp16 autocast would have
     lowered (linear, matmul, bmm, mm, attention); backward runs the same way, through the casts.
@@ -122,6 +123,11 @@ class LossScaler:
         optimizer.zero_grad(set_to_none=True)
         if not finite:
             self.skipped += 1
+        elif not all_finite(params):
+            # A finite gradient can still overflow a parameter (a huge learning rate): stop
+            # before such weights reach the engine, a metric or a checkpoint.
+            raise ParityError("an optimizer step made parameters non-finite although the "
+                              "gradient was finite; lower lr. Nothing was saved from this step")
         return finite, norm
 
     def state_dict(self) -> dict:
@@ -131,6 +137,17 @@ class LossScaler:
         if self.enabled and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.skipped = int(state.get("skipped", 0))
+
+
+@torch.no_grad()
+def all_finite(params: list[torch.nn.Parameter]) -> bool:
+    """Every element finite (each rank checks its own shards under FSDP)."""
+    for p in params:
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return False
+    return True
 
 
 @torch.no_grad()

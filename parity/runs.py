@@ -7,14 +7,15 @@ imports the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
 from parity.errors import ParityError, one_line
@@ -24,14 +25,80 @@ if TYPE_CHECKING:
     from parity.tasks import Task
 
 
-def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
-    """fp32 master weights and the tokenizer; a directory that is not a causal LM is a user error."""
+# Model types whose transformers "causal LM" class is an encoder run as a decoder: their
+# weights were trained bidirectionally, so their log-probs are not a policy's.
+ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
+                "deberta-v2", "camembert", "ernie", "mpnet", "modernbert")
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' own multi-line reports would print beside parity's one-line error."""
+    level = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(level)
+
+
+def _check_causal_lm(model_dir: Path) -> None:
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:
         raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
+    names = list(getattr(config, "architectures", None) or [])
+    causal = [n for n in names if n.endswith(("ForCausalLM", "LMHeadModel"))]
+    if config.model_type in ENCODER_ONLY and not getattr(config, "is_decoder", False) or (
+            names and not causal):
+        what = f"{config.model_type} ({', '.join(names)})" if names else config.model_type
+        raise ParityError(f"{model_dir} is not a causal LM: its config describes {what}, an "
+                          f"encoder or another head; parity trains decoder-only language models")
+
+
+def _check_weights_fit(model: torch.nn.Module, info: dict, model_dir: Path) -> None:
+    """Refuse a config.json that disagrees with the weights beside it: transformers would
+    otherwise initialise the missing layers at random, or stop after a long report."""
+    tied = ({"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False)
+            else set())
+    missing = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
+    mismatched = sorted(info.get("mismatched_keys", ()))
+    unexpected = sorted(info.get("unexpected_keys", ()))
+    if mismatched:
+        k = mismatched[0]
+        detail = (f"{k[0]} is {tuple(k[1])} in the weights but {tuple(k[2])} by config.json"
+                  if isinstance(k, tuple) and len(k) == 3 else str(k))
+        raise ParityError(f"{model_dir}: config.json does not match the weights ({detail}; "
+                          f"{len(mismatched)} tensors differ in shape: a vocabulary or width "
+                          f"that does not match?)")
+    if missing or unexpected:
+        which = (f"{len(missing)} weights config.json asks for are not in the files, e.g. "
+                 f"{missing[0]}" if missing else
+                 f"{len(unexpected)} weights in the files are not in config.json's model, e.g. "
+                 f"{unexpected[0]}")
+        raise ParityError(f"{model_dir}: config.json does not match the weights: {which} (a "
+                          f"layer count that does not match?)")
+
+
+def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
+    """fp32 master weights and the tokenizer. A directory that is not a causal LM, or whose
+    config.json disagrees with its weights, is a user error."""
+    _check_causal_lm(model_dir)
+    try:
+        with _quiet_transformers():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, output_loading_info=True,
+                ignore_mismatched_sizes=True)
+    except Exception as e:
+        raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
+    _check_weights_fit(model, info, model_dir)
+    try:
+        with _quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise ParityError(f"cannot load the tokenizer in {model_dir}: {one_line(e)}") from None
     if tok.eos_token_id is None:
         raise ParityError(f"the tokenizer in {model_dir} has no eos token; completions could "
                           f"never end")
@@ -97,3 +164,17 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text("".join(x + "\n" for x in keep))
     os.replace(tmp, path)
+
+
+def set_aside_metrics(run: Path) -> Path | None:
+    """A run resumed with no checkpoint starts again from step 1. The steps it had logged are
+    kept beside it (metrics-before-restart[-N].jsonl), never overwritten."""
+    path = run / "metrics.jsonl"
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    dest, n = run / "metrics-before-restart.jsonl", 1
+    while dest.exists():
+        n += 1
+        dest = run / f"metrics-before-restart-{n}.jsonl"
+    os.replace(path, dest)
+    return dest
