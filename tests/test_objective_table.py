@@ -28,7 +28,7 @@ def batch() -> Minibatch:
     log_r = torch.tensor([[0.3, -0.1, 0.0], [0.05, -0.4, 9.0], [0.01, 0, 0], [-0.3, 0.1, 0.2]])
     logp_pi = torch.tensor([[-1.0, -0.5, -2.0], [-0.7, -0.2, 0.0], [-3.0, 0, 0],
                             [-0.1, -0.9, -1.2]], requires_grad=True)
-    return Minibatch(log_r=log_r * mask, logp_pi=logp_pi, logp_s=logp_pi.detach() - 0.01,
+    return Minibatch(log_r=log_r, logp_pi=logp_pi, logp_s=logp_pi.detach() - 0.01,
                      mask=mask, adv=torch.tensor([1.0, -1.0, 0.5, -0.5]),
                      rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]),
                      values=torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.5, 0.0], [0.9, 0, 0],
