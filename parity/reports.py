@@ -354,6 +354,78 @@ def _arrays(d: Mapping[str, np.ndarray], keys: Sequence[str], what: str) -> list
     return arrs
 
 
+def _prob_scatter(p_mu: np.ndarray, p_pi: np.ndarray, idx: np.ndarray, shown: str,
+                  out: Path) -> Plot:
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    ax.plot([0, 1], [0, 1], color="0.4", lw=0.7, ls="--", label="π = μ", zorder=1)
+    ax.scatter(p_mu[idx], p_pi[idx], s=3, alpha=0.3, linewidths=0, rasterized=True, zorder=2,
+               label="tokens")
+    ax.set_aspect("equal")
+    return _finish(fig, ax, out / "prob_scatter.png", "trainer against engine probability",
+                   "upper left", xlabel="engine probability exp(ℓ_μ)", xlim=(0, 1),
+                   ylabel="trainer probability exp(ℓ_π)", ylim=(0, 1),
+                   title=f"Token probabilities ({shown})")
+
+
+def _beta_hist(beta: np.ndarray, out: Path) -> Plot:
+    mean, std = float(beta.mean()), float(beta.std())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.hist(beta, bins=100, log=True, color="C0")
+    ax.axvline(mean, color="C3", lw=1, label="mean")
+    ax.text(0.98, 0.95, f"mean = {mean:.3g}\nstd = {std:.3g}\nn = {beta.size:,}",
+            transform=ax.transAxes, ha="right", va="top", fontsize=9,
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#ccc"})
+    return _finish(fig, ax, out / "beta_hist.png", "histogram of beta", "upper left",
+                   xlabel="β = ℓ_π − ℓ_s (precision gap, nats)", ylabel="tokens (log)",
+                   title="Precision gap per token")
+
+
+def _beta_vs_prob(p_pi: np.ndarray, beta: np.ndarray, idx: np.ndarray, shown: str,
+                  out: Path) -> Plot:
+    edges = np.linspace(0, 1, 11)
+    which = np.clip(np.digitize(p_pi, edges) - 1, 0, 9)
+    filled = [b for b in range(10) if (which == b).any()]
+    centres = (edges[:-1] + edges[1:])[filled] / 2
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(p_pi[idx], beta[idx], s=2, alpha=0.2, color="0.5", linewidths=0, rasterized=True,
+               label=f"tokens ({shown})")
+    ax.plot(centres, [np.abs(beta[which == b]).mean() for b in filled], "o-", color="C3",
+            label="binned mean |β|")
+    ax.plot(centres, [beta[which == b].mean() for b in filled], "s-", color="C0",
+            label="binned mean β")
+    ax.axhline(0, color="k", lw=0.6)
+    return _finish(fig, ax, out / "beta_vs_prob.png", "beta against token probability",
+                   xlabel="trainer probability exp(ℓ_π)", ylabel="β (nats)",
+                   title="Precision gap against token probability")
+
+
+def _seq_log_ratio(length: np.ndarray, seq_lr: np.ndarray, out: Path) -> Plot:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    si = _subsample(length.size)
+    ax.scatter(length[si], seq_lr[si], s=6, alpha=0.4, linewidths=0, label="completions")
+    if np.unique(length).size >= 2:
+        slope, icpt = np.polyfit(length, seq_lr, 1)
+        xs = np.array([length.min(), length.max()])
+        ax.plot(xs, icpt + slope * xs, color="C3",
+                label=f"least squares: {1000 * slope:.3g} per 1k tokens")
+    ax.axhline(0, color="k", lw=0.6)
+    return _finish(fig, ax, out / "seq_log_ratio.png", "sequence log-ratio against length",
+                   xlabel="completion length (tokens)", ylabel="Σ_t (ℓ_π − ℓ_μ)",
+                   title="Sequence log-ratio against length")
+
+
+def _phantom_vs_eps(table: list[dict], out: Path) -> Plot:
+    eps = np.array([r["eps"] for r in table], dtype=float)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, mk in (("clip_frac", "o-"), ("phantom_frac", "s--"), ("hidden_frac", "^:")):
+        ax.plot(eps, [r[key] for r in table], mk, label=key)
+    if (eps > 0).all():
+        ax.set_xscale("log")
+    return _finish(fig, ax, out / "phantom_vs_eps.png", "clip fractions against eps",
+                   xlabel="clip range ε", ylabel="fraction of tokens", ylim=(0, None),
+                   title="Clipped, phantom and hidden fractions against ε")
+
+
 def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps_table: list[dict],
                  summary: dict[str, float], out: Path, title: str,
                  verdict: str | None = None) -> Path:
@@ -371,79 +443,19 @@ def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps
     p_mu, p_pi = np.exp(l_mu), np.exp(l_pi)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plots: list[Plot] = []
     idx = _subsample(beta.size)
     shown = f"{idx.size:,} of {beta.size:,} tokens"
-
-    fig, ax = plt.subplots(figsize=(5.5, 5.5))
-    ax.plot([0, 1], [0, 1], color="0.4", lw=0.7, ls="--", label="π = μ", zorder=1)
-    ax.scatter(p_mu[idx], p_pi[idx], s=3, alpha=0.3, linewidths=0, rasterized=True, zorder=2,
-               label="tokens")
-    ax.set_aspect("equal")
-    plots.append(_finish(fig, ax, out / "prob_scatter.png", "trainer against engine probability",
-                         "upper left", xlabel="engine probability exp(ℓ_μ)", xlim=(0, 1),
-                         ylabel="trainer probability exp(ℓ_π)", ylim=(0, 1),
-                         title=f"Token probabilities ({shown})"))
-
-    mean, std = float(beta.mean()), float(beta.std())
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.hist(beta, bins=100, log=True, color="C0")
-    ax.axvline(mean, color="C3", lw=1, label="mean")
-    ax.text(0.98, 0.95, f"mean = {mean:.3g}\nstd = {std:.3g}\nn = {beta.size:,}",
-            transform=ax.transAxes, ha="right", va="top", fontsize=9,
-            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#ccc"})
-    plots.append(_finish(fig, ax, out / "beta_hist.png", "histogram of beta", "upper left",
-                         xlabel="β = ℓ_π − ℓ_s (precision gap, nats)", ylabel="tokens (log)",
-                         title="Precision gap per token"))
-
-    edges = np.linspace(0, 1, 11)
-    which = np.clip(np.digitize(p_pi, edges) - 1, 0, 9)
-    filled = [b for b in range(10) if (which == b).any()]
-    centres = (edges[:-1] + edges[1:])[filled] / 2
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter(p_pi[idx], beta[idx], s=2, alpha=0.2, color="0.5", linewidths=0, rasterized=True,
-               label=f"tokens ({shown})")
-    ax.plot(centres, [np.abs(beta[which == b]).mean() for b in filled], "o-", color="C3",
-            label="binned mean |β|")
-    ax.plot(centres, [beta[which == b].mean() for b in filled], "s-", color="C0",
-            label="binned mean β")
-    ax.axhline(0, color="k", lw=0.6)
-    plots.append(_finish(fig, ax, out / "beta_vs_prob.png", "beta against token probability",
-                         xlabel="trainer probability exp(ℓ_π)", ylabel="β (nats)",
-                         title="Precision gap against token probability"))
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    si = _subsample(length.size)
-    ax.scatter(length[si], seq_lr[si], s=6, alpha=0.4, linewidths=0, label="completions")
-    if np.unique(length).size >= 2:
-        slope, icpt = np.polyfit(length, seq_lr, 1)
-        xs = np.array([length.min(), length.max()])
-        ax.plot(xs, icpt + slope * xs, color="C3",
-                label=f"least squares: {1000 * slope:.3g} per 1k tokens")
-    ax.axhline(0, color="k", lw=0.6)
-    plots.append(_finish(fig, ax, out / "seq_log_ratio.png", "sequence log-ratio against length",
-                         xlabel="completion length (tokens)", ylabel="Σ_t (ℓ_π − ℓ_μ)",
-                         title="Sequence log-ratio against length"))
-
     table = sorted(eps_table, key=lambda r: r["eps"])
-    if table:
-        eps = np.array([r["eps"] for r in table], dtype=float)
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for key, mk in (("clip_frac", "o-"), ("phantom_frac", "s--"), ("hidden_frac", "^:")):
-            ax.plot(eps, [r[key] for r in table], mk, label=key)
-        if (eps > 0).all():
-            ax.set_xscale("log")
-        plots.append(_finish(fig, ax, out / "phantom_vs_eps.png", "clip fractions against eps",
-                             xlabel="clip range ε", ylabel="fraction of tokens", ylim=(0, None),
-                             title="Clipped, phantom and hidden fractions against ε"))
-
+    plots = [_prob_scatter(p_mu, p_pi, idx, shown, out), _beta_hist(beta, out),
+             _beta_vs_prob(p_pi, beta, idx, shown, out), _seq_log_ratio(length, seq_lr, out),
+             *([_phantom_vs_eps(table, out)] if table else [])]
     kl_k3 = np.expm1(log_r) - log_r
     derived = [("tokens", beta.size), ("tokens left out (non-finite ℓ)", dropped),
                ("completions", length.size),
                ("mean α (policy change; kernel gap at θ = θ_old)", alpha.mean()),
-               ("mean |α|", np.abs(alpha).mean()), ("mean β", mean), ("std β", std),
-               ("mean |β|", np.abs(beta).mean()), ("mean log r", log_r.mean()),
-               ("kl_k1", -log_r.mean()), ("kl_k3", kl_k3.mean())]
+               ("mean |α|", np.abs(alpha).mean()), ("mean β", float(beta.mean())),
+               ("std β", float(beta.std())), ("mean |β|", np.abs(beta).mean()),
+               ("mean log r", log_r.mean()), ("kl_k1", -log_r.mean()), ("kl_k3", kl_k3.mean())]
     sections: list[Section] = [
         *([f"Verdict: {verdict}"] if verdict else []),
         Heading("Summary"), Table(["metric", "value"], [[k, v] for k, v in summary.items()]),
