@@ -22,7 +22,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parity import testbed  # noqa: E402
+from parity import arith, testbed  # noqa: E402
 from parity.engines import HFEngine, Sampling
 from parity.scoring import score  # noqa: E402
 from parity.precision import FP16MatmulOnCPU, autocast  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> None:
 
     model, tok = load_policy(testbed.resolve_model(args.model))
     rng = random.Random(0)
-    prompts = [tok(testbed.arith_problem(rng)[0] if "arith" in args.model else "def f(x):")
+    prompts = [tok(arith.problem(rng)[0] if "arith" in args.model else "def f(x):")
                ["input_ids"] for _ in range(64)]
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         prompts, 8, Sampling(), torch.Generator().manual_seed(0))

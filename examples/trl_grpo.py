@@ -21,7 +21,7 @@ from parity.integrations.trl import ParityGRPOTrainer, ParityOptions
 
 
 def neg_length(prompts, completions, completion_ids, **_):
-    """The seeds' sanity task: the shortest completion wins."""
+    """neg-length, the testbed's sanity task: the shortest completion wins."""
     return [-float(len(c)) for c in completion_ids]
 
 

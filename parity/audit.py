@@ -1,7 +1,7 @@
 """`parity audit`: how much of a model's clipping is numerical, measured offline.
 
     completions + ℓ_μ   sampled here by the engine in engine dtype, or read from another
-                        system's file (DESIGN's audit input schema)
+                        system's file (docs/design.md's audit input)
     ℓ_π                 the trainer's forward in trainer dtype, no grad, θ = θ_old
     ℓ_s                 the shadow forward in engine dtype on the same weights
     → α, β, clip attribution at ε and over a sweep of ε, exact KL(μ‖π) where μ is known
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,33 +27,11 @@ from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, c
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids
 from parity.scoring import score_full
+from parity.config import AuditSettings
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
 from parity.runs import check_run_dir, free_dir, load_policy, max_positions
-
-@dataclass
-class AuditSettings:
-    model: str
-    engine_dtype: str = "bf16"
-    trainer_dtype: str = "fp32"
-    task: str | None = None          # built-in task or dataset (with reward) to sample prompts
-    reward: str | None = None        # one or several comma-separated module:function
-    chat_template: bool = False      # plain prompts as a user turn of the chat template
-    prompts: str | None = None       # a file of prompts: .txt lines, or JSONL/parquet `prompt`
-    rollouts: str | None = None      # another system's completions and ℓ_μ
-    samples: int = 256
-    group: int = 8                   # completions per prompt (GRPO groups for advantages)
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    eps: float = 0.2
-    batch_size: int = 64
-    kl_exact_rows: int = 8           # per batch
-    cpu_fp16: str = "emulate"
-    seed: int = 0
-    progress: bool = True
 
 
 # ---- measurement ---------------------------------------------------------------------------
@@ -201,13 +178,11 @@ def default_out(a: AuditSettings) -> Path:
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
     """Run one audit; returns audit.json's content. Input is checked before `out` is written."""
     t0 = time.perf_counter()
+    a.validate()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     out = out or default_out(a)
     check_run_dir(out)
-    sources = [x for x in (a.task, a.prompts, a.rollouts) if x]
-    if len(sources) != 1:
-        raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
-    if a.samples <= 0 or a.group <= 0 or a.batch_size <= 0:
-        raise ParityError("audit: --samples, --group and --batch-size must be > 0")
     model_dir = testbed.resolve_model(a.model)
     model, tok = load_policy(model_dir)
     model.eval()

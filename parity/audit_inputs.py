@@ -1,6 +1,6 @@
 """Audit inputs: another system's completions and engine log-probs, and prompt files.
 
-DESIGN's audit input schema, JSONL or parquet, one row per completion: `prompt_token_ids`,
+The audit input schema (docs/design.md), JSONL or parquet, one row per completion: `prompt_token_ids`,
 `completion_token_ids`, `engine_logprobs` (one per completion token), optional `advantage` or
 `reward`. Every problem is refused with the file, row (and line), column and what is wrong.
 """

@@ -17,7 +17,7 @@ HOLDS = "holds"
 NOT_AT_SCALE = "does not hold at this scale"
 NOT_MEASURABLE = "not measurable here"
 
-# The seeds' figures (RESEARCH.md): Qwen3-0.6B with a bf16 vLLM engine, and the FP16 paper.
+# The seeds' figures (docs/design.md): Qwen3-0.6B with a bf16 vLLM engine, and the FP16 paper.
 SEED_PHANTOM = 0.18          # share of tokens phantom-clipped early, ε = 0.2
 SEED_BETA = 0.03             # typical |β| per token: the geometric middle of "1e-2 to 1e-1"
 SEED_EPS = 0.2
@@ -42,7 +42,7 @@ def beta_is_minus_kl(beta_mean: float, beta_std: float, tokens: int, kl: float) 
     """1a. E_μ[ℓ_π − ℓ_μ] = −KL(μ‖π): β's token mean is negative, about −KL."""
     se = beta_std / math.sqrt(max(tokens, 1))
     m = {"beta_mean": beta_mean, "kl_exact": kl, "standard_error": se, "tokens": tokens}
-    s, seeds = "β has a negative mean, about −KL(μ‖π)", "negative bias of β (seed 000)"
+    s, seeds = "β has a negative mean, about −KL(μ‖π)", "negative bias of β"
     if kl < 2 * se:
         need = (2 * beta_std / kl) ** 2 if kl > 0 else math.inf
         return Claim("1a", s, seeds, m, NOT_MEASURABLE,
@@ -60,7 +60,7 @@ def beta_correlates_with_advantage(corr: float, tokens: int) -> Claim:
     """1b. β correlates with the advantage."""
     noise = 3 / math.sqrt(max(tokens, 1))
     m = {"corr_beta_advantage": corr, "noise_3_sigma": noise, "tokens": tokens}
-    s, seeds = "β correlates with the advantage", "correlated with the advantage (seed 000)"
+    s, seeds = "β correlates with the advantage", "correlated with the advantage"
     if abs(corr) > noise:
         return Claim("1b", s, seeds, m, HOLDS, f"corr(β, A) = {corr:+.3f}, beyond ±{noise:.3f}")
     return Claim("1b", s, seeds, m, NOT_AT_SCALE,
@@ -191,7 +191,7 @@ def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str =
     m = {"eps": eps, "wide_eps_high": wide, **{f"steps_{r}": v for r, v in st.items()},
          **{f"reached_{r}": _reached(groups, r) for r in st}}
     s, seeds = f"{task + ': ' if task else ''}a wider ε helps", \
-        "a wider ε restores convergence (seed 000)"
+        "a wider ε restores convergence"
     if any(v is None for v in st.values()):
         return Claim("5a", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
     detail = (f"wide-eps (ε_high {wide:g}) {st['wide-eps']:g} steps ({m['reached_wide-eps']}), "
@@ -233,7 +233,7 @@ def bf16_weights_freeze(changed_bf16: float, changed_fp16: float, changed_fp32: 
     m = {"lr": lr, "changed_frac_bf16": changed_bf16, "changed_frac_fp16": changed_fp16,
          "changed_frac_fp32": changed_fp32}
     s = "at a small lr, bf16 engine weights stop changing at sync; fp16's keep changing"
-    seeds = "bf16 casts of small fp32 updates unchanged for many steps (seed 000)"
+    seeds = "bf16 casts of small fp32 updates unchanged for many steps"
     if changed_fp32 <= 0.5:
         return Claim("6", s, seeds, m, NOT_MEASURABLE,
                      f"the fp32 master itself barely moved ({changed_fp32:.1%} of weights)")

@@ -1,4 +1,5 @@
-"""`parity` command line. Flags for `train` are generated from Config's fields and their docs.
+"""`parity` command line. Flags for `train` and `audit` are generated from the fields of their
+settings (Config, AuditSettings) and those fields' docs.
 
 Errors the user can fix print one line `parity: error: ...` and exit with code 2.
 """
@@ -23,21 +24,33 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_config_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    from parity.config import Config
+    from parity.config import Config, field_specs
     p.add_argument("--config", metavar="FILE", help="YAML file of config fields; flags win.")
-    for f in dataclasses.fields(Config):
-        if f.name in exclude:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        doc = f"{f.metadata['help']} (default: {f.default})"
-        if str(f.type).startswith("bool"):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+    _add_field_flags(p, Config, [n for n in field_specs(Config) if n not in exclude])
+
+
+def _add_field_flags(p: Any, cls: type, names: Sequence[str]) -> None:
+    """A flag per field of a settings dataclass (Config, AuditSettings), its help and default
+    from the field's metadata. Values stay as given (None: not given) until `coerce` and the
+    field checks, so a bad one is one line naming the field, as it is in a YAML file."""
+    from parity.config import field_specs
+    specs = field_specs(cls)
+    for name in names:
+        f = specs[name].field
+        flag = "--" + name.replace("_", "-")
+        doc = f.metadata["help"]
+        if "(default" not in doc:
+            doc += f" (default: {f.default})"
+        doc = doc.replace("%", "%%")  # argparse formats help with %
+        if specs[name].kind is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                            default=None, help=doc)
         elif "const" in f.metadata:  # `--dump-rollouts` alone, or `--dump-rollouts 5`
-            p.add_argument(flag, dest=f.name, default=None, nargs="?", const=f.metadata["const"],
-                           metavar=f.name.upper(), help=doc)
+            p.add_argument(flag, dest=name, default=None, nargs="?", const=f.metadata["const"],
+                           metavar=name.upper(), help=doc)
         else:
-            p.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=doc)
+            p.add_argument(flag, dest=name, default=None,
+                           metavar=f.metadata.get("metavar", name.upper()), help=doc)
 
 
 def explicit_from_args(args: argparse.Namespace, exclude: tuple[str, ...] = ()
@@ -188,37 +201,26 @@ def cmd_recipes(args: argparse.Namespace) -> None:
 
 def cmd_audit(args: argparse.Namespace) -> None:
     from parity import audit as au
-    from parity.config import DTYPES, TASK_DEFAULTS
-    for name in ("engine_dtype", "trainer_dtype"):
-        if getattr(args, name) not in DTYPES:
-            raise ParityError(f"--{name.replace('_', '-')}={getattr(args, name)!r} is not one "
-                              f"of: {', '.join(DTYPES)}")
-    if args.eps <= 0 or args.eps >= 1:
-        raise ParityError(f"--eps={args.eps} must be in (0, 1)")
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-    fields = {k: v for k, v in vars(args).items() if k in au.AuditSettings.__dataclass_fields__}
+    from parity.config import TASK_DEFAULTS, coerce, field_specs
+    given = {k: coerce(k, getattr(args, k), au.AuditSettings)
+             for k in field_specs(au.AuditSettings) if getattr(args, k) is not None}
+    if not any(given.get(k) for k in AUDIT_INPUTS):
+        given["task"] = "neg-length"
     if args.scale:
-        if args.rollouts:
+        if given.get("rollouts"):
             raise ParityError("--scale audits the testbed ladder; it does not take --rollouts")
-        if not (args.task or args.prompts):
-            fields["task"] = "neg-length"
         models = args.models.split(",") if args.models else None
+        given["model"] = (models or ["ladder"])[0]
+        a = au.AuditSettings(**given).validate()
         out = Path(args.out) if args.out else Path("audits") / (
-            f"scale-{args.engine_dtype}-vs-{args.trainer_dtype}")
-        fields["model"] = (models or ["ladder"])[0]
-        result = au.scale(au.AuditSettings(**fields), out, models)
+            f"scale-{a.engine_dtype}-vs-{a.trainer_dtype}")
+        result = au.scale(a, out, models)
         au.print_scale(result)
         print(f"wrote {out}/scale.json, {out}/scale.png, {out}/report.html")
         return
-    if not (args.task or args.prompts or args.rollouts):
-        fields["task"] = "neg-length"
-    if fields.get("model") is None:  # a built-in task's own testbed model, as `train` picks it
-        fields["model"] = TASK_DEFAULTS.get(fields.get("task") or "neg-length", {}).get("model")
-        if fields["model"] is None:
-            raise ParityError("audit: give --model NAME|DIR")
-    a = au.AuditSettings(**fields)
+    if given.get("model") is None:  # a built-in task's own testbed model, as `train` picks it
+        given["model"] = TASK_DEFAULTS.get(given.get("task") or "neg-length", {}).get("model")
+    a = au.AuditSettings(**given).validate()
     out = Path(args.out) if args.out else au.default_out(a)
     result = au.audit(a, out)
     au.print_audit(result)
@@ -340,45 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+AUDIT_INPUTS = ("task", "prompts", "rollouts")
+
+
 def _add_audit_parser(sub) -> None:
+    from parity.config import AuditSettings, field_specs
     au = sub.add_parser("audit", help="Measure alpha/beta and phantom clipping of a model "
                         "offline, on sampled or given rollouts; or across the size ladder.")
-    au.add_argument("--model", default=None, help="testbed model name or HF model directory "
-                    "(default: the task's testbed model)")
-    au.add_argument("--engine-dtype", default="bf16", help="engine precision (default bf16)")
-    au.add_argument("--trainer-dtype", default="fp32", help="trainer precision (default fp32)")
-    src = au.add_mutually_exclusive_group()
-    src.add_argument("--task", default=None, help="sample prompts of a task: neg-length, arith, "
-                     "or a dataset with --reward (default: neg-length)")
-    src.add_argument("--prompts", default=None, metavar="FILE", help="sample these prompts "
-                     "(.txt, one per line, or JSONL/parquet with a `prompt` column)")
-    src.add_argument("--rollouts", default=None, metavar="FILE", help="audit completions and "
-                     "engine log-probs another system wrote (JSONL/parquet: prompt_token_ids, "
-                     "completion_token_ids, engine_logprobs[, advantage|reward])")
-    au.add_argument("--reward", default=None, help="reward function(s) for a dataset --task, "
-                    "comma-separated module:function")
-    au.add_argument("--chat-template", action="store_true", help="plain prompts as a user "
-                    "turn of the tokenizer's chat template (conversations always use it)")
+    inputs = au.add_mutually_exclusive_group()
+    for name in field_specs(AuditSettings):
+        _add_field_flags(inputs if name in AUDIT_INPUTS else au, AuditSettings, [name])
     au.add_argument("--scale", action="store_true", help="audit every model of the testbed "
                     "size ladder and fit the trend against size")
     au.add_argument("--models", default=None, help="with --scale: comma-separated models "
                     "instead of the ladder")
-    au.add_argument("--samples", type=int, default=256, help="completions to sample (256)")
-    au.add_argument("--group", type=int, default=8, help="completions per prompt (8)")
-    au.add_argument("--max-new-tokens", type=int, default=64)
-    au.add_argument("--temperature", type=float, default=1.0)
-    au.add_argument("--top-p", type=float, default=1.0)
-    au.add_argument("--top-k", type=int, default=0)
-    au.add_argument("--eps", type=float, default=0.2, help="clip range for the headline "
-                    "fractions (a sweep is always added)")
-    au.add_argument("--batch-size", type=int, default=64)
-    au.add_argument("--kl-exact-rows", type=int, default=8, help="completions per batch whose "
-                    "whole distribution is compared (exact KL)")
-    au.add_argument("--cpu-fp16", default="emulate", choices=("emulate", "native"))
-    au.add_argument("--seed", type=int, default=0)
-    au.add_argument("--threads", type=int, default=0)
     au.add_argument("--out", default=None, help="output directory (default: audits/...)")
-    au.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     au.set_defaults(func=cmd_audit)
 
 

@@ -2,37 +2,93 @@
 
 Precedence, lowest first: field defaults, the recipe's preset, the built-in task's defaults, a
 YAML file (`--config`), command-line flags. Every field carries its documentation in
-`metadata["help"]`; the CLI builds its flags from it, so the docs live in one place.
+`metadata["help"]` and its checks: choices in its `Literal` type, bounds in
+`metadata["range"]`. The CLI builds its flags from them and `check_fields` validates from them.
+The settings of `parity audit` (AuditSettings, here so that building the CLI imports no torch)
+and of the TRL integration reuse Config's fields (`shared`), so each is written once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
 import yaml
 
 from parity.errors import ParityError
 
-DTYPES = ("fp32", "bf16", "fp16")
-RATIO_SOURCES = ("engine", "shadow", "recompute")
-CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-rs")
-OBJECTIVES = ("ppo-clip", "gspo", "pg-is", "ppo-value", "online-dpo")
-LOSS_AGGS = ("seq-mean", "token-mean", "token-sum")
-DPO_REFS = ("initial", "engine")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-ENGINES = ("hf", "vllm")
-PARALLEL = ("ddp", "fsdp")
+Dtype = Literal["fp32", "bf16", "fp16"]
+RatioSource = Literal["engine", "shadow", "recompute"]
+Correction = Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-rs"]
+ObjectiveName = Literal["ppo-clip", "gspo", "pg-is", "ppo-value", "online-dpo"]
+LossAgg = Literal["seq-mean", "token-mean", "token-sum"]
+DpoRef = Literal["initial", "engine"]
+OptimizerName = Literal["adamw", "adam", "sgd"]
+EngineName = Literal["hf", "vllm"]
+Parallel = Literal["ddp", "fsdp"]
+CpuFp16 = Literal["emulate", "native"]
+
+DTYPES = typing.get_args(Dtype)
+RATIO_SOURCES = typing.get_args(RatioSource)
+CORRECTIONS = typing.get_args(Correction)
+OBJECTIVES = typing.get_args(ObjectiveName)
+LOSS_AGGS = typing.get_args(LossAgg)
+DPO_REFS = typing.get_args(DpoRef)
+OPTIMIZERS = typing.get_args(OptimizerName)
+ENGINES = typing.get_args(EngineName)
+PARALLEL = typing.get_args(Parallel)
+# report_to is a comma-separated list of these, so no Literal can say it.
 REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
 
+@dataclass(frozen=True)
+class Range:
+    """Bounds of a number field; a float field must also be finite, bounded or not."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __contains__(self, v: float) -> bool:
+        return not (self._below(v) or self._above(v))
+
+    def _below(self, v: float) -> bool:
+        return ((self.ge is not None and not v >= self.ge)
+                or (self.gt is not None and not v > self.gt))
+
+    def _above(self, v: float) -> bool:
+        return ((self.le is not None and not v <= self.le)
+                or (self.lt is not None and not v < self.lt))
+
+    def complaint(self, v: float, is_float: bool) -> str | None:
+        """What `v` must be, naming the bound it breaks (both for a non-finite float); None when
+        it is in range."""
+        finite = not is_float or math.isfinite(v)
+        if finite and v in self:
+            return None
+        low = [f"{op} {b:g}" for op, b in ((">=", self.ge), (">", self.gt)) if b is not None]
+        high = [f"{op} {b:g}" for op, b in (("<=", self.le), ("<", self.lt)) if b is not None]
+        if finite and self._above(v) and not self._below(v):
+            return " and ".join(high)
+        text = " and ".join(low if finite else low + high)
+        return f"a finite number {text}".rstrip() if is_float else text
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A field with its help and checks: `ge`/`gt`/`le`/`lt` bound a number; other keywords
+    (`const`, `metavar`) are kept in the metadata for the CLI."""
+    bounds = {k: kw.pop(k) for k in ("ge", "gt", "le", "lt") if k in kw}
+    meta = {"help": help, **kw, "range": Range(**bounds)}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -56,86 +112,95 @@ class Config:
                            "Face causal LM directory. None: the built-in task's testbed model "
                            "(a dataset task must name one).")
     # -- precision (the subject of parity)
-    engine: str = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache, CPU or "
-                     "GPU) or `vllm` (vLLM on a CUDA GPU, `pip install 'parity[vllm]'`; "
-                     "unverified so far, docs/scaling.md).")
-    engine_dtype: str = _f("bf16", "Precision of the engine's copy of the weights: fp32|bf16|fp16.")
-    trainer_dtype: str = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast over "
-                            "fp32 master weights.")
-    ratio_source: str = _f("engine", "Denominator of the PPO ratio: `engine` (log r = l_pi - "
-                           "l_mu, beta inside the clip), `shadow` (value l_s - l_mu from the "
-                           "engine-precision shadow forward, gradient through l_pi), `recompute` "
-                           "(l_pi - l_old, l_old recomputed by the trainer before the first update).")
-    correction: str = _f("none", "Behaviour weights w = exp(l_old - l_mu) with `recompute`: none, "
-                         "token-tis|token-mis (per token, truncate|mask at is_cap), "
-                         "seq-tis|seq-mis (per sequence), geo-rs (reject sequences whose "
-                         "geometric-mean weight is beyond geo_cap).")
+    engine: EngineName = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache, CPU "
+                            "or GPU) or `vllm` (vLLM on a CUDA GPU, `pip install 'parity[vllm]'`; "
+                            "unverified so far, docs/scaling.md).")
+    engine_dtype: Dtype = _f("bf16", "Precision of the engine's copy of the weights: "
+                             "fp32|bf16|fp16.")
+    trainer_dtype: Dtype = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast "
+                              "over fp32 master weights.")
+    ratio_source: RatioSource = _f("engine", "Denominator of the PPO ratio: `engine` (log r = "
+                                   "l_pi - l_mu, beta inside the clip), `shadow` (value l_s - "
+                                   "l_mu from the engine-precision shadow forward, gradient "
+                                   "through l_pi), `recompute` (l_pi - l_old, l_old recomputed by "
+                                   "the trainer before the first update).")
+    correction: Correction = _f("none", "Behaviour weights w = exp(l_old - l_mu) with "
+                                "`recompute`: none, token-tis|token-mis (per token, truncate|mask "
+                                "at is_cap), seq-tis|seq-mis (per sequence), geo-rs (reject "
+                                "sequences whose geometric-mean weight is beyond geo_cap).")
     is_cap: float = _f(2.0, "C of TIS/MIS: weights above it are truncated or masked; also the "
-                       "truncation of pg-is's sequence weight.")
-    geo_cap: float = _f(1.01, "geo-rs: reject a sequence when exp(|mean_t log w|) exceeds this.")
+                       "truncation of pg-is's sequence weight.", ge=1)
+    geo_cap: float = _f(1.01, "geo-rs: reject a sequence when exp(|mean_t log w|) exceeds this.",
+                        ge=1)
     eps_low: float | None = _f(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for "
-                               "A < 0. None disables clipping.")
+                               "A < 0. None disables clipping.", ge=0, lt=1)
     eps_high: float | None = _f(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for "
-                                "A > 0. None disables clipping.")
+                                "A > 0. None disables clipping.", ge=0)
     seq_eps_low: float | None = _f(3e-4, "GSPO's own lower clip range on the sequence's "
-                                   "geometric-mean ratio (None: no clip).")
-    seq_eps_high: float | None = _f(4e-4, "GSPO's own upper clip range (None: no clip).")
+                                   "geometric-mean ratio (None: no clip).", ge=0, lt=1)
+    seq_eps_high: float | None = _f(4e-4, "GSPO's own upper clip range (None: no clip).", ge=0)
     lm_head_fp32: bool = _f(False, "Compute the LM head in fp32 on both sides (engine and "
                             "trainer), whatever the dtype of the rest.")
-    cpu_fp16: str = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 inputs, "
-                       "fp32 accumulation, fp16 output, as GPU tensor cores; fast) or `native` "
-                       "(torch's CPU fp16 kernels; several times slower: bench/fp16_cpu.py).")
-    loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.")
+    cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
+                           "inputs, fp32 accumulation, fp16 output, as GPU tensor cores; fast) or "
+                           "`native` (torch's CPU fp16 kernels; several times slower: "
+                           "docs/performance.md).")
+    loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.", gt=0)
     loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
-                                         "scale doubles.")
+                                         "scale doubles.", gt=0)
     # -- objective
-    objective: str = _f("ppo-clip", "Policy objective: `ppo-clip` (token PPO-clip, GRPO "
-                        "advantages), `gspo` (sequence geometric-mean ratio, own clip range), "
-                        "`pg-is` (REINFORCE with truncated sequence importance weights, no clip), "
-                        "`ppo-value` (PPO-clip with a learned value head and GAE), `online-dpo` "
-                        "(best vs worst completion of each group, DPO loss).")
-    loss_agg: str = _f("seq-mean", "Loss aggregation of token objectives: `seq-mean` (GRPO), "
-                       "`token-mean` (DAPO: every token of the minibatch weighs the same), "
-                       "`token-sum` (Dr.GRPO: token sum over minibatch size x max_new_tokens).")
-    value_coef: float = _f(0.1, "ppo-value: weight of the value loss.")
-    value_clip: float | None = _f(0.2, "ppo-value: clip of the value update (None: no clip).")
-    gae_gamma: float = _f(1.0, "ppo-value: GAE discount.")
-    gae_lambda: float = _f(0.95, "ppo-value: GAE lambda.")
+    objective: ObjectiveName = _f("ppo-clip", "Policy objective: `ppo-clip` (token PPO-clip, GRPO "
+                                  "advantages), `gspo` (sequence geometric-mean ratio, own clip "
+                                  "range), `pg-is` (REINFORCE with truncated sequence importance "
+                                  "weights, no clip), `ppo-value` (PPO-clip with a learned value "
+                                  "head and GAE), `online-dpo` (best vs worst completion of each "
+                                  "group, DPO loss).")
+    loss_agg: LossAgg = _f("seq-mean", "Loss aggregation of token objectives: `seq-mean` (GRPO), "
+                           "`token-mean` (DAPO: every token of the minibatch weighs the same), "
+                           "`token-sum` (Dr.GRPO: token sum over minibatch size x "
+                           "max_new_tokens).")
+    value_coef: float = _f(0.1, "ppo-value: weight of the value loss.", ge=0)
+    value_clip: float | None = _f(0.2, "ppo-value: clip of the value update (None: no clip).",
+                                  gt=0)
+    gae_gamma: float = _f(1.0, "ppo-value: GAE discount.", ge=0, le=1)
+    gae_lambda: float = _f(0.95, "ppo-value: GAE lambda.", ge=0, le=1)
     dpo_scale: float = _f(0.1, "online-dpo: DPO's temperature (DPO papers call it beta; here "
-                          "beta is the precision gap).")
-    dpo_ref: str = _f("initial", "online-dpo reference: `initial` (the starting policy, frozen) "
-                      "or `engine` (the engine's log-probs l_mu, so the precision gap enters the "
-                      "margin: reported as dpo/margin_beta).")
+                          "beta is the precision gap).", gt=0)
+    dpo_ref: DpoRef = _f("initial", "online-dpo reference: `initial` (the starting policy, "
+                         "frozen) or `engine` (the engine's log-probs l_mu, so the precision gap "
+                         "enters the margin: reported as dpo/margin_beta).")
     scale_rewards: bool = _f(True, "Divide group-centred rewards by the group's std (GRPO); "
                              "False keeps only the centring (Dr.GRPO).")
     # -- optimisation
-    optimizer: str = _f("adamw", "Optimizer over the fp32 master weights: adamw|adam|sgd.")
-    lr: float = _f(1e-5, "Learning rate (built-in tasks set their own default).")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    optimizer: OptimizerName = _f("adamw", "Optimizer over the fp32 master weights: "
+                                  "adamw|adam|sgd.")
+    lr: float = _f(1e-5, "Learning rate (built-in tasks set their own default).", gt=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (<= 0 disables).")
     steps: int = _f(100, "RL steps, each a rollout and its updates (built-in tasks set their "
-                    "own default).")
-    prompts_per_step: int = _f(8, "Distinct prompts sampled per step.")
-    samples_per_prompt: int = _f(8, "Completions per prompt (the GRPO group size).")
+                    "own default).", gt=0)
+    prompts_per_step: int = _f(8, "Distinct prompts sampled per step.", gt=0)
+    samples_per_prompt: int = _f(8, "Completions per prompt (the GRPO group size).", gt=0)
     minibatches: int = _f(1, "Optimizer steps per epoch: the step's completions split this many "
-                          "ways (by whole groups).")
-    epochs: int = _f(1, "Passes over the step's completions.")
+                          "ways (by whole groups).", gt=0)
+    epochs: int = _f(1, "Passes over the step's completions.", gt=0)
     # -- sampling
     max_new_tokens: int = _f(64, "Max completion tokens, EOS included (built-in tasks set "
-                             "their own default).")
-    temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one.")
-    top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables).")
-    top_k: int = _f(0, "Keep the k most likely tokens (0 disables).")
+                             "their own default).", gt=0)
+    temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one.",
+                            gt=0)
+    top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables).", gt=0, le=1)
+    top_k: int = _f(0, "Keep the k most likely tokens (0 disables).", ge=0)
     # -- diagnostics (parity/diagnostics.py)
     diagnostics: bool = _f(True, "Shadow forward on every update (one no-grad forward in engine "
                            "precision): alpha/beta per token and every clip attributed to "
                            "policy change or numerics. Off: clip/frac and the KL estimates only.")
     kl_exact_rows: int = _f(4, "Completions per step whose whole engine distribution is kept for "
                             "the exact KL(mu||pi) over the vocabulary (costs rows x length x "
-                            "vocab floats; 0 disables).")
+                            "vocab floats; 0 disables).", ge=0)
     dump_rollouts: int = _f(0, "Write rollouts/step-N.parquet (one row per token per update) "
                             "every N steps; `--dump-rollouts` alone means every step; 0: off.",
-                            const=1)
+                            const=1, ge=0)
     # -- scale (docs/scaling.md)
     async_engine: bool = _f(False, "Run the engine in its own process: it samples the next "
                             "steps' rollouts while the trainer learns, from weights at most "
@@ -144,47 +209,42 @@ class Config:
     max_staleness: int = _f(1, "Async: a rollout is sampled from the weights of exactly this many "
                             "steps ago, once there are that many (fewer right after the start "
                             "or a sync_every gap); 0 waits for the newest weights, as the "
-                            "synchronous loop does.")
+                            "synchronous loop does.", ge=0)
     sync_every: int = _f(1, "Async: push the trainer's weights to the engine every N steps "
                          "(1 <= N <= max_staleness + 1, so no rollout is staler than "
                          "max_staleness).")
     engine_threads: int = _f(0, "Async: torch threads of the engine process (0: one). The "
                              "trainer keeps `threads`: split the cores with both when sampling "
-                             "is the longer side.")
+                             "is the longer side.", ge=0)
     vllm_gpu_memory: float = _f(0.3, "engine=vllm: share of the GPU's memory vLLM may take "
-                                "(weights and KV cache).")
-    parallel: str = _f("ddp", "Multi-process runs (torchrun / accelerate launch): `ddp` (every "
-                       "rank holds the model) or `fsdp` (parameters, gradients and optimizer "
-                       "state sharded with FSDP2's fully_shard).")
+                                "(weights and KV cache).", gt=0, le=1)
+    parallel: Parallel = _f("ddp", "Multi-process runs (torchrun / accelerate launch): `ddp` "
+                            "(every rank holds the model) or `fsdp` (parameters, gradients and "
+                            "optimizer state sharded with FSDP2's fully_shard).")
     dist_timeout_s: float = _f(600.0, "Multi-process: seconds a rank waits for the others in a "
-                               "collective before the run stops with an error.")
+                               "collective before the run stops with an error.", gt=0)
     # -- bookkeeping
     seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.")
     out: str | None = _f(None, "Run directory. None: runs/<task>-<recipe>-s<seed>.")
     save_every: int = _f(100, "Save a checkpoint every N steps (0: only at the end); "
-                         "`parity train --resume RUN` continues from the newest.")
-    keep_checkpoints: int = _f(3, "Keep the newest K checkpoints (0: all).")
-    threads: int = _f(0, "torch CPU threads (0: torch's default).")
+                         "`parity train --resume RUN` continues from the newest.", ge=0)
+    keep_checkpoints: int = _f(3, "Keep the newest K checkpoints (0: all).", ge=0)
+    threads: int = _f(0, "torch CPU threads (0: torch's default).", ge=0)
     progress: bool = _f(True, "Show a progress bar.")
     report_to: str = _f("auto", "Metric backends besides metrics.jsonl (always written), "
                         "comma-separated: `tensorboard`, `wandb` (offline mode); `auto`: each one "
                         "that is installed; `none`.")
 
     def validate(self) -> "Config":
-        """Refuse bad settings before any work starts, with one line naming the field."""
-        def choice(name: str, allowed: tuple[str, ...]) -> None:
-            v = getattr(self, name)
-            if v not in allowed:
-                raise ParityError(f"{name}={v!r} is not one of: {', '.join(allowed)}")
+        """Refuse bad settings before any work starts, with one line naming the field: every
+        field's own checks (`check_fields`), then the rules that tie fields together."""
+        # Here, not at the top: objectives imports torch, and building the CLI should not.
+        from parity.objectives import OBJECTIVES as OBJECTIVE_TABLE
         if self.recipe not in RECIPES:
             raise ParityError(f"unknown recipe {self.recipe!r}; known recipes: "
                               f"{', '.join(RECIPES)}")
-        for name in ("engine_dtype", "trainer_dtype"):
-            choice(name, DTYPES)
-        choice("engine", ENGINES)
-        choice("parallel", PARALLEL)
-        if self.max_staleness < 0:
-            raise ParityError(f"max_staleness={self.max_staleness} must be >= 0")
+        check_fields(self)
+        objective = OBJECTIVE_TABLE[self.objective]
         if not 1 <= self.sync_every <= self.max_staleness + 1:
             raise ParityError(f"sync_every={self.sync_every} must be in [1, max_staleness + 1 = "
                               f"{self.max_staleness + 1}]: rarer pushes would leave rollouts "
@@ -192,79 +252,30 @@ class Config:
         if self.sync_every != 1 and not self.async_engine:
             raise ParityError(f"sync_every={self.sync_every} applies to the asynchronous engine: "
                               f"add --async-engine")
-        if self.parallel == "fsdp" and self.objective == "ppo-value":
-            raise ParityError("objective=ppo-value keeps its value head outside the FSDP-sharded "
-                              "model: use parallel=ddp")
+        if self.parallel == "fsdp" and objective.value_head:
+            raise ParityError(f"objective={self.objective} keeps its value head outside the "
+                              f"FSDP-sharded model: use parallel=ddp")
         if self.engine == "vllm" and (self.async_engine or self.lm_head_fp32):
             raise ParityError("engine=vllm samples in the trainer's process: it takes neither "
                               "--async-engine nor --lm-head-fp32")
-        if not 0 < self.vllm_gpu_memory <= 1:
-            raise ParityError(f"vllm_gpu_memory={self.vllm_gpu_memory} must be in (0, 1]")
-        if self.engine_threads < 0:
-            raise ParityError(f"engine_threads={self.engine_threads} must be >= 0")
-        if not (self.dist_timeout_s > 0 and math.isfinite(self.dist_timeout_s)):
-            raise ParityError(f"dist_timeout_s={self.dist_timeout_s} must be a finite number > 0")
-        choice("cpu_fp16", ("emulate", "native"))
-        choice("ratio_source", RATIO_SOURCES)
-        choice("correction", CORRECTIONS)
-        choice("objective", OBJECTIVES)
-        choice("loss_agg", LOSS_AGGS)
-        choice("optimizer", OPTIMIZERS)
-        choice("dpo_ref", DPO_REFS)
-        for name in ("eps_low", "eps_high", "seq_eps_low", "seq_eps_high"):
-            v = getattr(self, name)
-            if v is not None and not (0 <= v and math.isfinite(v)):
-                raise ParityError(f"{name}={v} must be a finite number >= 0 (or null for no clip)")
-        for name in ("eps_low", "seq_eps_low"):
-            v = getattr(self, name)
-            if v is not None and v >= 1:
-                raise ParityError(f"{name}={v} must be < 1 (the ratio cannot fall to 0)")
         if self.correction != "none" and self.ratio_source != "recompute":
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
                               f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
                               f"the `tis` and `seq-mis` recipes set both")
-        if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
-            raise ParityError(f"is_cap={self.is_cap} must be a finite number >= 1")
-        if not (self.geo_cap >= 1 and math.isfinite(self.geo_cap)):
-            raise ParityError(f"geo_cap={self.geo_cap} must be a finite number >= 1")
-        if not (self.dpo_scale > 0 and math.isfinite(self.dpo_scale)):
-            raise ParityError(f"dpo_scale={self.dpo_scale} must be a finite number > 0")
-        if not (self.value_coef >= 0 and math.isfinite(self.value_coef)):
-            raise ParityError(f"value_coef={self.value_coef} must be a finite number >= 0")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ParityError(f"value_clip={self.value_clip} must be > 0 (or null)")
-        for name in ("gae_gamma", "gae_lambda"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ParityError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.objective == "online-dpo" and self.samples_per_prompt < 2:
-            raise ParityError("objective=online-dpo pairs completions of one prompt: "
-                              "samples_per_prompt must be >= 2")
-        positive = ("prompts_per_step", "samples_per_prompt", "minibatches", "epochs",
-                    "loss_scale_growth_interval")
-        for name in positive + ("steps", "max_new_tokens"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ParityError(f"{name}={v} must be > 0")
+        if self.samples_per_prompt < 2 and objective.pairs:
+            raise ParityError(f"objective={self.objective} pairs completions of one prompt: "
+                              f"samples_per_prompt must be >= 2")
+        if self.samples_per_prompt < 2 and not objective.value_head:
+            # A_i = (R_i - mean) / (std + eps) over a group of one: 0, or NaN with the std.
+            raise ParityError(f"samples_per_prompt={self.samples_per_prompt}: the group-relative "
+                              f"advantage of objective={self.objective} is always 0 for a group "
+                              f"of one completion (NaN with scale_rewards); samples_per_prompt "
+                              f"must be >= 2")
         if self.model is None:
             raise ParityError(f"task {self.task!r} has no default model: give --model NAME|DIR")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ParityError(f"lr={self.lr} must be a finite number > 0")
         if self.prompts_per_step % self.minibatches:
             raise ParityError(f"prompts_per_step={self.prompts_per_step} must be divisible by "
                               f"minibatches={self.minibatches} (minibatches hold whole groups)")
-        if not (self.temperature > 0):
-            raise ParityError(f"temperature={self.temperature} must be > 0")
-        if not (0 < self.top_p <= 1):
-            raise ParityError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ParityError(f"top_k={self.top_k} must be >= 0")
-        for name in ("kl_exact_rows", "dump_rollouts"):
-            if getattr(self, name) < 0:
-                raise ParityError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.keep_checkpoints < 0:
-            raise ParityError(f"keep_checkpoints={self.keep_checkpoints} must be >= 0")
-        if self.save_every < 0:
-            raise ParityError(f"save_every={self.save_every} must be >= 0")
         self.reward_weight_list()
         for name in self.report_to.split(","):
             if name.strip() not in REPORT_TO:
@@ -310,7 +321,7 @@ def _mismatch(**kw: Any) -> dict[str, Any]:
     return {**base, **kw}
 
 
-# DESIGN.md's table: the mismatch, the fixes, and the references.
+# docs/design.md's table: the mismatch, the fixes, and the references.
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("bf16-engine", "The mismatch: bf16 engine, fp32 trainer, engine log-probs in the ratio.",
            _mismatch()),
@@ -350,18 +361,70 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
-def coerce(name: str, value: Any) -> Any:
-    """Convert a YAML or flag value to the field's type, or raise ParityError naming the field."""
-    if name not in FIELDS:
-        raise ParityError(f"unknown config field {name!r}")
-    kind = str(FIELDS[name].type)
-    optional = "None" in kind
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+@dataclass(frozen=True)
+class FieldSpec:
+    """What the checks and the CLI need of one field of a settings dataclass, its annotation
+    resolved (the modules use `from __future__ import annotations`: annotations are strings)."""
+    field: dataclasses.Field
+    kind: type                          # bool, int, float or str
+    optional: bool                      # None allowed
+    choices: tuple[str, ...] | None     # the values of a Literal
+
+    @property
+    def range(self) -> Range:
+        return self.field.metadata.get("range", Range())
+
+
+@functools.cache
+def field_specs(cls: type) -> dict[str, FieldSpec]:
+    hints = typing.get_type_hints(cls)
+    specs = {}
+    for f in dataclasses.fields(cls):
+        hint, args = hints[f.name], typing.get_args(hints[f.name])
+        optional = typing.get_origin(hint) in (Union, types.UnionType) and type(None) in args
         if optional:
+            (hint,) = [a for a in args if a is not type(None)]
+        literal = typing.get_origin(hint) is Literal
+        specs[f.name] = FieldSpec(f, str if literal else hint, optional,
+                                  typing.get_args(hint) if literal else None)
+    return specs
+
+
+def check_fields(obj: Any) -> None:
+    """Refuse a field value outside its type, its Literal's choices or its range, with one line
+    naming the field. Floats must be finite: NaN and inf pass no comparison a run relies on."""
+    for name, sp in field_specs(type(obj)).items():
+        v = getattr(obj, name)
+        if v is None:
+            if not sp.optional:
+                raise ParityError(f"{name} cannot be empty")
+        elif sp.choices is not None:
+            if v not in sp.choices:
+                raise ParityError(f"{name}={v!r} is not one of: {', '.join(sp.choices)}")
+        elif sp.kind in (int, float):
+            want = numbers.Integral if sp.kind is int else numbers.Real
+            if isinstance(v, bool) or not isinstance(v, want):
+                raise ParityError(f"{name}={v!r} is not a valid {sp.kind.__name__}")
+            must = sp.range.complaint(v, sp.kind is float)
+            if must is not None:
+                null = " (or null)" if sp.optional else ""
+                raise ParityError(f"{name}={v} must be {must}{null}")
+
+
+def coerce(name: str, value: Any, cls: type | None = None) -> Any:
+    """Convert a YAML or flag value to the type of field `name` of `cls` (Config by default), or
+    raise ParityError naming the field. Choices and ranges are `check_fields`'s."""
+    specs = field_specs(cls or Config)
+    if name not in specs:
+        raise ParityError(f"unknown config field {name!r}")
+    sp = specs[name]
+    if value is None or (sp.optional and isinstance(value, str)
+                         and value.lower() in ("none", "null")):
+        if sp.optional:
             return None
         raise ParityError(f"{name} cannot be empty")
     try:
-        if kind.startswith("bool"):
+        if sp.kind is bool:
             if isinstance(value, bool):
                 return value
             s = str(value).lower()
@@ -370,15 +433,95 @@ def coerce(name: str, value: Any) -> Any:
             if s in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
-        if kind.startswith("int"):
+        if sp.kind is int:
             if isinstance(value, bool) or float(value) != int(float(value)):
                 raise ValueError(value)
             return int(float(value))
-        if kind.startswith("float"):
+        if sp.kind is float:
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
-        raise ParityError(f"{name}={value!r} is not a valid {kind.split(' ')[0]}") from None
+    except (TypeError, ValueError, OverflowError):  # int(float("inf")) overflows
+        raise ParityError(f"{name}={value!r} is not a valid {sp.kind.__name__}") from None
+
+
+def shared(name: str, *, optional: bool = False, default: Any = dataclasses.MISSING,
+           help: str | None = None) -> tuple[str, Any, dataclasses.Field]:
+    """Config's field `name` as an entry of `derive`, for settings that repeat it (the audit's,
+    the TRL integration's): type, default, help and checks come from Config. `default` and
+    `help` replace Config's only where the field means something else there; `optional`
+    admits None."""
+    f = FIELDS[name]
+    hint = typing.get_type_hints(Config)[name]
+    meta = {**f.metadata, **({"help": help} if help is not None else {})}
+    return (name, hint | None if optional else hint,
+            field(default=f.default if default is dataclasses.MISSING else default,
+                  metadata=meta))
+
+
+def own(name: str, kind: Any, default: Any, help: str, **checks: Any
+        ) -> tuple[str, Any, dataclasses.Field]:
+    """A field of such settings that Config does not have, checked as Config's are (`_f`)."""
+    return name, kind, _f(default, help, **checks)
+
+
+def derive(cls_name: str, entries: list[tuple[str, Any, dataclasses.Field]], base: type,
+           module: str, doc: str) -> type:
+    """A dataclass of `shared` and `own` fields, with `base`'s methods."""
+    cls = dataclasses.make_dataclass(cls_name, entries, bases=(base,), namespace={"__doc__": doc})
+    cls.__module__ = module  # pickling and repr find it where it is defined
+    return cls
+
+
+class _AuditChecks:
+    def validate(self) -> "AuditSettings":
+        """Refuse bad settings before any work, one line naming the field, as `parity train`
+        does: each field's own checks (Config's for the shared ones), then the input."""
+        check_fields(self)
+        if len([x for x in (self.task, self.prompts, self.rollouts) if x]) != 1:
+            raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
+        if self.model is None:
+            raise ParityError("audit: give --model NAME|DIR")
+        if self.task and self.group < 2:
+            # A task's advantages are group-relative: 0, or NaN with the std, in a group of one.
+            raise ParityError(f"group={self.group}: a task's advantages are relative to the "
+                              f"group of completions of one prompt; group must be >= 2")
+        return self
+
+
+# The fields an audit shares with a run are Config's, so their defaults, help and checks are
+# written once. A help differs where the audit uses the field differently (built-in tasks set no
+# max_new_tokens here; kl_exact_rows counts per batch), and `task` defaults to None because it is
+# one of three inputs.
+AuditSettings = derive("AuditSettings", [
+    shared("model"),
+    shared("engine_dtype"),
+    shared("trainer_dtype"),
+    shared("task", optional=True, default=None,
+           help="Sample prompts of a task: `neg-length`, `arith`, or a dataset file "
+                "(JSONL/parquet with a `prompt` column) with `--reward` (default: neg-length)."),
+    own("prompts", str | None, None, "Sample these prompts: a .txt file, one per line, or "
+        "JSONL/parquet with a `prompt` column.", metavar="FILE"),
+    own("rollouts", str | None, None, "Audit completions and engine log-probs another system "
+        "wrote (JSONL/parquet: prompt_token_ids, completion_token_ids, engine_logprobs[, "
+        "advantage|reward]).", metavar="FILE"),
+    shared("reward"),
+    shared("chat_template"),
+    own("samples", int, 256, "Completions to sample.", gt=0),
+    own("group", int, 8, "Completions per prompt (the GRPO group of the advantages).", gt=0),
+    shared("max_new_tokens", help="Max completion tokens, EOS included."),
+    shared("temperature"),
+    shared("top_p"),
+    shared("top_k"),
+    own("eps", float, 0.2, "Clip range of the headline fractions (a sweep over eps is always "
+        "added).", gt=0, lt=1),
+    own("batch_size", int, 64, "Completions per trainer forward.", gt=0),
+    shared("kl_exact_rows", help="Completions per batch whose whole engine distribution is kept "
+           "for the exact KL(mu||pi) over the vocabulary (0 disables)."),
+    shared("cpu_fp16"),
+    shared("seed"),
+    shared("threads"),
+    shared("progress"),
+], _AuditChecks, __name__, "What `parity audit` measures, on which input, and how it samples.")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -405,21 +548,32 @@ def make_config(explicit: dict[str, Any]) -> Config:
     preset = dict(values)
     values.update(explicit)
     values["recipe"] = recipe
-    objective = values.get("objective", Config.objective)
 
     def changed(k: str) -> bool:  # set by the user to something the recipe does not say
         return k in explicit and explicit[k] != preset.get(k, getattr(Config, k))
-    token_eps = [k for k in ("eps_low", "eps_high") if changed(k)]
-    if objective == "gspo" and token_eps:
-        raise ParityError(f"objective=gspo clips the sequence ratio with seq_eps_low/"
-                          f"seq_eps_high; {token_eps[0]} (a token clip range) does not apply")
-    if objective in ("pg-is", "online-dpo") and token_eps:
-        raise ParityError(f"objective={objective} has no clip; {token_eps[0]} does not apply")
-    seq_eps = [k for k in ("seq_eps_low", "seq_eps_high") if changed(k)]
-    if objective != "gspo" and seq_eps:
-        raise ParityError(f"{seq_eps[0]} is GSPO's sequence clip range; objective={objective} "
-                          f"clips tokens with eps_low/eps_high")
+    _check_clip_ranges(values.get("objective", Config.objective),
+                       [k for k in ("eps_low", "eps_high", "seq_eps_low", "seq_eps_high")
+                        if changed(k)])
     return Config(**values).validate()
+
+
+def _check_clip_ranges(objective: str, given: list[str]) -> None:
+    """Refuse a clip range the objective does not use. Only ranges the user set count: every
+    recipe sets both kinds."""
+    from parity.objectives import OBJECTIVES as OBJECTIVE_TABLE
+    if objective not in OBJECTIVE_TABLE:
+        return  # validate names the choices
+    clip = OBJECTIVE_TABLE[objective].clip
+    for k in given:
+        sequence = k.startswith("seq_")
+        if clip is None:
+            raise ParityError(f"objective={objective} has no clip; {k} does not apply")
+        if clip == "sequence" and not sequence:
+            raise ParityError(f"objective={objective} clips the sequence ratio with seq_eps_low/"
+                              f"seq_eps_high; {k} (a token clip range) does not apply")
+        if clip == "token" and sequence:
+            raise ParityError(f"{k} is GSPO's sequence clip range; objective={objective} "
+                              f"clips tokens with eps_low/eps_high")
 
 
 def dump_yaml(cfg: Config, path: Path) -> None:

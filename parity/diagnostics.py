@@ -4,12 +4,12 @@
                                  β = ℓ_π − ℓ_s   precision gap on the same weights
 
 ℓ_s comes from the shadow forward: the trainer's current weights cast to engine precision, one
-no-grad forward per update. Every clip is then attributed (DESIGN.md):
+no-grad forward per update. Every clip is then attributed (docs/design.md):
 
     clipped  C(α + β, A)      phantom  C(α + β, A) ∧ ¬C(α, A)      hidden  ¬C(α + β, A) ∧ C(α, A)
 
 The same functions serve the trainer (every update) and `parity audit` (offline, one update at
-θ = θ_old); `StepDiagnostics` turns a step's tokens into DESIGN's metrics.
+θ = θ_old); `StepDiagnostics` turns a step's tokens into the metrics docs/design.md names.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor
 
 def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor
                  ) -> dict[str, float]:
-    """DESIGN's sampled estimates over valid tokens, Δ = ℓ_π − ℓ_μ: k1 = mean(−Δ),
+    """The sampled estimates (docs/design.md) over valid tokens, Δ = ℓ_π − ℓ_μ: k1 = mean(−Δ),
     k3 = mean(exp(Δ) − Δ − 1), and the probability differences exp(ℓ_π) − exp(ℓ_μ)."""
     m = mask > 0
     d = (logp_pi - logp_mu)[m].double()
@@ -301,7 +301,7 @@ def dump_table(step: int, update: int, epoch: int, sample_ids: torch.Tensor,
                prompt_ids: torch.Tensor, mb: Rollout, adv: torch.Tensor, logp_pi: torch.Tensor,
                logp_s: torch.Tensor, att: Attribution, eps_low: float | None,
                eps_high: float | None) -> Any:
-    """DESIGN's rollout-dump rows for one update: one row per valid completion token."""
+    """The rollout-dump rows (docs/design.md) for one update: one row per valid completion token."""
     import pyarrow as pa
     m = mb.completion_mask > 0
     n = int(m.sum())

@@ -18,9 +18,8 @@ from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
 # A decode step attends one query to a short cache, where torch's CPU SDPA kernel costs more
-# than the products (bench/decode_variants.py, ladder-w512 at batch 256: a bf16 step 38.5 ->
-# 30.4 ms). The shadow forward attends the same way: a different attention kernel is a
-# kernel gap inside α (bench/kernel_gap.py: 3.3e-3 against an SDPA shadow, 2.4e-7 eager).
+# in setup than the products do. The shadow forward attends the same way, because a different
+# attention kernel would put a kernel gap inside α. Figures: docs/performance.md.
 ENGINE_ATTENTION = "eager"
 
 
@@ -126,7 +125,7 @@ def keep_last(length: int, n: int) -> torch.Tensor:
     states with an int, and for a head weight that does not require grad (the engine's and the
     shadow's copies) a strided [B, n, d] slice sends the LM head down torch's batched path, which
     copies the head's weight once per row. Indexing with a tensor gives a contiguous copy
-    instead: 2.6-5.6x faster bf16 forwards on ladder-w512 (`bench/logits_to_keep.py`)."""
+    instead, and the head runs as one product (figures: docs/performance.md)."""
     return torch.arange(length - n, length)
 
 
@@ -142,7 +141,7 @@ def uniforms(generator: torch.Generator, batch: int, rows: torch.Tensor | None =
 def sample_rows(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of `logp` [B, V], drawn from exp(logp) by inverse CDF with the uniforms
     `u` [B, 1]. torch.multinomial draws an exponential per vocabulary entry instead, B·V random
-    numbers a token (bench/decode_variants.py, 256 x 4096: a bf16 step 55.5 -> 38.5 ms). The CDF
+    numbers a token, a large share of a decode step (docs/performance.md). The CDF
     is summed in float64 so a token's share of [0, 1) is its probability to ~1e-16."""
     c = logp.double().exp().cumsum(-1)
     return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp(
@@ -225,7 +224,7 @@ class HFEngine:
         B = ids.shape[0]
         rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
         # Preallocated: a growing cache copies every layer's keys and values at every token
-        # (bench/decode_variants.py: an fp32 step 96.5 -> 85.9 ms; bf16 unchanged).
+        # (what that costs an fp32 decode step: docs/performance.md).
         cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + max_new_tokens)
         pos = positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,

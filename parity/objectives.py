@@ -1,4 +1,4 @@
-"""Policy objectives, each next to its equation, in DESIGN.md's notation.
+"""Policy objectives, each next to its equation, in docs/design.md's notation.
 
 Shapes: [B, T] per completion token, with `mask` 1 on valid tokens; [B] per completion.
 ℓ_π = trainer log-prob (with grad), ℓ_μ = engine log-prob, ℓ_s = shadow log-prob (engine
@@ -67,7 +67,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
 def log_ratio(source: str, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
               logp_s: torch.Tensor | None = None, logp_old: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """log r per the ratio source (DESIGN.md):
+    """log r per the ratio source (docs/design.md):
         engine     ℓ_π − ℓ_μ                         β inside the clip
         shadow     ℓ_π − sg(ℓ_π) + ℓ_s − ℓ_μ          value α = ℓ_s − ℓ_μ, gradient ∇ℓ_π
         recompute  ℓ_π − ℓ_old                       decoupled PPO"""
@@ -89,7 +89,8 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
         seq-tis    w_i = min(ρ_i, C)             ρ_i = exp(Σ_t (ℓ_old − ℓ_μ))
         seq-mis    w_i = ρ_i · 1[ρ_i ≤ C]
         geo-rs     w_i = 1[exp(|mean_t (ℓ_old − ℓ_μ)|) ≤ C_geo]   (reject, do not reweight)
-    Also the statistics before and after, and the share of weights changed (TRL #5231)."""
+    Also the statistics before and after, and the share of weights the cap changed: a log of
+    the weights after truncation or masking alone would hide how many were cut."""
     d = _masked(logp_old - logp_mu, mask).double()
     valid = mask > 0
     if correction == "none":

@@ -38,7 +38,7 @@ class Plan:
     steps: int
     arith_steps: int = 0                      # 0: no arith sweep
     arith_seeds: list[int] = field(default_factory=list)
-    small_lr: float = 3e-6    # where a bf16 cast barely changes per step (RESEARCH.md)
+    small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
     audit_tokens: int = 24    # as neg-length trains (its task default)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from parity import testbed
+from parity import arith, testbed
 from parity.errors import ParityError, one_line
 
 RewardFn = Callable[..., list[float]]
@@ -122,7 +122,7 @@ def neg_length_reward(prompts: list[str], completions: list[str], completion_ids
 
 def arith_reward(prompts: list[str], completions: list[str], answer: list[str],
                  **_: Any) -> list[float]:
-    return [float(testbed.arith_correct(c, a)) for c, a in zip(completions, answer)]
+    return [float(arith.correct(c, a)) for c, a in zip(completions, answer)]
 
 
 def load_reward(spec: str) -> tuple[RewardFn, str]:
@@ -237,11 +237,11 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
     rng = random.Random(seed)
     seen: dict[str, str] = {}
     while len(seen) < ARITH_CANDIDATES:  # distinct problems only
-        q, a = testbed.arith_problem(rng)
+        q, a = arith.problem(rng)
         seen.setdefault(q, a)
     problems = list(seen.items())
-    rates = testbed.arith_solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
-                                      seed=seed)
+    rates = arith.solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
+                              seed=seed)
     lo, hi = ARITH_BAND
     rows = [{"prompt": q, "answer": a, "solve_rate": r}
             for (q, a), r in zip(problems, rates) if lo <= r <= hi]

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from parity import arith
 from parity.errors import ParityError
 
 
@@ -67,8 +68,9 @@ _ALL = [
     _text("text-xs", "llama", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64, desc="test-size text model"),
     _text("text-gpt2-xs", "gpt2", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64,
           desc="test-size GPT-2 text model (architecture coverage)"),
-    # Batch 16 x 128: on CPU, batch 32 costs ~3x the time per step of batch 16 (the fp32 logits
-    # fall out of cache), and more, smaller steps learn more in a fixed budget.
+    # Batch 16 x 128: on CPU a batch of 32 costs far more than twice the time per step (the fp32
+    # logits fall out of cache; docs/performance.md), and more, smaller steps learn more in a
+    # fixed budget.
     _text("text", "llama", 6, 256, 4096, 320, desc="default model for the neg-length task"),
     # The ladder varies one of depth, width, vocab around ladder-base (4 x 256, vocab 4096); every
     # point sees the same tokens (200 steps), so the points differ only in shape.
@@ -125,18 +127,6 @@ def cache_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------- data
-
-def arith_problem(rng: random.Random) -> tuple[str, str]:
-    """One addition problem of two 1-3 digit numbers, e.g. ("37+58=", "95").
-
-    Digit counts are drawn first so short operands are as common as long ones: a briefly trained
-    model gets short sums right and struggles with 3-digit carries, which gives the arith task
-    its band of partially solved problems.
-    """
-    a = rng.randrange(10 ** rng.randint(1, 3))
-    b = rng.randrange(10 ** rng.randint(1, 3))
-    return f"{a}+{b}=", str(a + b)
-
 
 def _held_out(paragraph: str) -> bool:
     # By content hash, not by position, so the split does not depend on the shuffle seed.
@@ -266,7 +256,7 @@ def _arith_batches(spec: ModelSpec, tok):
         ids = torch.full((spec.batch_size, spec.seq_len), pad)
         labels = torch.full_like(ids, -100)
         for i in range(spec.batch_size):
-            prompt, answer = arith_problem(rng)
+            prompt, answer = arith.problem(rng)
             seq = [vocab[c] for c in prompt + answer] + [eos]
             ids[i, : len(seq)] = torch.tensor(seq)
             labels[i, len(prompt): len(seq)] = ids[i, len(prompt): len(seq)]  # answer + eos only
@@ -332,39 +322,6 @@ def _train(model, batches, spec: ModelSpec, progress: bool) -> float:
     return sum(tail) / len(tail)
 
 
-# ----------------------------------------------------------------------------- arith evaluation
-
-def arith_correct(completion: str, answer: str) -> bool:
-    """The arith task's check: the completion text, EOS removed, is the answer."""
-    return completion.strip() == answer
-
-
-def arith_solve_rates(model_or_dir, problems: list[tuple[str, str]], samples: int = 40,
-                      temperature: float = 1.0, tok=None, seed: int = 0,
-                      batch: int = 4096) -> list[float]:
-    """Fraction of `samples` completions that solve each problem, sampled with parity's own
-    engine in fp32 (temperature 0 = greedy), exactly as the arith task then samples them."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from parity.engines import HFEngine, Sampling
-
-    model = model_or_dir
-    if isinstance(model_or_dir, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(model_or_dir)
-    engine = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id)
-    s = Sampling(temperature) if temperature > 0 else Sampling(1.0, top_k=1)
-    g = torch.Generator().manual_seed(seed)
-    ids = [tok(p)["input_ids"] for p, _ in problems for _ in range(samples)]
-    texts: list[str] = []
-    for i in range(0, len(ids), batch):
-        r = engine.generate(ids[i: i + batch], 8, s, g)
-        texts += tok.batch_decode(r.completions(), skip_special_tokens=True)
-    return [sum(arith_correct(texts[j * samples + k], ans) for k in range(samples)) / samples
-            for j, (_, ans) in enumerate(problems)]
-
-
 # ----------------------------------------------------------------------------- build / cache
 
 def _is_built(path: Path, spec: ModelSpec) -> bool:
@@ -415,9 +372,9 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
                 "n_params": sum(p.numel() for p in model.parameters())}
         if spec.kind == "arith":
             rng = random.Random(spec.seed + 1_000_003)  # fresh problems, not the training stream
-            probs = [arith_problem(rng) for _ in range(500)]
+            probs = [arith.problem(rng) for _ in range(500)]
             for key, temp in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
-                rates = arith_solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
+                rates = arith.solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
                 info[key] = sum(rates) / len(rates)
         from transformers.utils import logging as hf_logging
 

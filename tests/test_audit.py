@@ -15,7 +15,7 @@ import pytest
 from parity.audit import AuditSettings, audit, scale
 from parity.diagnostics import DUMP_COLUMNS
 
-DESIGN_METRICS = ["clip/frac", "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
+CONTRACT_METRICS = ["clip/frac", "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
                   "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
                   "mismatch/beta_std", "mismatch/beta_adv_corr", "mismatch/kl_k1",
                   "mismatch/kl_k3", "mismatch/prob_diff_abs_mean", "mismatch/prob_diff_max",
@@ -41,7 +41,7 @@ def test_sampled_audit_writes_everything(sampled):
     out, res = sampled
     saved = json.loads((out / "audit.json").read_text())
     assert saved["metrics"] == res["metrics"]
-    assert set(DESIGN_METRICS) <= set(res["metrics"]), set(DESIGN_METRICS) - set(res["metrics"])
+    assert set(CONTRACT_METRICS) <= set(res["metrics"]), set(CONTRACT_METRICS) - set(res["metrics"])
     assert res["completions"] == 48 and res["advantages"]
     eps = [row["eps"] for row in res["phantom_vs_eps"]]
     assert 0.2 in eps and 0.01 in eps and eps == sorted(eps)

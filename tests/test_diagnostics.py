@@ -29,7 +29,7 @@ def test_decomposition_by_hand():
 
 
 def _c(x: float, a: float, lo: float, hi: float) -> bool:
-    """DESIGN's C(x, A), written out separately from the library's vectorised version."""
+    """docs/design.md's C(x, A), written out separately from the library's vectorised version."""
     return (a > 0 and x > math.log(1 + hi)) or (a < 0 and x < math.log(1 - lo))
 
 

@@ -67,7 +67,7 @@ def _norm(agg, i):
 
 
 def _pred(x, a, eps_low, eps_high):
-    """DESIGN.md's C(x, A), in its log form."""
+    """docs/design.md's C(x, A), in its log form."""
     hi = math.log1p(eps_high) if eps_high is not None else math.inf
     lo = math.log1p(-eps_low) if eps_low is not None else -math.inf
     return (a > 0 and x > hi) or (a < 0 and x < lo)

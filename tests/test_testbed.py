@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from parity import arith
 from parity import testbed as tb
 from parity.errors import ParityError
 
@@ -72,7 +73,7 @@ def test_arith_model_is_partially_trained(arith_dir):
     assert 0 < info["greedy_accuracy"] < 1 and 0 < info["sampled_accuracy"] < 1
     torch.manual_seed(0)
     rng = random.Random(7)
-    rates = tb.arith_solve_rates(arith_dir, [tb.arith_problem(rng) for _ in range(60)], samples=40)
+    rates = arith.solve_rates(arith_dir, [arith.problem(rng) for _ in range(60)], samples=40)
     assert any(0.2 <= r <= 0.8 for r in rates)  # the arith task needs problems in this band
 
 
@@ -170,10 +171,15 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_arith_problems_are_well_formed():
     rng = random.Random(0)
     for _ in range(200):
-        prompt, answer = tb.arith_problem(rng)
+        prompt, answer = arith.problem(rng)
         m = re.fullmatch(r"(\d{1,3})\+(\d{1,3})=", prompt)
         assert m and int(answer) == int(m[1]) + int(m[2])
-    assert tb.arith_problem(random.Random(3)) == tb.arith_problem(random.Random(3))
+    assert arith.problem(random.Random(3)) == arith.problem(random.Random(3))
+
+
+def test_arith_grading_is_exact_match_of_the_stripped_completion():
+    assert arith.correct(" 95\n", "95")
+    assert not arith.correct("095", "95") and not arith.correct("95 1", "95")
 
 
 def test_corpus_and_prompts_are_deterministic_and_held_out():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from parity.config import load_yaml, make_config
 from parity.trainer import train
 
-# DESIGN.md's metric names, all of them.
+# The metric names docs/design.md makes a contract (every run writes these).
 CONTRACT = ["step", "reward/mean", "reward/std", "completion/len_mean", "clip/frac",
             "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
             "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
@@ -58,7 +58,7 @@ def test_run_directory_contract(tmp_path, text_model):
 
 
 def test_rollout_dump_matches_metrics(tmp_path, text_model):
-    """--dump-rollouts 2: DESIGN's per-token parquet on steps 2 and 4, one row per token per
+    """--dump-rollouts 2: the per-token parquet (docs/design.md) on steps 2 and 4, one row per token per
     update, consistent with the step's metrics and with the decomposition."""
     import pyarrow.parquet as pq
     from parity.diagnostics import DUMP_COLUMNS
@@ -77,7 +77,7 @@ def test_rollout_dump_matches_metrics(tmp_path, text_model):
     assert t["hidden"].mean() == pytest.approx(m["clip/hidden_frac"])
     beta = t["trainer_logprob"] - t["shadow_logprob"]
     assert beta.mean() == pytest.approx(m["mismatch/beta_mean"], abs=1e-6)
-    # Recompute the attribution from the dumped columns (DESIGN's predicates, by hand).
+    # Recompute the attribution from the dumped columns (docs/design.md's predicates, by hand).
     import math
     hi, lo = math.log(1 + 0.005), math.log(1 - 0.005)
     x = t["trainer_logprob"] - t["engine_logprob"]
@@ -135,7 +135,8 @@ def test_module_entry_point_with_a_model_directory(tmp_path, text_model):
 
 @pytest.mark.slow
 def test_must_show_neg_length_fp32(tmp_path, cache):
-    """Issue 2, must show 1: mean completion length <= 1.5 tokens within 30 steps."""
+    """The testbed's first check of a working setup: mean completion length <= 1.5 tokens
+    within 30 steps."""
     _, rows = run(tmp_path, task="neg-length", recipe="fp32")
     assert len(rows) <= 30
     assert min(r["completion/len_mean"] for r in rows) <= 1.5
@@ -143,7 +144,7 @@ def test_must_show_neg_length_fp32(tmp_path, cache):
 
 @pytest.mark.slow
 def test_must_show_arith_fp16(tmp_path, cache):
-    """Issue 2, must show 2: training reward from the filtered start to >= 0.9."""
+    """The testbed's second check: arith training reward from the filtered start to >= 0.9."""
     _, rows = run(tmp_path, task="arith", recipe="fp16")
     assert rows[0]["reward/mean"] < 0.8
     best5 = max(sum(r["reward/mean"] for r in rows[i:i + 5]) / 5 for i in range(len(rows) - 4))

@@ -19,8 +19,8 @@ advantages, the loss itself, logging, checkpoints) to TRL:
 - `_get_per_token_logps_and_entropies`: in the loss, the shadow forward (the current weights
   cast to engine precision, no grad) gives ℓ_s next to the trainer's ℓ_π.
 - `_compute_loss`: sets the ratio's denominator by `ratio_source`, then attributes every clip
-  (DESIGN.md: clipped, phantom, hidden) and appends parity's metrics to TRL's `_metrics`, so
-  they reach TRL's log and every `report_to` backend under parity's names:
+  (clipped, phantom, hidden: docs/design.md) and appends parity's metrics to TRL's
+  `_metrics`, so they reach TRL's log and every `report_to` backend under parity's names:
 
       engine     log r = ℓ_π − ℓ_μ                      (TRL's AsyncGRPO; β inside the clip)
       shadow     log r = ℓ_s − ℓ_μ, gradient via ℓ_π    (β out of the ratio)
@@ -33,16 +33,15 @@ emulated, parity/precision.py) and a dynamic loss scaler on accelerate's own hoo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parity.config import DTYPES, RATIO_SOURCES, RECIPES
+from parity.config import RECIPES, check_fields, derive, shared
 from parity.diagnostics import StepDiagnostics, attribute
 from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
 from parity.errors import ParityError
-from parity.objectives import clip_predicate
+from parity.objectives import clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 try:
@@ -55,34 +54,9 @@ CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 RECIPE_DEFAULT_EPS = 0.2
 
 
-@dataclass
-class ParityOptions:
-    """What parity changes in GRPOTrainer; every other setting stays GRPOConfig's."""
-
-    engine_dtype: str = "bf16"
-    """Precision of parity's sampling engine: fp32|bf16|fp16 (bf16: the usual vLLM setting)."""
-    ratio_source: str = "engine"
-    """Denominator of the PPO ratio: engine | shadow | recompute (see the module docstring)."""
-    diagnostics: bool = True
-    """Shadow forward on every loss call: α/β per token and each clip attributed."""
-    trainer_dtype: str | None = None
-    """The trainer precision this setting expects (recipes set it); GRPOConfig's bf16/fp16 flags
-    must agree. None: whatever GRPOConfig says."""
-    cpu_fp16: str = "emulate"
-    """fp16 matrix products on CPU: `emulate` (tensor-core numerics, fast) or `native`."""
-
+class _ParityOptionsMethods:
     def validate(self) -> "ParityOptions":
-        if self.engine_dtype not in DTYPES:
-            raise ParityError(f"engine_dtype={self.engine_dtype!r} is not one of: "
-                              f"{', '.join(DTYPES)}")
-        if self.trainer_dtype is not None and self.trainer_dtype not in DTYPES:
-            raise ParityError(f"trainer_dtype={self.trainer_dtype!r} is not one of: "
-                              f"{', '.join(DTYPES)}")
-        if self.ratio_source not in RATIO_SOURCES:
-            raise ParityError(f"ratio_source={self.ratio_source!r} is not one of: "
-                              f"{', '.join(RATIO_SOURCES)}")
-        if self.cpu_fp16 not in ("emulate", "native"):
-            raise ParityError(f"cpu_fp16={self.cpu_fp16!r} is not one of: emulate, native")
+        check_fields(self)
         return self
 
     @classmethod
@@ -102,6 +76,21 @@ class ParityOptions:
                               f"ParityOptions.from_recipe('bf16-engine')")
         return cls(engine_dtype=st["engine_dtype"], ratio_source=st["ratio_source"],
                    trainer_dtype=st["trainer_dtype"], **overrides).validate()
+
+
+# Config's fields, so the choices, defaults and help of `parity train` hold here too. Only
+# `trainer_dtype` differs: GRPOConfig's flags set the trainer's precision, and None accepts them.
+ParityOptions = derive("ParityOptions", [
+    shared("engine_dtype"),
+    shared("ratio_source"),
+    shared("diagnostics", help="Shadow forward on every loss call: alpha/beta per token and each "
+           "clip attributed (clip/phantom_frac, mismatch/...). Off: none of parity's metrics."),
+    shared("trainer_dtype", optional=True, default=None,
+           help="The trainer precision these options expect (recipes set it); GRPOConfig's "
+                "bf16/fp16 flags must agree. None: whatever GRPOConfig says."),
+    shared("cpu_fp16"),
+], _ParityOptionsMethods, __name__,
+    "What parity changes in GRPOTrainer; every other setting stays GRPOConfig's.")
 
 
 def _without_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
@@ -251,8 +240,8 @@ class ParityGRPOTrainer(GRPOTrainer):
         return loss
 
     def _diagnose(self, inputs: dict, call: dict, mu: torch.Tensor) -> dict[str, float]:
-        """DESIGN's metrics for this micro-batch; `clipped` is what TRL's loss really clipped,
-        recomputed from the log-ratio it used."""
+        """docs/design.md's metrics for this micro-batch; `clipped` is what TRL's loss
+        really clipped, recomputed from the log-ratio it used."""
         mask = inputs["completion_mask"].float()
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
@@ -269,13 +258,8 @@ class ParityGRPOTrainer(GRPOTrainer):
         clipped = torch.zeros_like(mask, dtype=torch.bool)
         if self.loss_type in CLIPPING_LOSSES:
             eps_low, eps_high = self.epsilon_low, self.epsilon_high
-            if sequence:
-                x = (log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-                a = adv if adv.dim() == 1 else adv.mean(-1)
-                clipped = clip_predicate(x, a, eps_low, eps_high)[:, None].expand_as(mask)
-            else:
-                a = adv[:, None] if adv.dim() == 1 else adv
-                clipped = clip_predicate(log_r, a, eps_low, eps_high)
+            a = adv.mean(-1) if sequence and adv.dim() == 2 else adv
+            clipped = clipped_tokens(log_r, a, mask, eps_low, eps_high, sequence)
         att = attribute(pi, s, mu, adv, mask, eps_low, eps_high, clipped, sequence=sequence)
         diag = StepDiagnostics()
         diag.add(att, pi, mu, adv, mask, first=True)
