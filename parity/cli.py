@@ -293,6 +293,12 @@ def cmd_fp16_check(args: argparse.Namespace) -> int:
     return 0 if set(result["verdict"].values()) == {"OK"} else 1
 
 
+def _add_pool_flags(p: argparse.ArgumentParser, workers_help: str) -> None:
+    """The flags of commands that run several trainings in worker processes."""
+    p.add_argument("--workers", type=int, default=0, help=workers_help)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="Precision-consistent RL for language models.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -320,19 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--models", default=None, help="comma-separated models (default: each "
                     "task's own)")
     sw.add_argument("--out", required=True, help="sweep directory; rerunning skips finished runs")
-    sw.add_argument("--workers", type=int, default=0, help="parallel runs (0: cores / threads)")
     sw.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
-    sw.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    _add_pool_flags(sw, "parallel runs (0: cores / threads)")
     _add_config_flags(sw, exclude=SWEEP_AXES)
     sw.set_defaults(func=cmd_sweep)
     rq = sub.add_parser("reproduce", help="Measure the published findings on the CPU testbed: "
                         "claims.md with a verdict per claim.")
+    rq.set_defaults(func=cmd_reproduce)
     rq.add_argument("--quick", action="store_true", help="the few-minute version (README)")
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/ "
                     "or reproduce/); a rerun reuses what is done")
-    rq.add_argument("--workers", type=int, default=0, help="parallel runs (0: one per core)")
-    rq.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    rq.set_defaults(func=cmd_reproduce)
+    _add_pool_flags(rq, "parallel runs (0: one per core)")
     rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
                         "directories, overlaid.")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")

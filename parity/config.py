@@ -196,8 +196,7 @@ class Config:
                            "precision): alpha/beta per token and every clip attributed to "
                            "policy change or numerics. Off: clip/frac and the KL estimates only.")
     kl_exact_rows: int = _f(4, "Completions per step whose whole engine distribution is kept for "
-                            "the exact KL(mu||pi) over the vocabulary (costs rows x length x "
-                            "vocab floats; 0 disables).", ge=0)
+                            "the exact KL(mu||pi) (rows x length x vocab floats; 0: off).", ge=0)
     dump_rollouts: int = _f(0, "Write rollouts/step-N.parquet (one row per token per update) "
                             "every N steps; `--dump-rollouts` alone means every step; 0: off.",
                             const=1, ge=0)
@@ -210,6 +209,7 @@ class Config:
                             "steps ago, once there are that many (fewer right after the start "
                             "or a sync_every gap); 0 waits for the newest weights, as the "
                             "synchronous loop does.", ge=0)
+    # No declared range: its bound depends on max_staleness, so validate() checks it.
     sync_every: int = _f(1, "Async: push the trainer's weights to the engine every N steps "
                          "(1 <= N <= max_staleness + 1, so no rollout is staler than "
                          "max_staleness).")
