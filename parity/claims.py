@@ -56,11 +56,15 @@ def beta_is_minus_kl(beta_mean: float, beta_std: float, tokens: int, kl: float) 
                  f"({3 * se:.2g})")
 
 
-def beta_correlates_with_advantage(corr: float, tokens: int) -> Claim:
+def beta_correlates_with_advantage(corr: float | None, tokens: int) -> Claim:
     """1b. β correlates with the advantage."""
     noise = 3 / math.sqrt(max(tokens, 1))
     m = {"corr_beta_advantage": corr, "noise_3_sigma": noise, "tokens": tokens}
     s, seeds = "β correlates with the advantage", "correlated with the advantage"
+    if corr is None:
+        return Claim("1b", s, seeds, m, NOT_MEASURABLE,
+                     "the audit reported no corr(β, A): it had no advantages, or β or A was "
+                     "constant")
     if abs(corr) > noise:
         return Claim("1b", s, seeds, m, HOLDS, f"corr(β, A) = {corr:+.3f}, beyond ±{noise:.3f}")
     return Claim("1b", s, seeds, m, NOT_AT_SCALE,
@@ -226,14 +230,20 @@ def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
                  f"converge: {detail}")
 
 
-def bf16_weights_freeze(changed_bf16: float, changed_fp16: float, changed_fp32: float,
-                        lr: float) -> Claim:
+def bf16_weights_freeze(changed_bf16: float | None, changed_fp16: float | None,
+                        changed_fp32: float | None, lr: float) -> Claim:
     """6. At a small learning rate a bf16 engine's weights stop changing at sync while the fp32
     master weights move; fp16's finer mantissa keeps changing."""
     m = {"lr": lr, "changed_frac_bf16": changed_bf16, "changed_frac_fp16": changed_fp16,
          "changed_frac_fp32": changed_fp32}
     s = "at a small lr, bf16 engine weights stop changing at sync; fp16's keep changing"
     seeds = "bf16 casts of small fp32 updates unchanged for many steps"
+    missing = [name for name, v in (("bf16-engine", changed_bf16), ("fp16", changed_fp16),
+                                    ("fp32", changed_fp32)) if v is None]
+    if missing:
+        return Claim("6", s, seeds, m, NOT_MEASURABLE,
+                     f"the small-lr run of {', '.join(missing)} failed or reported no "
+                     f"sync/changed_frac (its error is in the sweep's summary.json)")
     if changed_fp32 <= 0.5:
         return Claim("6", s, seeds, m, NOT_MEASURABLE,
                      f"the fp32 master itself barely moved ({changed_fp32:.1%} of weights)")

@@ -181,7 +181,7 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
     out = [
         C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16["mismatch/beta_std"], a16["tokens"],
                            _kl(m16)),
-        C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr", 0.0), a16["tokens"]),
+        C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr"), a16["tokens"]),
         C.beta_grows_with_size(fit["slope"] if fit else None, len(sc.get("points", [])),
                                fit["at"]["6e+08"] if fit else None),
         C.phantom_at_seed_eps(phantom_at(a16["phantom_vs_eps"], C.SEED_EPS), beta_abs),
@@ -199,9 +199,10 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
     out.append(C.recompute_family(_groups(main), "neg-length"))
     if arith is not None:
         out.append(_renamed(C.recompute_family(_groups(arith), "arith"), "5b-arith"))
-    changed = {g["recipe"]: g.get("changed_frac", 0.0) for g in _groups(lr).values()}
-    out.append(C.bf16_weights_freeze(changed.get("bf16-engine", 0.0), changed.get("fp16", 0.0),
-                                     changed.get("fp32", 0.0), plan.small_lr))
+    # A failed run, or one that reported no figure, is missing here, never a 0.
+    changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
+    out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
+                                     changed.get("fp32"), plan.small_lr))
     return out
 
 

@@ -150,3 +150,16 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     assert (tmp_path / "r" / "scale" / "models" / "text-gpt2-xs" / "audit.json").is_file()
     again = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert again["claims"] == res["claims"] and again["seconds"] < res["seconds"]
+
+
+def test_a_failed_or_missing_run_never_becomes_a_verdict():
+    """A run that failed leaves no figure in the sweep summary; the claim it feeds says "not
+    measurable" and why, rather than judging a 0."""
+    audit, f16, sc, g, arith, lr = _measured(5.5e-7)
+    lr["groups"]["a"].pop("changed_frac")            # the bf16-engine small-lr run failed
+    del audit["metrics"]["mismatch/beta_adv_corr"]  # no correlation was measurable
+    by = {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004,
+                                 Plan("t", "m", 1, [], "m", [0], 1))}
+    assert by["6"].verdict == C.NOT_MEASURABLE and "bf16-engine" in by["6"].reason
+    assert by["1b"].verdict == C.NOT_MEASURABLE
+    assert C.bf16_weights_freeze(0.01, None, 1.0, 1e-5).verdict == C.NOT_MEASURABLE
