@@ -74,13 +74,17 @@ def phantom_at(table: list[dict[str, float]], eps: float) -> float:
     return pts[-1][1]
 
 
+# Distributions kept per audit batch for the exact KL: the published claims were measured with 8.
+KL_ROWS = 8
+
+
 def _audit(plan: Plan, engine: str, out: Path, progress: bool) -> dict[str, Any]:
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
         return json.loads((out / "audit.json").read_text())
     return audit(AuditSettings(model=plan.audit_model, engine_dtype=engine, task="neg-length",
                                samples=plan.samples, max_new_tokens=plan.audit_tokens,
-                               progress=progress), out)
+                               kl_exact_rows=KL_ROWS, progress=progress), out)
 
 
 def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict[str, Any]:
@@ -88,7 +92,8 @@ def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict
     if (out / "scale.json").is_file():
         return json.loads((out / "scale.json").read_text())
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
-                               max_new_tokens=plan.audit_tokens, progress=progress), out,
+                               max_new_tokens=plan.audit_tokens, kl_exact_rows=KL_ROWS,
+                               progress=progress), out,
                  plan.scale_models, done)
 
 
