@@ -139,6 +139,9 @@ class Config:
     seq_eps_low: float | None = _f(3e-4, "GSPO's own lower clip range on the sequence's "
                                    "geometric-mean ratio (None: no clip).", ge=0, lt=1)
     seq_eps_high: float | None = _f(4e-4, "GSPO's own upper clip range (None: no clip).", ge=0)
+    keep_dropout: bool = _f(False, "Keep the model's dropout in the trainer's forwards (l_pi, "
+                            "l_old). Off by default: dropout noise would be reported as precision "
+                            "gap beta (docs/design.md).")
     lm_head_fp32: bool = _f(False, "Compute the LM head in fp32 on both sides (engine and "
                             "trainer), whatever the dtype of the rest.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "

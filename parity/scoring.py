@@ -11,6 +11,19 @@ import torch
 from parity.engines import Rollout, Sampling, keep_last, logprobs_from_logits, positions
 
 
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Dropout off in every forward that enters a ratio: with it on, ℓ_π (and ℓ_old) carry
+    dropout noise that the diagnostics would report as precision gap β (docs/design.md).
+    Dropout modules get p = 0, and attention layers that apply dropout functionally (Llama,
+    Qwen2: an `attention_dropout` rate) get a rate of 0; train mode is kept."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
+
+
 @dataclass
 class Scored:
     logp: torch.Tensor                  # [B, T] fp32 log-probs of the completion tokens

@@ -47,7 +47,7 @@ from parity.precision import LossScaler, autocast, fp32_head
 from parity.rollouts import Plan, Rollouts
 from parity.runs import (check_run_dir, load_model_and_task, run_dir_for, set_aside_metrics,
                          truncate_metrics)
-from parity.scoring import score_full
+from parity.scoring import disable_dropout, score_full
 from parity.tasks import PromptSampler, Task
 from parity.ui import progress
 
@@ -164,6 +164,8 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
         on_model(model)
     engine = _make_engine(cfg, model, model_dir, tok)
     model.train()
+    if not cfg.keep_dropout:
+        disable_dropout(model)
     value_head = ValueHead(model.config.hidden_size) if obj.value_head else None
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
                  if obj.reference and cfg.dpo_ref == "initial" else None)

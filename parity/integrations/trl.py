@@ -43,6 +43,7 @@ from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
 from parity.errors import ParityError
 from parity.objectives import clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.scoring import disable_dropout
 
 try:
     from trl import GRPOTrainer
@@ -131,6 +132,11 @@ class ParityGRPOTrainer(GRPOTrainer):
                               "set GRPOConfig(gradient_checkpointing=False), or "
                               "ParityOptions(cpu_fp16='native') (several times slower)")
         master = self.accelerator.unwrap_model(self.model)
+        # Whatever GRPOConfig(disable_dropout=...) says: dropout noise in the loss's forward
+        # would be measured as precision gap.
+        disable_dropout(master)
+        if getattr(self, "ref_model", None) is not None:
+            disable_dropout(self.ref_model)
         head32 = bool(a.cast_lm_head_to_fp32)
         self.engine = HFEngine(master, self.parity.engine_dtype, self.eos_token_ids,
                                self._tokenizer.pad_token_id, self.parity.cpu_fp16, head32)
