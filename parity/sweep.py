@@ -132,7 +132,8 @@ def _workers(spec: SweepSpec, n_runs: int) -> int:
 def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = True
               ) -> dict[str, Any]:
     runs = plan(spec, out)
-    ensure_writable(out / "runs", "sweep --out")
+    for path in (out, out / "runs"):  # the directory given, then where the runs go
+        ensure_writable(path, "sweep --out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     todo, status = [], {}
     for r in runs:
