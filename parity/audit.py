@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,9 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
     from parity.tasks import PromptSampler, build_task, prompt_token_ids
     if a.prompts:
         texts = read_prompts(a.prompts)
-        prompt_ids = [prompt_token_ids(tok, t, a.chat_template) for t in texts]
+        prompt_ids = [prompt_token_ids(tok, t, a.chat_template,
+                                       f"prompts file {a.prompts}: prompt {i}")
+                      for i, t in enumerate(texts)]
         limit = max_positions(model)
         for i, ids in enumerate(prompt_ids):
             if not ids:
@@ -290,13 +293,9 @@ def _same_audit(res: dict[str, Any], a: AuditSettings) -> bool:
             and res.get("input") == f"task {a.task}")
 
 
-def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
-          done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Audit every model of the size ladder on the same prompts and fit each metric against
-    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters. `done`: audits
-    already run with these settings, by model name, used instead of running them again."""
-    check_run_dir(out)
-    models = models or list(testbed.LADDER)
+def _ladder_points(a: AuditSettings, out: Path, models: list[str],
+                   done: dict[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """One audit per model (or its earlier result from `done`), as a point of the fit."""
     axis_of = {}
     for axis, names in testbed.LADDER_AXES.items():
         for n in names:
@@ -319,6 +318,27 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
                        "kl_exact": m.get("mismatch/kl_exact", 0.0),
                        "phantom_frac_at_eps": m.get("clip/phantom_frac", 0.0),
                        "phantom_frac_eps_0.01": small})
+    return points
+
+
+def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
+          done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Audit every model of the size ladder on the same prompts and fit each metric against
+    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters. `done`: audits
+    already run with these settings, by model name, used instead of running them again."""
+    check_run_dir(out)
+    models = models or list(testbed.LADDER)
+    for name in models:  # a mistyped path is refused before the first model's minutes
+        if name not in testbed.SPECS:
+            testbed.resolve_model(name)
+    created = not out.exists()
+    try:
+        points = _ladder_points(a, out, models, done)
+    except ParityError:
+        # A refusal leaves nothing behind (docs/errors.md): the models audited before it too.
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     # The trend of the phantom fraction at the given ε, unless that is 0 everywhere (the small
     # testbed at ε = 0.2): then at ε = 0.01, where it is measurable.
     phantom_eps = a.eps if any(p["phantom_frac_at_eps"] > 0 for p in points) else SMALL_EPS

@@ -7,45 +7,34 @@ The audit input schema (docs/design.md), JSONL or parquet, one row per completio
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from parity.engines import Rollout, left_pad
-from parity.errors import ParityError, one_line
+from parity.errors import ParityError
+from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
+from parity.tasks import REWARD_LIMIT
 
 REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def read_rollouts(path: str | Path, vocab_size: int) -> list[dict[str, Any]]:
     """Read and check an audit input file; every problem names its row and column."""
     p = Path(path)
-    if not p.is_file():
-        raise ParityError(f"rollouts file {p} does not exist")
     if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        try:
-            table = pq.read_table(p)
-        except Exception as e:
-            raise ParityError(f"{p}: not a readable parquet file: {one_line(e)}") from None
+        table = read_parquet(p, "rollouts file")
         missing = [c for c in REQUIRED if c not in table.column_names]
         if missing:
             raise ParityError(f"{p}: missing column {missing[0]!r} (an audit file needs "
                               f"{', '.join(REQUIRED)}; it has {', '.join(table.column_names)})")
-        rows = table.to_pylist()
+        rows = arrow_rows(table, str(p))
         where = [f"{p} row {i}" for i in range(len(rows))]
     elif p.suffix in (".jsonl", ".json"):
         rows, where = [], []
-        for n, line in enumerate(p.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ParityError(f"{p} line {n}: not valid JSON ({e.msg})") from None
+        for n, row in json_lines(p, "rollouts file"):
             if not isinstance(row, dict):
                 raise ParityError(f"{p} line {n}: a row must be a JSON object")
             rows.append(row)
@@ -73,8 +62,8 @@ def _check_row(row: dict[str, Any], at: str, vocab_size: int) -> None:
             raise ParityError(f"{at}, column {c!r}: {what}")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ParityError(f"{at}, column {c!r}: token id {bad[0]} is outside the model's "
-                              f"vocabulary (0..{vocab_size - 1})")
+            raise ParityError(f"{at}, column {c!r}: token id {_show(bad[0])} is outside the "
+                              f"model's vocabulary (0..{vocab_size - 1})")
     lp = row["engine_logprobs"]
     if not isinstance(lp, list) or not all(isinstance(v, (int, float)) and
                                            not isinstance(v, bool) for v in lp):
@@ -84,16 +73,36 @@ def _check_row(row: dict[str, Any], at: str, vocab_size: int) -> None:
         raise ParityError(f"{at}, column 'engine_logprobs': {len(lp)} values for {n} completion "
                           f"tokens (one log-prob per completion token)")
     for t, v in enumerate(lp):
-        if not math.isfinite(v):
-            raise ParityError(f"{at}, column 'engine_logprobs': non-finite value {v} at token {t}")
+        if not _finite(v, FLOAT32_MAX):
+            raise ParityError(f"{at}, column 'engine_logprobs': non-finite value {_show(v)} at "
+                              f"token {t} (in float32, where log-probs are computed)")
         if v > 1e-3:
             raise ParityError(f"{at}, column 'engine_logprobs': {v} at token {t} is positive; "
                               f"a log-probability is <= 0")
     for c in ("advantage", "reward"):
         v = row.get(c)
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                  and math.isfinite(v)):
-            raise ParityError(f"{at}, column {c!r}: must be a finite number, got {v!r}")
+                                  and _finite(v, REWARD_LIMIT)):
+            raise ParityError(f"{at}, column {c!r}: must be a finite number within "
+                              f"+-{REWARD_LIMIT:g}, got {_show(v)}")
+
+
+def _show(v: Any) -> str:
+    """A value for a message, short: a 400-digit integer is not spelled out."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    if isinstance(v, float):
+        return f"{v:g}"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite(v: float, limit: float) -> bool:
+    """|v| <= limit; False for NaN, and for an integer too large to be a float at all."""
+    try:
+        return abs(float(v)) <= limit
+    except OverflowError:
+        return False
 
 
 def rollout_advantages(rows: list[dict[str, Any]]) -> torch.Tensor | None:
@@ -131,10 +140,10 @@ def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
 
 def read_prompts(path: str) -> list[str | list[dict]]:
     p = Path(path)
-    if not p.is_file():
+    if not exists(p, "prompts file"):
         raise ParityError(f"prompts file {p} does not exist")
     if p.suffix == ".txt":
-        prompts = [line for line in p.read_text().splitlines() if line.strip()]
+        prompts = [line for line in lines(read_text(p, "prompts file")) if line.strip()]
         if not prompts:
             raise ParityError(f"prompts file {p} has no non-empty lines")
         return prompts

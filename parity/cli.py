@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from parity.errors import ParityError
+from parity.files import ensure_writable, json_lines
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +85,7 @@ def resume_config(args: argparse.Namespace):
         raise ParityError(f"--resume {run}: no such run directory")
     if not (run / "config.yaml").is_file():
         raise ParityError(f"--resume {run}: not a run directory (no config.yaml)")
+    ensure_writable(run, "--resume")
     given = explicit_from_args(args)
     if args.config:
         raise ParityError("--resume continues the run's own config.yaml; --config does not apply")
@@ -113,8 +114,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     run = train(cfg, resume=bool(args.resume))
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 wrote the metrics and prints the summary
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    _summary(rows, run, time.perf_counter() - t0)
+    rows = [row for _, row in json_lines(run / "metrics.jsonl", "metrics file")]
+    if rows:
+        _summary(rows, run, time.perf_counter() - t0)
 
 
 def _stop_on_sigterm() -> None:
@@ -143,10 +145,16 @@ def _summary(rows: list[dict], run, seconds: float) -> None:
               "sync/changed_frac", "loss/scale", "train/skipped_updates", "time/step_s",
               "throughput/tokens_per_s"):
         if k in last:
-            best = max(r[k] for r in rows) if k == "reward/mean" else (
-                min(r[k] for r in rows) if k == "completion/len_mean" else None)
-            t.add_row(k, f"{first[k]:.4g}", f"{last[k]:.4g}", "" if best is None else f"{best:.4g}")
+            # A value JSON cannot hold (NaN) is logged as null: shown as "-", never compared.
+            seen = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
+            pick = max if k == "reward/mean" else min if k == "completion/len_mean" else None
+            t.add_row(k, _fmt(first.get(k)), _fmt(last.get(k)),
+                      _fmt(pick(seen)) if pick and seen else "")
     Console().print(t)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) else "-"
 
 
 def cmd_testbed(args: argparse.Namespace) -> None:
@@ -172,6 +180,7 @@ def cmd_testbed(args: argparse.Namespace) -> None:
         if name not in testbed.SPECS:
             raise ParityError(f"unknown testbed model {name!r}; known: "
                               f"{', '.join(testbed.SPECS)}")
+    ensure_writable(cache, "--cache" if args.cache is not None else "testbed cache")
     for name in names:
         print(testbed.build(name, cache, force=args.force))
 

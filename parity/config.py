@@ -22,7 +22,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
+from parity.files import read_text
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 RatioSource = Literal["engine", "shadow", "recompute"]
@@ -528,15 +529,28 @@ AuditSettings = derive("AuditSettings", [
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping of field: value, names with `-` read as `_`; anything else is
+    one line naming the file (and the line, where YAML gives one)."""
     p = Path(path)
-    if not p.is_file():
-        raise ParityError(f"config file {p} does not exist")
+    text = read_text(p, "config file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ParityError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or one_line(e)
+        raise ParityError(f"config file {p} is not valid YAML{at}: {problem}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:
+        # YAML's own constructors: a date that is no date, an integer too long to convert
+        raise ParityError(f"config file {p} is not valid YAML: {one_line(e)}") from None
+    if data is None:  # an empty file, or only comments
+        return {}
     if not isinstance(data, dict):
-        raise ParityError(f"config file {p} must hold a mapping of field: value")
+        raise ParityError(f"config file {p} must hold a mapping of field: value, not a "
+                          f"{type(data).__name__}")
+    for k in data:
+        if not isinstance(k, str):
+            raise ParityError(f"config file {p}: field name {str(k)[:40]!r} is not text")
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 

@@ -128,7 +128,8 @@ def default_out(model: str) -> Path:
 def _encode(tok, prompts: list, limit: int) -> list[torch.Tensor]:
     """Token ids as `parity audit` makes them: a conversation goes through the chat template."""
     from parity.tasks import prompt_token_ids
-    ids = [torch.tensor([prompt_token_ids(tok, p, False)[:limit]]) for p in prompts]
+    ids = [torch.tensor([prompt_token_ids(tok, p, False, f"prompt {i}")[:limit]])
+           for i, p in enumerate(prompts)]
     ids = [x for x in ids if x.shape[1] > 0]
     if not ids:
         raise ParityError("fp16-check: no prompt has any token after tokenization")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.errors import ParityError, one_line
+from parity.files import read_text
 
 BACKENDS = ("tensorboard", "wandb")
 
@@ -93,7 +94,7 @@ class _WandB:
         # and W&B ignores a step below the run's latest, so recomputed steps are not doubled.
         id_file = run / self.ID_FILE
         if id_file.is_file():
-            run_id = id_file.read_text().strip()
+            run_id = read_text(id_file, "W&B run id file").strip()
         else:
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")

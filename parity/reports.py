@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from parity.errors import ParityError
+from parity.files import ensure_writable, json_lines
 
 __all__ = ["Heading", "Plot", "Table", "audit_report", "html_page", "load_metrics", "run_report",
            "scale_report", "sweep_report"]
@@ -153,20 +153,18 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ParityError(f"{path}: metrics file not found (a run directory holds metrics.jsonl)")
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue  # a trailing newline, or a blank line left by an interrupted writer
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ParityError(f"{path}:{n}: malformed JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
-                raise ParityError(f"{path}:{n}: expected a JSON object with a numeric 'step'")
-            rows.append(row)
+    # Blank lines are skipped: a trailing newline, or one left by an interrupted writer.
+    for n, row in json_lines(path, "metrics file"):
+        if not isinstance(row, dict) or not _number(row.get("step")):
+            raise ParityError(f"{path}:{n}: expected a JSON object with a numeric 'step'")
+        rows.append(row)
     if not rows:
         raise ParityError(f"{path}: empty metrics file (no steps recorded)")
     return rows
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -311,6 +309,7 @@ def run_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None)
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise ParityError("run_report needs at least one run directory")
+    ensure_writable(out, "report --out")
     names = _labels(run_dirs, labels)
     runs = {lab: load_metrics(d / "metrics.jsonl") for lab, d in zip(names, run_dirs)}
     for (lab, rows), d in zip(runs.items(), run_dirs):

@@ -22,6 +22,7 @@ from typing import Any
 
 from parity import claims as C
 from parity import testbed, ui
+from parity.files import ensure_writable, read_json
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
                 "seq-mis"]
@@ -81,7 +82,7 @@ KL_ROWS = 8
 def _audit(plan: Plan, engine: str, out: Path, progress: bool) -> dict[str, Any]:
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
-        return json.loads((out / "audit.json").read_text())
+        return read_json(out / "audit.json", "earlier audit")
     return audit(AuditSettings(model=plan.audit_model, engine_dtype=engine, task="neg-length",
                                samples=plan.samples, max_new_tokens=plan.audit_tokens,
                                kl_exact_rows=KL_ROWS, progress=progress), out)
@@ -90,7 +91,7 @@ def _audit(plan: Plan, engine: str, out: Path, progress: bool) -> dict[str, Any]
 def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict[str, Any]:
     from parity.audit import AuditSettings, scale
     if (out / "scale.json").is_file():
-        return json.loads((out / "scale.json").read_text())
+        return read_json(out / "scale.json", "earlier scale audit")
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
                                max_new_tokens=plan.audit_tokens, kl_exact_rows=KL_ROWS,
                                progress=progress), out,
@@ -115,6 +116,8 @@ def scaled_clip(eps: float) -> dict[str, dict[str, Any]]:
 
 def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
     t_start = time.perf_counter()
+    for sub in (out, out / "audits", out / "scale", out / "sweeps"):  # every stage's, at once
+        ensure_writable(sub, "reproduce --out")
     out.mkdir(parents=True, exist_ok=True)
     timing: dict[str, float] = {}
 

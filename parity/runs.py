@@ -7,18 +7,17 @@ imports the trainer.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
 from parity.errors import ParityError, one_line
+from parity.files import ensure_writable, lines, quiet_libraries, read_text
 
 if TYPE_CHECKING:
     from parity.config import Config
@@ -31,21 +30,9 @@ ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "elect
                 "deberta-v2", "camembert", "ernie", "mpnet", "modernbert")
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers' own multi-line reports would print beside parity's one-line error."""
-    level = transformers.utils.logging.get_verbosity()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        transformers.utils.logging.set_verbosity(level)
-
-
 def _check_causal_lm(model_dir: Path) -> None:
     try:
-        with _quiet_transformers():
+        with quiet_libraries():
             config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:
         raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
@@ -87,7 +74,7 @@ def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     config.json disagrees with its weights, is a user error."""
     _check_causal_lm(model_dir)
     try:
-        with _quiet_transformers():
+        with quiet_libraries():
             model, info = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32, output_loading_info=True,
                 ignore_mismatched_sizes=True)
@@ -95,7 +82,7 @@ def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
         raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
     _check_weights_fit(model, info, model_dir)
     try:
-        with _quiet_transformers():
+        with quiet_libraries():
             tok = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
         raise ParityError(f"cannot load the tokenizer in {model_dir}: {one_line(e)}") from None
@@ -144,7 +131,9 @@ def run_dir_for(cfg: "Config") -> Path:
 
 
 def check_run_dir(path: Path) -> None:
-    """Never overwrite an earlier run: a run directory must stay consistent with its metrics."""
+    """Never overwrite an earlier run: a run directory must stay consistent with its metrics.
+    One that could not be created or written is refused here too, before any work."""
+    ensure_writable(path, "output directory")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ParityError(f"run directory {path} already exists and is not empty; choose "
                           f"another --out")
@@ -155,7 +144,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in lines(read_text(path, "metrics file")):
         try:
             if json.loads(line)["step"] <= last_step:
                 keep.append(line)

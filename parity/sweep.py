@@ -23,6 +23,7 @@ from typing import Any
 
 from parity import ui
 from parity.errors import ParityError
+from parity.files import ensure_writable
 
 # When a run counts as converged: (metric, "<=" or ">=", value), on a trailing mean over WINDOW
 # steps so a single lucky batch does not count.
@@ -85,12 +86,16 @@ def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
 def finished(run: RunSpec) -> bool:
     """A run is finished when its last step is logged and its final checkpoint is in place."""
     from parity.config import make_config
+    from parity.reports import load_metrics
     steps = make_config(dict(run.explicit)).steps
     metrics = run.path / "metrics.jsonl"
     if not (run.path / "checkpoints" / f"step-{steps}").is_dir() or not metrics.is_file():
         return False
-    lines = metrics.read_text().splitlines()
-    return bool(lines) and json.loads(lines[-1]).get("step") == steps
+    try:
+        rows = load_metrics(metrics)
+    except ParityError:  # damaged: not finished, so it is set aside and run again
+        return False
+    return rows[-1]["step"] == steps
 
 
 def _set_aside(path: Path) -> Path:
@@ -127,6 +132,8 @@ def _workers(spec: SweepSpec, n_runs: int) -> int:
 def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = True
               ) -> dict[str, Any]:
     runs = plan(spec, out)
+    for path in (out, out / "runs"):  # the directory given, then where the runs go
+        ensure_writable(path, "sweep --out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     todo, status = [], {}
     for r in runs:

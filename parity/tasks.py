@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 from parity import arith, testbed
 from parity.errors import ParityError, one_line
+from parity.files import (arrow_rows, ensure_writable, exists, json_lines, parse_json,
+                          quiet_libraries, read_json, read_parquet, read_python, read_text)
 
 RewardFn = Callable[..., list[float]]
 BUILTIN = ("neg-length", "arith")
@@ -38,6 +40,9 @@ BUILTIN = ("neg-length", "arith")
 ARITH_CANDIDATES = 512
 ARITH_SAMPLES = 40
 ARITH_BAND = (0.2, 0.8)
+# Rewards become float32 tensors, and their batch mean and std are float32 sums: a reward near
+# float32's largest value (3.4e38) turns them into inf. 1e30 leaves room for sums over any batch.
+REWARD_LIMIT = 1e30
 
 
 @dataclass
@@ -78,6 +83,12 @@ class Task:
             values = _call_reward(rw, prompts, shown, completion_ids, columns, row_idx)
             parts[rw.name] = values
             total = [t + rw.weight * v for t, v in zip(total, values)]
+        for i, t in enumerate(total):
+            if not abs(t) <= REWARD_LIMIT:  # NaN too: weights times values can overflow
+                raise ParityError(f"the weighted sum of the rewards is {t:g} for completion {i} "
+                                  f"(prompt row {row_idx[i]}); with reward_weights "
+                                  f"{[rw.weight for rw in self.reward_fns]} it must lie within "
+                                  f"+-{REWARD_LIMIT:g}")
         return total, parts
 
 
@@ -86,7 +97,7 @@ def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: l
     try:
         out = rw.fn(prompts, completions, completion_ids=completion_ids, **columns)
     except Exception as e:  # the user's code: report it, do not crash with its traceback
-        raise ParityError(f"reward function {rw.spec} raised {type(e).__name__}: {e}") from None
+        raise ParityError(f"reward function {rw.spec} raised {one_line(e)}") from None
     try:
         values = [float(v) for v in out]
     except (TypeError, ValueError):
@@ -99,6 +110,10 @@ def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: l
         if not math.isfinite(v):
             raise ParityError(f"reward function {rw.spec} returned {v} for completion {i} "
                               f"(prompt row {row_idx[i]}); rewards must be finite")
+        if abs(v) > REWARD_LIMIT:
+            raise ParityError(f"reward function {rw.spec} returned {v:g} for completion {i} "
+                              f"(prompt row {row_idx[i]}); rewards must lie within "
+                              f"+-{REWARD_LIMIT:g}")
     return values
 
 
@@ -132,61 +147,99 @@ def load_reward(spec: str) -> tuple[RewardFn, str]:
     if not sep or not mod_name or not fn_name:
         raise ParityError(f"--reward {spec!r} must look like module:function or file.py:function")
     try:
-        if mod_name.endswith(".py"):
-            path = Path(mod_name)
-            if not path.is_file():
-                raise ParityError(f"reward file {path} does not exist")
-            sp = importlib.util.spec_from_file_location(f"parity_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(sp)
-            sp.loader.exec_module(module)
-        else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
-            module = importlib.import_module(mod_name)
+        module = _reward_module(mod_name)
     except ParityError:
         raise
-    except Exception as e:
-        raise ParityError(f"cannot import reward module {mod_name!r}: "
-                          f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # the user's module, run on import: any exception at all
+        raise ParityError(f"cannot import reward module {mod_name!r}: {one_line(e)}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ParityError(f"reward module {mod_name!r} has no function {fn_name!r}")
     return fn, spec
 
 
+def _reward_module(mod_name: str) -> Any:
+    """The module. Its source goes through `read_python` first: Python's own import would
+    report a file that is not text as a SyntaxError without the byte's offset in the file."""
+    if mod_name.endswith(".py"):
+        path = Path(mod_name)
+        if not path.is_file():
+            raise ParityError(f"reward file {path} does not exist")
+        read_python(path, "reward file")
+        sp = importlib.util.spec_from_file_location(f"parity_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(sp)
+        sp.loader.exec_module(module)
+        return module
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    found = importlib.util.find_spec(mod_name)
+    if found is not None and found.origin and found.origin.endswith(".py"):
+        read_python(found.origin, "reward module")
+    return importlib.import_module(mod_name)
+
+
 def load_rows(path: str) -> list[dict[str, Any]]:
-    """Read a dataset with `datasets`: JSONL/JSON, parquet, or a save_to_disk directory."""
-    import datasets
+    """A dataset's rows: JSON Lines or one JSON array (.jsonl/.json), parquet, or a `datasets`
+    save_to_disk directory; every row must hold a prompt."""
     p = Path(path)
-    if not p.exists():
+    if not exists(p, "dataset"):
         raise ParityError(f"task {path!r} is neither a built-in task ({', '.join(BUILTIN)}) "
                           f"nor an existing dataset file")
-    datasets.disable_progress_bars()
+    if p.is_dir():
+        rows, where = _saved_rows(p), None
+    elif p.suffix in (".jsonl", ".json"):
+        rows, where = _json_rows(p)
+    elif p.suffix == ".parquet":
+        rows, where = arrow_rows(read_parquet(p, "dataset"), f"dataset {p}"), None
+    else:
+        raise ParityError(f"dataset {p} must be .jsonl, .json, .parquet or a dataset "
+                          f"directory")
+    if not rows:
+        raise ParityError(f"dataset {p} is empty: it has no rows")
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    if "prompt" not in names:
+        raise ParityError(f"dataset {p} has no 'prompt' column (columns: "
+                          f"{', '.join(map(str, names))})")
+    # Every row gets every column, None where a row lacks it, as `datasets` loads a file.
+    rows = [{k: r.get(k) for k in names} for r in rows]
+    for i, row in enumerate(rows):
+        check_prompt(row["prompt"], where[i] if where else f"dataset {p} row {i}")
+    return rows
+
+
+def _json_rows(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of a JSON Lines file, or of a .json file holding one array; with where each is."""
+    text = read_text(p, "dataset")
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        data = parse_json(text, f"dataset {p}")
+        if not all(isinstance(r, dict) for r in data):
+            raise ParityError(f"dataset {p}: a JSON array of rows must hold only objects")
+        return data, [f"dataset {p} row {i}" for i in range(len(data))]
+    rows, where = [], []
+    for n, row in json_lines(p, "dataset", text):
+        if not isinstance(row, dict):
+            raise ParityError(f"dataset {p} line {n}: a row must be a JSON object, got "
+                              f"{type(row).__name__}")
+        where.append(f"dataset {p} row {len(rows)} (line {n})")
+        rows.append(row)
+    return rows, where
+
+
+def _saved_rows(p: Path) -> list[dict[str, Any]]:
+    """Rows of a `datasets` save_to_disk directory (a DatasetDict's train split, else its
+    first)."""
+    import datasets
+    for f in sorted(p.glob("*.json")) + sorted(p.glob("*/*.json")):  # datasets' own metadata:
+        read_json(f, "dataset file")  # named here with its offset, not by a bare decode error
     try:
-        if p.is_dir():
+        with quiet_libraries():
             ds = datasets.load_from_disk(str(p))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        elif p.suffix in (".jsonl", ".json"):
-            ds = datasets.load_dataset("json", data_files=str(p), split="train")
-        elif p.suffix == ".parquet":
-            ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
-        else:
-            raise ParityError(f"dataset {p} must be .jsonl, .json, .parquet or a dataset "
-                              f"directory")
-    except ParityError:
-        raise
-    except Exception as e:
+            table = ds.with_format("arrow")[:]
+    except Exception as e:  # `datasets` raises whatever its readers raise
         raise ParityError(f"cannot read dataset {p}: {one_line(e)}") from None
-    if len(ds) == 0:
-        raise ParityError(f"dataset {p} has no rows")
-    if "prompt" not in ds.column_names:
-        raise ParityError(f"dataset {p} has no 'prompt' column (columns: "
-                          f"{', '.join(ds.column_names)})")
-    rows = ds.to_list()
-    for i, row in enumerate(rows):
-        check_prompt(row.get("prompt"), f"dataset {p} row {i}")
-    return rows
+    return arrow_rows(table, f"dataset {p}")
 
 
 def check_prompt(prompt: Any, where: str) -> None:
@@ -206,9 +259,11 @@ def check_prompt(prompt: Any, where: str) -> None:
                       f"{{role, content}} messages, got {type(prompt).__name__}")
 
 
-def prompt_token_ids(tok: Any, prompt: str | list[dict], chat_template: bool) -> list[int]:
+def prompt_token_ids(tok: Any, prompt: str | list[dict], chat_template: bool,
+                     where: str = "prompt") -> list[int]:
     """Token ids of a prompt: a conversation (or, with `chat_template`, a plain prompt as one
-    user message) goes through the tokenizer's chat template with the assistant turn opened."""
+    user message) goes through the tokenizer's chat template with the assistant turn opened.
+    `where` names the prompt (a dataset row) when the template refuses it."""
     if not isinstance(prompt, list) and not chat_template:
         return list(tok(prompt)["input_ids"])
     if not getattr(tok, "chat_template", None):
@@ -216,8 +271,31 @@ def prompt_token_ids(tok: Any, prompt: str | list[dict], chat_template: bool) ->
                           "model's tokenizer has no chat template (tokenizer_config.json "
                           "'chat_template' or chat_template.jinja)")
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        out = _apply_template(tok, messages)
+    except Exception as e:  # the template is the model's code (jinja); it may raise anything
+        j = _refused_message(tok, messages)
+        which = (f"message {j} (role {messages[j]['role']!r})" if j is not None else
+                 f"the conversation (roles {', '.join(m['role'] for m in messages)})")
+        raise ParityError(f"{where}: the model's chat template refuses {which}: "
+                          f"{one_line(e)}") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _apply_template(tok: Any, messages: list[dict]) -> Any:
+    with quiet_libraries():
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def _refused_message(tok: Any, messages: list[dict]) -> int | None:
+    """The first message whose addition makes the template raise (a role it rejects, a turn
+    out of order); None when every prefix renders."""
+    for j in range(len(messages)):
+        try:
+            _apply_template(tok, messages[:j + 1])
+        except Exception:
+            return j
+    return None
 
 
 def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperature: float,
@@ -232,8 +310,12 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
                                     ).encode()).hexdigest()[:16]
     path = (cache or testbed.cache_dir()) / "tasks" / f"arith-{key}.json"
     if path.is_file():
-        data = json.loads(path.read_text())
-        return data["rows"], data["info"]
+        try:
+            data = read_json(path, "arith cache")
+            return data["rows"], data["info"]
+        except (ParityError, TypeError, KeyError):
+            pass  # a damaged cache entry is measured again and replaced
+    ensure_writable(path.parent, "testbed cache")
     rng = random.Random(seed)
     seen: dict[str, str] = {}
     while len(seen) < ARITH_CANDIDATES:  # distinct problems only
@@ -280,8 +362,9 @@ def build_task(name: str, reward: str | list[str] | None, model_dir: Path, model
         task = Task(Path(name).name, rows, [])
     if specs:
         task.reward_fns = load_rewards(specs, reward_weights)
-    task.prompt_ids = [prompt_token_ids(tokenizer, r["prompt"], chat_template)
-                       for r in task.rows]
+    task.prompt_ids = [prompt_token_ids(tokenizer, r["prompt"], chat_template,
+                                        f"task {name}: row {i}")
+                       for i, r in enumerate(task.rows)]
     for i, ids in enumerate(task.prompt_ids):
         if not ids:
             raise ParityError(f"task {name}: row {i}: prompt tokenizes to nothing")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from parity import arith
 from parity.errors import ParityError
+from parity.files import ensure_writable, exists
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,7 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
     final = Path(cache or cache_dir()) / "models" / name
     if _is_built(final, spec) and not force:
         return final
+    ensure_writable(final.parent, "testbed cache")  # before minutes of training, not after
     final.parent.mkdir(parents=True, exist_ok=True)
     t0, c0 = time.time(), time.process_time()
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
@@ -417,7 +419,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def resolve_model(name_or_path: str, cache: Path | None = None) -> Path:
     """A Hugging Face causal LM directory for a path or a testbed model name."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if exists(path, "model directory") and path.is_dir():
         missing = [] if (path / "config.json").is_file() else ["config.json"]
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
             missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")

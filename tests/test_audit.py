@@ -121,12 +121,18 @@ BAD_FILES = [
     ("missing", _bad(engine_logprobs=None), ["row 1", "missing column 'engine_logprobs'"]),
     ("reward", _bad(reward="high"), ["row 1", "reward", "finite number"]),
     ("not ids", _bad(prompt_token_ids="hello"), ["row 1", "prompt_token_ids", "integer"]),
+    ("huge reward", _bad(reward=1e39), ["row 1", "'reward'", "within +-1e+30, got 1e+39"]),
+    ("beyond float32", _bad(engine_logprobs=[-0.5, -1e39, -0.1]), ["row 1", "engine_logprobs",
+                                                                 "non-finite value -1e+39",
+                                                                 "token 1"]),
 ]
 
 
-# Parquet columns are typed, so a string where ids belong cannot even be written there.
+# Parquet columns are typed, so a string where ids belong cannot even be written there; and a
+# table takes its columns from the first row, which has no reward.
 CASES = [(b, "jsonl") for b in BAD_FILES] + [(b, "parquet") for b in BAD_FILES
-                                            if b[0] not in ("reward", "not ids", "missing")]
+                                            if b[0] not in ("reward", "not ids", "missing",
+                                                            "huge reward")]
 
 
 def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
@@ -199,3 +205,55 @@ def test_scale_over_a_small_ladder(tmp_path, text_model, cache):
     assert set(f["at"]) == {"6e+08", "1.5e+09"} and f["points"] == 2
     assert (tmp_path / "s" / "scale.png").stat().st_size > 1000
     assert (tmp_path / "s" / "models").is_dir()
+
+
+# ---- a refused audit leaves nothing behind (docs/errors.md, "Audit files")
+
+def _mismatched_model(text_model: Path, dest: Path) -> Path:
+    """A copy whose config.json asks for a vocabulary its weights do not have: refused when the
+    audit loads it, after an earlier model of a ladder has been audited."""
+    import shutil
+    shutil.copytree(text_model, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg["vocab_size"] += 16
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+REFUSED_AUDITS = {
+    "prompts not UTF-8": (lambda d: (d / "p.txt").write_bytes(b"import os\ncaf\xe9\n"),
+                          ["--prompts", "{d}/p.txt"], ["p.txt", "byte 0xe9 at offset 13 (line 2)"]),
+    "prompts not JSON": (lambda d: (d / "p.jsonl").write_text('{"prompt": "a"}\n{oops\n'),
+                         ["--prompts", "{d}/p.jsonl"], ["line 2", "not valid JSON"]),
+    "rollouts not UTF-8": (lambda d: (d / "r.jsonl").write_bytes(b'{"a": "\xff"}\n'),
+                           ["--rollouts", "{d}/r.jsonl"], ["r.jsonl", "byte 0xff at offset 7"]),
+    "reward NaN while sampling": (
+        lambda d: (d / "rw.py").write_text("def nan(p, c, **k):\n    return [float('nan')] * "
+                                           "len(c)\n"),
+        ["--task", "neg-length", "--reward", "{d}/rw.py:nan", "--samples", "8", "--group", "2"],
+        ["rewards must be finite"]),
+    "scale: a model path that does not exist": (
+        lambda d: None, ["--scale", "--models", "{model},{d}/nope", "--samples", "8", "--group",
+                         "2"], ["nope"]),
+    "scale: the second model refused after the first was audited": (
+        lambda d: None, ["--scale", "--models", "{model},{d}/mismatch", "--samples", "8",
+                         "--group", "2"], ["config.json does not match the weights"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_AUDITS))
+def test_a_refused_audit_leaves_no_output(tmp_path, text_model, capsys, case):
+    make, args, words = REFUSED_AUDITS[case]
+    make(tmp_path)
+    if "mismatch" in " ".join(args):
+        _mismatched_model(text_model, tmp_path / "mismatch")
+    out = tmp_path / "out"
+    code, _, err = cli_in_process(capsys, "audit", *[a.format(d=tmp_path, model=text_model)
+                                                      for a in args],
+                                  "--model", str(text_model), "--max-new-tokens", "4",
+                                  "--out", str(out), "--no-progress")
+    lines = [x for x in err.splitlines() if x.startswith("parity: error:")]
+    assert code == 2 and len(lines) == 1, err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))

@@ -3,8 +3,10 @@ that is either untouched or consistent (every metrics line a complete step)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cli_helpers import assert_user_error
@@ -20,6 +22,10 @@ def nan(prompts, completions, **kw):
     return [math.nan] * len(completions)
 def short(prompts, completions, **kw):
     return [0.0] * (len(completions) - 1)
+def huge(prompts, completions, **kw):
+    return [1e39] * len(completions)
+def large(prompts, completions, **kw):
+    return [1e29] * len(completions)
 def raises_third(prompts, completions, **kw):
     calls["n"] += 1
     if calls["n"] == 3:
@@ -132,6 +138,7 @@ def test_missing_reward_function(env):
     ("raises", ["raised ValueError", "reward server unreachable"]),
     ("nan", ["nan", "finite"]),
     ("short", ["returned 3 values for 4 completions"]),
+    ("huge", ["returned 1e+39 for completion 0", "prompt row", "within +-1e+30"]),
 ])
 def test_misbehaving_reward_function(env, reward, words):
     run = env / "run"
@@ -208,6 +215,7 @@ def _corrupt_all(run):
     ("copy", ["--resume", "{run}", "--lr", "1"], ["--lr cannot change", "steps"]),
     ("copy", ["--resume", "{run}", "--config", "{run}/config.yaml"], ["--config does not apply"]),
     ("bad-yaml", ["--resume", "{run}"], ["config.yaml is not valid", "eps_low=-1"]),
+    ("latin-yaml", ["--resume", "{run}"], ["config.yaml is not UTF-8 text", "byte 0xe9"]),
     ("corrupt", ["--resume", "{run}", "--steps", "5"], ["every checkpoint is corrupt"]),
 ])
 def test_bad_resume_directories(tmp_path, finished_run, setup, args, words):
@@ -219,9 +227,214 @@ def test_bad_resume_directories(tmp_path, finished_run, setup, args, words):
     elif setup == "bad-yaml":
         cfg = (run / "config.yaml").read_text().replace("eps_low: 0.2", "eps_low: -1")
         (run / "config.yaml").write_text(cfg)
+    elif setup == "latin-yaml":
+        with open(run / "config.yaml", "ab") as f:
+            f.write("# edited by hand: caf\u00e9\n".encode("latin-1"))
     elif setup == "corrupt":
         _corrupt_all(run)
     before = _snapshot(run)
     p = parity("train", *[a.format(tmp=tmp_path, run=run) for a in args])
     assert_user_error(p, *words)
     assert _snapshot(run) == before, "a refused resume must leave the run directory as it was"
+
+
+# ---- files that are not UTF-8 text, or not what their name says (docs/errors.md, "Files")
+
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """The real entry point in this process (a refusal before any work costs no interpreter
+    start), as a CompletedProcess for assert_user_error."""
+    from parity.cli import main
+    code = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, cap.out, cap.err)
+
+
+def _saved_dataset(path: Path) -> Path:
+    import datasets
+    datasets.Dataset.from_list([{"prompt": "def f(x):"}]).save_to_disk(str(path))
+    (path / "state.json").write_bytes(b"\xff\xfe" + (path / "state.json").read_bytes())
+    return path
+
+
+def _latin_parquet(path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    strings = pa.array([b"ok", b"caf\xe9"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"prompt": strings}), path)  # parquet checks no encoding
+    return path
+
+
+BAD_DATASETS = {
+    "latin-1 jsonl": ("d.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n',
+                      ["not UTF-8 text", "byte 0xe9 at offset 32 (line 2)"]),
+    "latin-1 json array": ("d.json", b'[{"prompt": "ok"},\n {"prompt": "caf\xe9"}]',
+                           ["not UTF-8 text", "(line 2)"]),
+    "an image": ("d.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", ["byte 0x89 at offset 0"]),
+    "NUL bytes": ("d.jsonl", b'{"prompt": "ok"}\n\x00\x00\x00\n', ["binary", "offset 17 (line 2)"]),
+    "bad JSON line": ("d.jsonl", b'{"prompt": "ok"}\n{"prompt": }\n', ["line 2", "not valid JSON"]),
+    "bad JSON array": ("d.json", b'[{"prompt": "ok"},\n {"prompt": }]', ["not valid JSON",
+                                                                          "line 2, column"]),
+    "empty": ("d.jsonl", b"", ["is empty"]),
+    "blank lines only": ("d.jsonl", b"\n\n  \n", ["is empty"]),
+    "not a row": ("d.jsonl", b'{"prompt": "ok"}\n[1, 2]\n', ["line 2", "JSON object"]),
+    "not parquet": ("d.parquet", b"PAR1 this is not parquet", ["not a readable parquet file"]),
+    "parquet latin-1": ("d.parquet", _latin_parquet, ["row 1, column 'prompt'", "not UTF-8"]),
+    "saved dataset": ("saved", _saved_dataset, ["state.json", "byte 0xff at offset 0"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATASETS))
+def test_unreadable_dataset_is_one_line_naming_file_and_place(env, capsys, case):
+    name, content, words = BAD_DATASETS[case]
+    path = env / name
+    if callable(content):
+        content(path)
+    else:
+        path.write_bytes(content)
+    p = in_process(capsys, "train", "--task", path, "--model", "text-xs", "--reward",
+                   f"{env / 'rewards.py'}:ok", "--out", env / "run", *SMALL)
+    assert_user_error(p, str(path), *words)
+    assert not (env / "run").exists()
+
+
+def test_reward_and_config_files_that_are_not_utf8(env, capsys, monkeypatch):
+    (env / "latin_reward.py").write_bytes(b'NAME = "caf\xe9"\ndef ok(p, c, **k):\n'
+                                          b'    return [1.0] * len(c)\n')
+    for spec in (f"{env / 'latin_reward.py'}:ok", "latin_reward:ok"):  # a file, a module
+        monkeypatch.chdir(env)
+        p = in_process(capsys, "train", "--task", env / "data.jsonl", "--model", "text-xs",
+                       "--reward", spec, "--out", env / "run", *SMALL)
+        assert_user_error(p, "latin_reward.py", "not UTF-8", "byte 0xe9 at offset 11 (line 1)")
+    # A coding line is Python's own way to say latin-1: such a module is read as Python reads it.
+    (env / "declared.py").write_bytes(b"# -*- coding: latin-1 -*-\nNAME = 'caf\xe9'\n"
+                                      b"def ok(p, c, **k):\n    return [1.0] * len(c)\n")
+    from parity.tasks import load_reward
+    fn, _ = load_reward(f"{env / 'declared.py'}:ok")
+    assert fn.__globals__["NAME"] == "caf\u00e9"
+    (env / "c.yaml").write_bytes(b"lr: 0.1\nnote: caf\xe9\n")
+    assert_user_error(in_process(capsys, "train", "--config", env / "c.yaml", "--out",
+                                 env / "run"), "config file", "not UTF-8", "offset 17 (line 2)")
+    (env / "c.yaml").write_bytes(b"lr: [1, 2\n")
+    assert_user_error(in_process(capsys, "train", "--config", env / "c.yaml"),
+                      "not valid YAML (line 2, column 1)")
+    assert not (env / "run").exists()
+
+
+@pytest.mark.parametrize("name,content", [
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": }\n'),
+    ("bad.parquet", b"PAR1 not parquet"),
+    ("saved", None),
+])
+def test_library_messages_are_not_printed_beside_the_error(env, name, content):
+    """`datasets` logs a failure in lines of its own before it raises; `audit` prints nothing
+    before its work, so its stderr must be exactly parity's line."""
+    path = env / name
+    if content is None:
+        _saved_dataset(path)
+        (path / "state.json").write_text("{}")
+        (path / "data-00000-of-00001.arrow").write_bytes(b"not arrow")
+    else:
+        path.write_bytes(content)
+    p = parity("audit", "--task", str(path), "--reward", f"{env / 'rewards.py'}:ok", "--model",
+               "text-xs", "--out", str(env / "out"), "--no-progress")
+    assert_user_error(p, str(path))
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (env / "out").exists()
+
+
+# ---- a chat template that refuses a message (docs/errors.md, "Models and datasets")
+
+SYSTEMLESS = ("{%- for m in messages -%}{%- if m['role'] == 'system' -%}"
+              "{{ raise_exception('System role not supported') }}{%- endif -%}"
+              "{{ m['role'] }}: {{ m['content'] }}\n{% endfor -%}"
+              "{%- if add_generation_prompt -%}assistant: {% endif -%}")
+
+
+def test_chat_template_that_refuses_a_role_names_row_and_role(env, text_model, capsys):
+    model = env / "systemless"
+    shutil.copytree(text_model, model)
+    (model / "chat_template.jinja").write_text(SYSTEMLESS)
+    rows = [[{"role": "user", "content": "hi"}],
+            [{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}]]
+    (env / "chat.jsonl").write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    p = in_process(capsys, "train", "--task", env / "chat.jsonl", "--model", model, "--reward",
+                   f"{env / 'rewards.py'}:ok", "--out", env / "run", *SMALL)
+    assert_user_error(p, "row 1", "message 1 (role 'system')", "System role not supported")
+    assert not (env / "run").exists()
+
+
+# ---- rewards beyond float32 (docs/errors.md, "Reward functions")
+
+def test_weighted_rewards_beyond_the_limit_are_refused(env):
+    run = env / "run"
+    p = parity("train", "--task", str(env / "data.jsonl"), "--model", "text-xs", "--reward",
+               f"{env / 'rewards.py'}:large", "--reward-weights", "100", "--out", str(run),
+               *SMALL)
+    assert_user_error(p, "weighted sum of the rewards is 1e+31", "prompt row", "[100.0]")
+    assert (run / "metrics.jsonl").read_text() == ""
+
+
+# ---- output paths that cannot be a directory (docs/errors.md, "Output paths")
+
+def _report_run(tmp: Path) -> Path:
+    run = tmp / "done"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    return run
+
+
+COMMANDS = {
+    "train": lambda out, tmp: ["train", "--model", "text-xs", "--out", out, *SMALL],
+    "audit": lambda out, tmp: ["audit", "--model", "text-xs", "--out", out, "--no-progress"],
+    "audit --scale": lambda out, tmp: ["audit", "--scale", "--models", "text-xs", "--out", out,
+                                       "--no-progress"],
+    "sweep": lambda out, tmp: ["sweep", "--recipes", "fp32", "--models", "text-xs", "--out", out,
+                               "--no-progress"],
+    "reproduce": lambda out, tmp: ["reproduce", "--quick", "--out", out, "--no-progress"],
+    "fp16-check": lambda out, tmp: ["fp16-check", "--model", "text-xs", "--out", out,
+                                    "--no-progress"],
+    "report": lambda out, tmp: ["report", str(_report_run(tmp)), "--out", out],
+    "testbed --cache": lambda out, tmp: ["testbed", "build", "text-xs", "--cache", out],
+}
+
+
+@pytest.fixture
+def unwritable(tmp_path) -> Path:
+    """A directory this process may not write. Root may write any directory whatever its mode,
+    so as root only a read-only file system serves (/proc/sys in a container); without one the
+    case cannot be shown and is skipped."""
+    if os.geteuid() != 0:
+        d = tmp_path / "read-only"
+        d.mkdir()
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    if os.path.isdir("/proc/sys") and not os.access("/proc/sys", os.W_OK):
+        yield Path("/proc/sys")
+        return
+    pytest.skip("running as root with no read-only directory: an unwritable --out cannot be made")
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_output_path_that_cannot_be_a_directory(tmp_path, text_model, capsys, command, where):
+    blocker = tmp_path / "in-the-way"
+    blocker.write_text("a user's file\n")
+    out = blocker if where == "a file" else blocker / "sub" / "out"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    p = in_process(capsys, *COMMANDS[command](out, tmp_path))
+    line = assert_user_error(p, str(out), f"{blocker} is a file" if where == "under a file"
+                             else "is a file, not a directory")
+    assert blocker.read_text() == "a user's file\n"
+    after = sorted(p.name for p in tmp_path.iterdir() if p.name != "done")
+    assert after == [b for b in before if b != "done"], line
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_output_path_in_an_unwritable_directory(tmp_path, text_model, capsys, unwritable,
+                                                command):
+    out = unwritable / "parity-out"
+    p = in_process(capsys, *COMMANDS[command](out, tmp_path))
+    assert_user_error(p, str(out), "cannot be written", f"{unwritable} is not writable")
+    assert not out.exists()

@@ -12,7 +12,8 @@ TRAINER_USERS = {"cli", "sweep"}
 # Components: the RL core and the measurements. They never reach up to a command.
 COMPONENTS = {"config", "objectives", "precision", "engines", "scoring", "diagnostics",
               "metrics", "checkpoints", "distributed", "async_engine", "vllm_engine", "rollouts",
-              "runs", "tasks", "arith", "testbed", "errors", "ui", "loggers", "audit_inputs"}
+              "runs", "tasks", "arith", "testbed", "errors", "files", "ui", "loggers",
+              "audit_inputs"}
 COMMANDS = {"cli", "trainer", "sweep", "reproduce", "audit", "fp16_check", "reports", "claims"}
 MAX_LINES = 80
 

@@ -182,8 +182,19 @@ def test_malformed_metrics_line_names_file_and_line(two_runs, tmp_path):
     lines = path.read_text().splitlines(keepends=True)
     lines[6] = '{"step": 7, "reward/mean": 0.5,\n'  # truncated by a crash mid-write
     path.write_text("".join(lines))
-    with pytest.raises(ParityError, match=re.escape(f"{path}:7:")):
+    with pytest.raises(ParityError, match=re.escape(f"{path} line 7: not valid JSON")):
         run_report(two_runs, tmp_path / "out")
+
+
+def test_metrics_that_are_not_utf8_name_the_byte(two_runs, tmp_path):
+    path = two_runs[0] / "metrics.jsonl"
+    data = path.read_bytes()
+    cut = data.index(b"\n") + 1
+    path.write_bytes(data[:cut] + b"\xff" + data[cut:])
+    with pytest.raises(ParityError, match=re.escape(f"metrics file {path} is not UTF-8 text: "
+                                                    f"byte 0xff at offset {cut} (line 2)")):
+        run_report(two_runs, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_or_empty_metrics_is_a_user_error(two_runs, tmp_path):

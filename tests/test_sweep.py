@@ -39,6 +39,17 @@ def test_sweep_runs_the_grid_and_skips_finished_runs(tmp_path, text_model, capsy
     assert again["neg-length-text-xs-fp32-s1"]["set_aside"].endswith(".incomplete-1")
     assert (out / "runs" / "neg-length-text-xs-fp32-s1.incomplete-1" / "metrics.jsonl").is_file()
     assert (crashed / "checkpoints" / "step-3").is_dir()
+    capsys.readouterr()
+
+    # A finished run whose metrics.jsonl was damaged (a stray byte that is not UTF-8) is not
+    # finished: it is set aside and run again, never a crash of the whole sweep.
+    damaged = out / "runs" / "neg-length-text-xs-bf16-engine-s0"
+    (damaged / "metrics.jsonl").write_bytes(b"\xff" + (damaged / "metrics.jsonl").read_bytes())
+    assert main([*GRID, "--out", str(out)]) == 0
+    third = json.loads((out / "summary.json").read_text())["runs"]
+    assert third["neg-length-text-xs-bf16-engine-s0"]["set_aside"].endswith(".incomplete-1")
+    assert third["neg-length-text-xs-bf16-engine-s0"]["ok"]
+    assert third["neg-length-text-xs-fp32-s1"].get("skipped") is True
 
 
 @pytest.mark.parametrize("args,words", [

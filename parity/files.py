@@ -1,0 +1,213 @@
+"""The user's files in, parity's directories out: the one way each goes.
+
+Every text file parity reads (datasets, reward modules, YAML configs, audit inputs, prompt
+files, metrics) goes through `read_text`, so a file that is not text, or not UTF-8, is one line
+naming the file and the byte offset rather than a traceback from deep inside a parser. Every
+output directory goes through `ensure_writable` before any work, so a path that cannot become a
+directory is refused before anything is created (docs/errors.md, "Files", "Output paths").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import logging
+import os
+import sys
+import tokenize
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from parity.errors import ParityError, one_line
+
+BOM = b"\xef\xbb\xbf"  # editors on Windows start UTF-8 files with it; it is not content
+
+
+def _unreadable(e: OSError, p: Path, what: str) -> ParityError:
+    if isinstance(e, FileNotFoundError):
+        return ParityError(f"{what} {p} does not exist")
+    if isinstance(e, IsADirectoryError):
+        return ParityError(f"{what} {p} is a directory, not a file")
+    return ParityError(f"cannot read {what} {p}: {e.strerror or one_line(e)}")
+
+
+def read_bytes(path: str | Path, what: str) -> bytes:
+    p = Path(path)
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise _unreadable(e, p, what) from None
+
+
+def read_text(path: str | Path, what: str, encoding: str = "utf-8") -> str:
+    """The file's text; `what` names it in the message ("dataset", "config file", ...). Bytes
+    that do not decode, or a NUL (a binary file), are refused with their offset and line."""
+    p = Path(path)
+    data = read_bytes(p, what)
+    skip = 0
+    if encoding.lower().replace("_", "-") in ("utf-8", "utf8", "utf-8-sig"):
+        encoding, skip = "utf-8", len(BOM) if data.startswith(BOM) else 0
+    try:
+        text = data[skip:].decode(encoding)
+    except UnicodeDecodeError as e:
+        at = skip + e.start
+        line = data.count(b"\n", 0, at) + 1
+        name = "UTF-8" if encoding == "utf-8" else encoding
+        raise ParityError(f"{what} {p} is not {name} text: byte 0x{data[at]:02x} at offset {at} "
+                          f"(line {line}) does not decode; save it as UTF-8") from None
+    except LookupError:
+        raise ParityError(f"{what} {p} declares the unknown encoding {encoding!r}") from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        at = skip + len(text[:nul].encode(encoding))
+        line = text.count("\n", 0, nul) + 1
+        raise ParityError(f"{what} {p} is binary, not text: a NUL byte at offset {at} (line "
+                          f"{line})")
+    return text
+
+
+def lines(text: str) -> list[str]:
+    """Lines split at newlines only: str.splitlines also splits at U+2028 and form feeds, which
+    JSON strings may hold, and would shift every line number after them."""
+    return [x[:-1] if x.endswith("\r") else x for x in text.split("\n")]
+
+
+def json_lines(path: str | Path, what: str, text: str | None = None
+               ) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a JSON Lines file (`text`: its content,
+    when the caller has read it already); a line that is not JSON is refused with its number."""
+    p = Path(path)
+    for n, line in enumerate(lines(read_text(p, what) if text is None else text), start=1):
+        if line.strip():
+            yield n, parse_json(line, f"{what} {p} line {n}")
+
+
+def parse_json(text: str, where: str) -> Any:
+    """One JSON document; an error names `where`, and the line of a document of several."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = f"column {e.colno}" if e.lineno == 1 and "\n" not in text else (
+            f"line {e.lineno}, column {e.colno}")
+        raise ParityError(f"{where}: not valid JSON ({e.msg} at {at})") from None
+    except RecursionError:
+        raise ParityError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ParityError(f"{where}: not valid JSON ({one_line(e)})") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    return parse_json(read_text(path, what), f"{what} {Path(path)}")
+
+
+def read_python(path: str | Path, what: str) -> str:
+    """A Python source's text in the encoding it declares (PEP 263; UTF-8 by default), so a
+    module with a latin-1 coding line is read as Python reads it."""
+    data = read_bytes(path, what)
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as e:
+        read_text(path, what)  # no declaration and not UTF-8: named with its offset here
+        raise ParityError(f"{what} {path}: {e.msg}") from None
+    return read_text(path, what, encoding)
+
+
+def read_parquet(path: str | Path, what: str) -> Any:
+    """A parquet file as a pyarrow Table; a file that is not parquet is one line."""
+    import pyarrow.parquet as pq
+    try:  # a missing or unreadable file is named as every other reader names it
+        open(path, "rb").close()
+    except OSError as e:
+        raise _unreadable(e, Path(path), what) from None
+    try:
+        return pq.read_table(path)
+    except Exception as e:  # pyarrow's errors share no base class a caller could name
+        raise ParityError(f"{what} {path} is not a readable parquet file: {one_line(e)}") from None
+
+
+def arrow_rows(table: Any, what: str) -> list[dict[str, Any]]:
+    """A pyarrow Table's rows as dicts. Parquet stores strings as bytes and checks no encoding,
+    so a string that is not UTF-8 is found and named by row and column."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as first:
+        for c in table.column_names:
+            col = table.column(c)
+            for i in range(len(col)):
+                try:
+                    col[i].as_py()
+                except UnicodeDecodeError as e:
+                    raise ParityError(f"{what} row {i}, column {c!r}: not UTF-8 text (byte "
+                                      f"0x{e.object[e.start]:02x} at offset {e.start} of the "
+                                      f"value does not decode)") from None
+        raise ParityError(f"{what}: a value is not UTF-8 text ({first.reason})") from None
+
+
+def ensure_writable(path: str | Path, what: str) -> None:
+    """Refuse an output directory that could not be created or written: an existing file, a
+    path under a file, or a directory without write permission. Looks up to the first path
+    that exists, so nothing is created here. (Root passes every permission check but a
+    read-only file system's.)"""
+    p = Path(path)
+    try:
+        probe = next((q for q in (p, *p.parents, p.absolute(), *p.absolute().parents)
+                      if _exists(q)), None)
+        if probe is None:
+            raise ParityError(f"{what} {p} cannot be created: no directory above it exists")
+        if probe.is_symlink() and not probe.exists():
+            raise ParityError(f"{what} {p} cannot be created: {probe} is a broken symbolic "
+                              f"link")
+        if not probe.is_dir():
+            if probe == p:
+                raise ParityError(f"{what} {p} is a file, not a directory")
+            raise ParityError(f"{what} {p} cannot be created: {probe} is a file, not a "
+                              f"directory")
+    except OSError as e:  # e.g. a path too long, or a directory above it we may not enter
+        raise ParityError(f"{what} {p}: {e.strerror or one_line(e)}") from None
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ParityError(f"{what} {p} cannot be written: {probe} is not writable")
+
+
+def _exists(p: Path) -> bool:
+    """Whether anything (a broken link too) is at `p`. Unlike os.path.lexists, an error other
+    than "no such file" (a name too long, a directory we may not enter) is raised, not taken
+    for absence."""
+    try:
+        os.lstat(p)
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def exists(path: str | Path, what: str) -> bool:
+    """Whether the user's `path` exists; a path the system cannot even look up (a name too
+    long, a directory we may not enter) is one line instead of Path.exists's OSError."""
+    try:
+        return _exists(Path(path)) and Path(path).exists()
+    except OSError as e:
+        raise ParityError(f"{what} {path}: {e.strerror or one_line(e)}") from None
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """transformers and datasets log a failure in lines of their own, and warn, before they
+    raise; parity reports the exception in one line, so their loggers and warnings are silenced
+    while they load the user's files. Their progress bars are turned off for good: parity draws
+    its own, and a bar of theirs (a checkpoint's save_pretrained) would interleave with it."""
+    for name in ("transformers", "datasets"):
+        if name in sys.modules:  # a library not loaded yet draws no bar
+            importlib.import_module(f"{name}.utils.logging").disable_progress_bar()
+    loggers = [logging.getLogger(name) for name in ("transformers", "datasets")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
