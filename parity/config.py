@@ -228,7 +228,9 @@ class Config:
     dist_timeout_s: float = _f(600.0, "Multi-process: seconds a rank waits for the others in a "
                                "collective before the run stops with an error.", gt=0)
     # -- bookkeeping
-    seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.")
+    # torch seeds its generators with an unsigned 64-bit integer.
+    seed: int = _f(0, "Seed for data order, sampling and initialisation of anything random.",
+                   ge=0, lt=2**63)
     out: str | None = _f(None, "Run directory. None: runs/<task>-<recipe>-s<seed>.")
     save_every: int = _f(100, "Save a checkpoint every N steps (0: only at the end); "
                          "`parity train --resume RUN` continues from the newest.", ge=0)

@@ -14,9 +14,9 @@ from parity.config import (AuditSettings, Config, check_fields, coerce, field_sp
                            make_config)
 from parity.errors import ParityError
 
-# Numbers with no bound of their own: any seed is a seed, max_grad_norm <= 0 disables clipping,
-# and sync_every's bound depends on max_staleness (a rule of validate's).
-UNBOUNDED = {"seed", "max_grad_norm", "sync_every"}
+# Numbers with no bound of their own: max_grad_norm <= 0 disables clipping, and sync_every's
+# bound depends on max_staleness (a rule of validate's).
+UNBOUNDED = {"max_grad_norm", "sync_every"}
 
 
 @pytest.fixture(scope="module")
