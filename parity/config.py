@@ -39,7 +39,7 @@ CpuFp16 = Literal["emulate", "native"]
 DTYPES = typing.get_args(Dtype)
 RATIO_SOURCES = typing.get_args(RatioSource)
 CORRECTIONS = typing.get_args(Correction)
-OBJECTIVES = typing.get_args(ObjectiveName)
+OBJECTIVE_NAMES = typing.get_args(ObjectiveName)
 LOSS_AGGS = typing.get_args(LossAgg)
 DPO_REFS = typing.get_args(DpoRef)
 OPTIMIZERS = typing.get_args(OptimizerName)
@@ -245,12 +245,12 @@ class Config:
         """Refuse bad settings before any work starts, with one line naming the field: every
         field's own checks (`check_fields`), then the rules that tie fields together."""
         # Here, not at the top: objectives imports torch, and building the CLI should not.
-        from parity.objectives import OBJECTIVES as OBJECTIVE_TABLE
+        from parity.objectives import OBJECTIVES
         if self.recipe not in RECIPES:
             raise ParityError(f"unknown recipe {self.recipe!r}; known recipes: "
                               f"{', '.join(RECIPES)}")
         check_fields(self)
-        objective = OBJECTIVE_TABLE[self.objective]
+        objective = OBJECTIVES[self.objective]
         if not 1 <= self.sync_every <= self.max_staleness + 1:
             raise ParityError(f"sync_every={self.sync_every} must be in [1, max_staleness + 1 = "
                               f"{self.max_staleness + 1}]: rarer pushes would leave rollouts "
@@ -579,10 +579,10 @@ def make_config(explicit: dict[str, Any]) -> Config:
 def _check_clip_ranges(objective: str, given: list[str]) -> None:
     """Refuse a clip range the objective does not use. Only ranges the user set count: every
     recipe sets both kinds."""
-    from parity.objectives import OBJECTIVES as OBJECTIVE_TABLE
-    if objective not in OBJECTIVE_TABLE:
+    from parity.objectives import OBJECTIVES
+    if objective not in OBJECTIVES:
         return  # validate names the choices
-    clip = OBJECTIVE_TABLE[objective].clip
+    clip = OBJECTIVES[objective].clip
     for k in given:
         sequence = k.startswith("seq_")
         if clip is None:

@@ -30,7 +30,8 @@ ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "elect
                 "deberta-v2", "camembert", "ernie", "mpnet", "modernbert")
 
 
-def _check_causal_lm(model_dir: Path) -> None:
+def _causal_lm_config(model_dir: Path) -> Any:
+    """The model's config, refused unless it describes a decoder-only language model."""
     try:
         with quiet_libraries():
             config = AutoConfig.from_pretrained(model_dir)
@@ -43,6 +44,7 @@ def _check_causal_lm(model_dir: Path) -> None:
         what = f"{config.model_type} ({', '.join(names)})" if names else config.model_type
         raise ParityError(f"{model_dir} is not a causal LM: its config describes {what}, an "
                           f"encoder or another head; parity trains decoder-only language models")
+    return config
 
 
 def _check_weights_fit(model: torch.nn.Module, info: dict, model_dir: Path) -> None:
@@ -72,11 +74,11 @@ def _check_weights_fit(model: torch.nn.Module, info: dict, model_dir: Path) -> N
 def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     """fp32 master weights and the tokenizer. A directory that is not a causal LM, or whose
     config.json disagrees with its weights, is a user error."""
-    _check_causal_lm(model_dir)
+    config = _causal_lm_config(model_dir)
     try:
         with quiet_libraries():
             model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.float32, output_loading_info=True,
+                model_dir, config=config, dtype=torch.float32, output_loading_info=True,
                 ignore_mismatched_sizes=True)
     except Exception as e:
         raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
@@ -113,13 +115,13 @@ def load_model_and_task(cfg: "Config") -> tuple[torch.nn.Module, Any, Path, "Tas
 
 # ---- run directories ---------------------------------------------------------------------
 
-def free_dir(base: Path) -> Path:
-    """`base`, or base-2, base-3, ... : the first that does not exist yet, so repeating a
-    command never collides with the output of the one before it."""
-    path, n = base, 1
+def free_dir(base: Path, suffix: str = "") -> Path:
+    """`base`, or base-2, base-3, ... (each with `suffix` after it): the first that does not
+    exist yet, so repeating a command never collides with the output of the one before it."""
+    path, n = base.with_name(base.name + suffix), 1
     while path.exists():
         n += 1
-        path = base.with_name(f"{base.name}-{n}")
+        path = base.with_name(f"{base.name}-{n}{suffix}")
     return path
 
 
@@ -161,9 +163,6 @@ def set_aside_metrics(run: Path) -> Path | None:
     path = run / "metrics.jsonl"
     if not path.is_file() or path.stat().st_size == 0:
         return None
-    dest, n = run / "metrics-before-restart.jsonl", 1
-    while dest.exists():
-        n += 1
-        dest = run / f"metrics-before-restart-{n}.jsonl"
+    dest = free_dir(run / "metrics-before-restart", ".jsonl")
     os.replace(path, dest)
     return dest

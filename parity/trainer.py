@@ -263,10 +263,12 @@ class Updates:
     grad_norms: list[float] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
     dump: list = field(default_factory=list)
+    # the rows' sample and prompt ids as tensors, built once per step; None when not dumping
+    dump_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def update(run: Run, step: int, epoch: int, start: int, r: Rollout, p: Plan, prep: Prepared,
-           rewards: torch.Tensor, u: Updates, dumping: bool) -> None:
+           rewards: torch.Tensor, u: Updates) -> None:
     """One minibatch, rows [start, start + minibatch): forward, loss, attribution, backward,
     optimizer step."""
     cfg, s = run.cfg, run.sampling
@@ -289,10 +291,11 @@ def update(run: Run, step: int, epoch: int, start: int, r: Rollout, p: Plan, pre
     u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask, first=epoch == 0)
     if epoch == 0 and r.dists is not None:
         u.diag.add_exact_kl(exact_kl_of_rows(r, sc.logits, mb.completion_mask, s, start))
-    if dumping:
-        u.dump.append(dump_table(step, len(u.policy_losses), epoch,
-                                 torch.tensor(p.sample_ids)[idx], torch.tensor(p.rows)[idx], mb,
-                                 adv, logp_pi, logp_s, att, eps_low, eps_high))
+    if u.dump_ids is not None:
+        sample_ids, prompt_ids = u.dump_ids
+        u.dump.append(dump_table(step, len(u.policy_losses), epoch, sample_ids[idx],
+                                 prompt_ids[idx], mb, adv, logp_pi, logp_s, att, eps_low,
+                                 eps_high))
     del sc
     run.scaler.backward(loss.total)
     _, norm = run.scaler.step(run.opt, run.params, cfg.max_grad_norm)
@@ -316,10 +319,11 @@ def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
     prep = prepare(run, r, rewards)
     t1 = time.perf_counter()
     u, skipped_before = Updates(), run.scaler.skipped
-    dumping = bool(cfg.dump_rollouts) and step % cfg.dump_rollouts == 0
+    if cfg.dump_rollouts and step % cfg.dump_rollouts == 0:
+        u.dump_ids = torch.tensor(p.sample_ids), torch.tensor(p.rows)
     for epoch in range(cfg.epochs):
         for start in range(0, len(p.rows), len(p.rows) // cfg.minibatches):
-            update(run, step, epoch, start, r, p, prep, rewards, u, dumping)
+            update(run, step, epoch, start, r, p, prep, rewards, u)
     run.rollouts.after_update(step, run.model)
     t2 = time.perf_counter()
     times = {"time/rollout_s": d.rollout_s if d.rollout_s is not None else t1 - t0,

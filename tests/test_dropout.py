@@ -31,6 +31,7 @@ def first_step(run: Path) -> dict:
 def test_no_gap_and_no_clip_at_the_first_update_with_dropout_in_the_model(tmp_path, gpt2):
     assert main(["train", "--model", str(gpt2), *RUN, "--out", str(tmp_path / "run")]) == 0
     m = first_step(tmp_path / "run")
+    print(f"\ndropout off: |alpha| {m['mismatch/alpha_abs_mean']:.3g}, clip/frac {m['clip/frac']}")
     assert m["clip/frac"] == 0.0
     assert m["mismatch/alpha_abs_mean"] < 1e-5     # fp32 engine and trainer, θ = θ_old
     assert m["mismatch/beta_abs_mean"] == 0.0
@@ -40,6 +41,8 @@ def test_keep_dropout_brings_the_noise_back(tmp_path, gpt2):
     assert main(["train", "--model", str(gpt2), *RUN, "--keep-dropout",
                  "--out", str(tmp_path / "run")]) == 0
     m = first_step(tmp_path / "run")
+    print(f"\n--keep-dropout: |alpha| {m['mismatch/alpha_abs_mean']:.3g}, "
+          f"clip/frac {m['clip/frac']:.3g}")
     assert m["mismatch/alpha_abs_mean"] > 1e-2 and m["clip/frac"] > 0.0
 
 
@@ -56,4 +59,6 @@ def test_trl_trainer_measures_without_dropout_whatever_grpo_config_says(tmp_path
     t.train()
     step = [h for h in t.state.log_history if "clip/frac" in h][0]
     assert all(m.p == 0.0 for m in t.model.modules() if isinstance(m, torch.nn.Dropout))
+    print(f"\nTRL bf16-engine, GRPOConfig(disable_dropout=False): |beta| "
+          f"{step['mismatch/beta_abs_mean']:.3g}")
     assert step["mismatch/beta_abs_mean"] < 0.02, step["mismatch/beta_abs_mean"]

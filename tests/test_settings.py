@@ -91,7 +91,7 @@ def test_bad_choices_are_refused_for_every_literal_field(base):
 def test_tuples_derive_from_the_literals():
     assert config.DTYPES == ("fp32", "bf16", "fp16")
     assert config.DTYPES == field_specs(Config)["engine_dtype"].choices
-    assert config.OBJECTIVES == field_specs(Config)["objective"].choices
+    assert config.OBJECTIVE_NAMES == field_specs(Config)["objective"].choices
     assert config.RATIO_SOURCES == typing.get_args(config.RatioSource)
 
 
