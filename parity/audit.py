@@ -24,7 +24,8 @@ import torch
 from parity import testbed, ui
 from parity.ui import progress
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
-                                dump_table, exact_kl_of_rows, exact_kl_rows, write_dump)
+                                dump_table, exact_kl_of_rows, exact_kl_rows, kept_rows,
+                                write_dump)
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids
 from parity.scoring import score_full
@@ -54,7 +55,8 @@ class Measurement:
             s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
         a = self.a
         with autocast(a.trainer_dtype, torch.device("cpu"), a.cpu_fp16):
-            sc = score_full(model, r, s)
+            rows = kept_rows(r, slice(0, len(r.completion_ids)))
+            sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
         logp_s = shadow.logprobs(model, r, s, logp_pi)
         self.has_adv &= adv is not None
@@ -63,7 +65,7 @@ class Measurement:
         att = attribute(logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
         self.diag.add(att, logp_pi, r.engine_logprobs, adv_t, mask, first=True)
         if r.dists is not None:
-            self.diag.add_exact_kl(exact_kl_of_rows(r, logits, mask, s))
+            self.diag.add_exact_kl(exact_kl_of_rows(r, logits, rows, mask[rows], s))
         m = mask > 0
         self.adv.append(adv_t[:, None].expand_as(mask)[m])
         for k, v in (("engine_logprob", r.engine_logprobs), ("trainer_logprob", logp_pi),
@@ -191,7 +193,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     model.eval()
     torch.manual_seed(a.seed)
     s = Sampling(a.temperature, a.top_p, a.top_k)
-    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16)
+    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, chunk=a.logprob_chunk)
     meas = Measurement(a)
     total = None if a.rollouts else a.samples
     with progress("audit", total, a.progress, transient=True) as bar:

@@ -160,29 +160,36 @@ def _fmt(v: Any) -> str:
 def cmd_testbed(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
-    from parity import testbed
+    from parity import pretrained, testbed
     cache = testbed.cache_dir() if args.cache is None else Path(args.cache)
     if args.action == "list":
-        t = Table(title=f"testbed models (cache: {cache})")
+        t = Table(title=f"built-in models (cache: {cache})")
         for col in ("name", "kind", "arch", "layers", "width", "vocab", "built", "about"):
             t.add_column(col)
         for name, s in testbed.SPECS.items():
             built = "yes" if (cache / "models" / name / "config.json").is_file() else ""
             t.add_row(name, s.kind, s.arch, str(s.n_layer), str(s.d_model),
                       str(s.vocab_size) if s.kind == "text" else "chars", built, s.description)
+        for name, src in pretrained.SOURCES.items():
+            built = "yes" if pretrained.is_converted(cache / "models" / name) else ""
+            t.add_row(name, "pretrained", "", "", "", "", built, f"{src.description}; needs "
+                      f"`{src.pip}`")
         Console().print(t)
         return
+    known = testbed.known_models()
     names = list(testbed.SPECS) if args.names == ["all"] else args.names
     if not names:
-        raise ParityError("testbed build: name at least one model (or `all`); see "
-                          "`parity testbed list`")
+        raise ParityError("testbed build: name at least one model (or `all`, every testbed "
+                          "model); see `parity testbed list`")
     for name in names:
-        if name not in testbed.SPECS:
-            raise ParityError(f"unknown testbed model {name!r}; known: "
-                              f"{', '.join(testbed.SPECS)}")
+        if name not in known:
+            raise ParityError(f"unknown built-in model {name!r}; known: {', '.join(known)}")
     ensure_writable(cache, "--cache" if args.cache is not None else "testbed cache")
     for name in names:
-        print(testbed.build(name, cache, force=args.force))
+        if name in pretrained.SOURCES:
+            print(pretrained.build(name, cache, force=args.force))
+        else:
+            print(testbed.build(name, cache, force=args.force))
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:
@@ -316,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue RUN_DIR from "
                     "its newest valid checkpoint (a corrupt one is skipped with a warning)")
     tr.set_defaults(func=cmd_train)
-    tb = sub.add_parser("testbed", help="Build or list the tiny testbed models.")
+    tb = sub.add_parser("testbed", help="Build or list the built-in models: the tiny testbed "
+                         "models, and real pretrained ones converted from installed packages.")
     tb.add_argument("action", choices=("build", "list"))
     tb.add_argument("names", nargs="*", help="model names, or `all`")
     tb.add_argument("--cache", default=None, help="cache directory (default: $PARITY_CACHE or "

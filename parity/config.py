@@ -188,6 +188,22 @@ class Config:
     minibatches: int = _f(1, "Optimizer steps per epoch: the step's completions split this many "
                           "ways (by whole groups).", gt=0)
     epochs: int = _f(1, "Passes over the step's completions.", gt=0)
+    # -- memory: trade time for memory without changing the algorithm (docs/performance.md)
+    micro_batch: int = _f(0, "Completions per forward and backward inside one optimizer step "
+                          "(gradient accumulation: the same update as one forward over the "
+                          "minibatch, to float rounding); 0: the whole minibatch at once.",
+                          ge=0)
+    micro_batch_tokens: int = _f(0, "Token budget per forward (prompt + completion positions, "
+                                 "padding included): consecutive completions packed up to it, "
+                                 "as verl's dynamic batch size; 0: no budget. With micro_batch, "
+                                 "both limits hold.", ge=0)
+    logprob_chunk: int = _f(0, "Positions whose vocabulary-wide logits exist at once when "
+                            "scoring (the rest are recomputed in the backward); 0: every "
+                            "position of a forward at once.", ge=0)
+    gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in the "
+                                      "backward instead of keeping them (transformers' "
+                                      "gradient checkpointing): about a third more update "
+                                      "time for a fraction of the activation memory.")
     # -- sampling
     max_new_tokens: int = _f(64, "Max completion tokens, EOS included (built-in tasks set "
                              "their own default).", gt=0)
@@ -279,6 +295,10 @@ class Config:
                               f"must be >= 2")
         if self.model is None:
             raise ParityError(f"task {self.task!r} has no default model: give --model NAME|DIR")
+        if objective.pairs and self.micro_batch % self.samples_per_prompt:
+            raise ParityError(f"micro_batch={self.micro_batch}: objective={self.objective} pairs "
+                              f"completions of one prompt, so a micro-batch holds whole groups: "
+                              f"a multiple of samples_per_prompt={self.samples_per_prompt}")
         if self.prompts_per_step % self.minibatches:
             raise ParityError(f"prompts_per_step={self.prompts_per_step} must be divisible by "
                               f"minibatches={self.minibatches} (minibatches hold whole groups)")
@@ -521,6 +541,7 @@ AuditSettings = derive("AuditSettings", [
     own("eps", float, 0.2, "Clip range of the headline fractions (a sweep over eps is always "
         "added).", gt=0, lt=1),
     own("batch_size", int, 64, "Completions per trainer forward.", gt=0),
+    shared("logprob_chunk"),
     shared("kl_exact_rows", help="Completions per batch whose whole engine distribution is kept "
            "for the exact KL(mu||pi) over the vocabulary (0 disables)."),
     shared("cpu_fp16"),

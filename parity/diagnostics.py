@@ -42,9 +42,9 @@ class Shadow:
     same forward as the trainer, so there ℓ_s = ℓ_π and no extra forward is run."""
 
     def __init__(self, master: torch.nn.Module, engine_dtype: str, trainer_dtype: str,
-                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False):
+                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False, chunk: int = 0):
         self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32"
-        self.dtype, self.cpu_fp16 = engine_dtype, cpu_fp16
+        self.dtype, self.cpu_fp16, self.chunk = engine_dtype, cpu_fp16, chunk
         self.model = None
         if not self.identity:
             self.model = low_precision_copy(master, engine_dtype, lm_head_fp32)
@@ -52,15 +52,18 @@ class Shadow:
 
     @torch.no_grad()
     def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,
-                 logp_pi: torch.Tensor | None = None) -> torch.Tensor:
+                 logp_pi: torch.Tensor | None = None, cast: bool = True) -> torch.Tensor:
+        """ℓ_s of `r` on `master`'s weights; `cast=False` when they were cast for an earlier
+        piece of the same update and have not moved since."""
         if self.identity:
             if logp_pi is None:
-                return score(master, r, s)
+                return score(master, r, s, chunk=self.chunk)
             return logp_pi.detach()
-        cast_weights_into(master, self.model, count=False)
+        if cast:
+            cast_weights_into(master, self.model, count=False)
         device = next(self.model.parameters()).device
         with fp16_kernels(self.dtype, device, self.cpu_fp16):
-            return score(self.model, r, s)
+            return score(self.model, r, s, chunk=self.chunk)
 
 
 @dataclass
@@ -128,17 +131,23 @@ def exact_kl_rows(batch: int, k: int) -> list[int]:
     return [i * batch // k for i in range(k)] if k else []
 
 
-def exact_kl_of_rows(r: Rollout, logits: torch.Tensor, mask: torch.Tensor, s: Sampling,
-                     start: int = 0) -> torch.Tensor:
-    """Exact KL(μ‖π) at the valid positions of the rows of `r` whose distribution the engine
-    kept, from the trainer's logits of rows start, start + 1, ... (a minibatch of `r`, or all
-    of it): no extra forward. Rows outside those logits are left out."""
+def kept_rows(r: Rollout, sl: slice) -> list[int]:
+    """The rows of `r` in `sl` whose sampling distribution the engine kept, in `r`'s numbering."""
+    if r.dist_rows is None:
+        return []
+    return [row for row in r.dist_rows.tolist() if sl.start <= row < sl.stop]
+
+
+def exact_kl_of_rows(r: Rollout, logits: torch.Tensor, rows: list[int], mask: torch.Tensor,
+                     s: Sampling) -> torch.Tensor:
+    """Exact KL(μ‖π) at the valid positions of `rows` of `r` (each one whose distribution the
+    engine kept), from the trainer's logits of those rows, [k, T, V] with `mask` [k, T]: no
+    extra forward."""
+    where = {row: j for j, row in enumerate(r.dist_rows.tolist())}
     kls = []
-    for j, row in enumerate(r.dist_rows.tolist()):
-        i = row - start
-        if 0 <= i < logits.shape[0]:
-            n = int(mask[i].sum())
-            kls.append(exact_kl(r.dists[j, :n], logits[i, :n], s))
+    for i, row in enumerate(rows):
+        n = int(mask[i].sum())
+        kls.append(exact_kl(r.dists[where[row], :n], logits[i, :n], s))
     return torch.cat(kls) if kls else torch.empty(0)
 
 

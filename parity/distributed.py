@@ -7,16 +7,17 @@ row draws the random number the one-process run draws for it, and a metric is co
 tokens of all ranks: a 2-process run gives the 1-process metrics (tests/test_distributed.py).
 
 DDP averages gradients over ranks, which is the gradient of the global loss only when every
-rank's loss has the same denominator. `Dist.share` rescales a rank's loss to its part of the
-global one (token means, DPO pairs); rank 0 alone writes files.
+rank's loss has the same denominator. `Dist.sharer` rescales a rank's loss (or a micro-batch's)
+to its part of the global one (token means, DPO pairs); rank 0 alone writes files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as td
@@ -92,14 +93,42 @@ class Dist:
             raise ParityError(errors[0])
 
     # -- the loss ----------------------------------------------------------------------------
-    def share(self, loss: torch.Tensor, n: float) -> torch.Tensor:
-        """`loss` is a mean over this rank's `n` items (tokens, rows, pairs). DDP averages the
-        ranks' gradients, so scale it to n·world/N_total: the average is then the gradient of the
-        mean over all N_total items, as one process computes it."""
-        if not self.on:
-            return loss
-        total = self.sum(n)
-        return loss * (n * self.world / total) if total > 0 else loss * 0.0
+    def sharer(self, totals: dict[str, float]) -> "Callable[[torch.Tensor, float, str], torch.Tensor]":
+        """`share(loss, n, unit)` for one optimizer step whose minibatch holds `totals[unit]`
+        items of each unit (tokens, sequences, pairs) on this rank, in one or more pieces
+        (micro-batches). `loss` is a mean over a piece's `n` items; gradients accumulate over
+        pieces and DDP averages them over ranks, so scale it to n·world/N_total: the result is the
+        gradient of the mean over all N_total items, as one forward in one process computes it."""
+        units = list(totals)
+        if self.on:
+            t = torch.tensor([float(totals[u]) for u in units], dtype=torch.float64)
+            self._call(lambda: td.all_reduce(t))
+            total = dict(zip(units, t.tolist()))
+        else:
+            total = {u: float(v) for u, v in totals.items()}
+
+        def share(loss: torch.Tensor, n: float, unit: str) -> torch.Tensor:
+            if not self.on and n == total[unit]:
+                return loss  # the whole minibatch in one forward: nothing to rescale
+            return loss * (n * self.world / total[unit]) if total[unit] > 0 else loss * 0.0
+        return share
+
+    @contextlib.contextmanager
+    def accumulating(self, modules: list[Any], last: bool) -> Iterator[None]:
+        """Around a micro-batch's backward: gradients are reduced over ranks only on the `last`
+        one; before it, each rank accumulates its own (DDP's no_sync, FSDP2's gradient sync
+        off), which is also what keeps ranks with unequal work from waiting on each other."""
+        if last or not self.on:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for m in modules:
+                if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+                    stack.enter_context(m.no_sync())
+                elif hasattr(m, "set_requires_gradient_sync"):
+                    m.set_requires_gradient_sync(False)
+                    stack.callback(m.set_requires_gradient_sync, True)
+            yield
 
     def wrap(self, module: torch.nn.Module | None) -> Any:
         if module is None or not self.on:

@@ -15,11 +15,13 @@ import io
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import tokenize
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from parity.errors import ParityError, one_line
 
@@ -211,3 +213,29 @@ def quiet_libraries() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def publish_dir(make: Callable[[], object], tmp: Path, final: Path,
+                is_done: Callable[[Path], bool]) -> None:
+    """Run `make` (which fills the fresh directory `tmp` beside `final`), then put `tmp` in
+    `final`'s place in one rename, so a reader sees the old directory or the finished new one,
+    never half of it. A failure removes `tmp`; another process that finished first wins."""
+    try:
+        make()
+        # mkdtemp makes the directory private, and some writers their files: a model cache is
+        # meant to be shared.
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            if f.is_file():
+                os.chmod(f, 0o644)
+        if final.exists():  # rename cannot replace a non-empty directory: move the old one aside
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old / final.name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not is_done(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

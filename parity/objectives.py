@@ -285,11 +285,19 @@ def dpo_loss(logp_pi: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
 
 # ---- the objective table --------------------------------------------------------------------
 # Each objective's loss on one minibatch, and the facts the trainer and the diagnostics look up
-# instead of testing its name. `share(loss, n)` turns a mean over this rank's n items (tokens,
-# sequences, pairs) into its share of the mean over every rank's items; in one process it is
-# the identity.
+# instead of testing its name. `share(loss, n, unit)` turns a mean over n items (tokens,
+# sequences or pairs) of this piece of the minibatch into its share of the mean over the
+# minibatch's items on every rank; for the whole minibatch in one process it is the identity.
 
-Share = Callable[[torch.Tensor, float], torch.Tensor]
+Share = Callable[[torch.Tensor, float, str], torch.Tensor]
+
+
+def units(mask: torch.Tensor, rewards: torch.Tensor, group: int, pairs: bool) -> dict[str, float]:
+    """What an objective's loss can be a mean over, counted on a minibatch (whole groups)."""
+    n = {"tokens": float(mask.sum()), "sequences": float(mask.shape[0])}
+    if pairs:
+        n["pairs"] = float(len(dpo_pairs(rewards, group)[0]))
+    return n
 
 
 @dataclass
@@ -316,22 +324,25 @@ class Loss:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _agg_units(cfg: Any, mask: torch.Tensor) -> float:
-    """What a token objective's loss is a mean over: tokens for token-mean, sequences else."""
-    return float(mask.sum()) if cfg.loss_agg == "token-mean" else float(mask.shape[0])
+def _agg_units(cfg: Any, mask: torch.Tensor) -> tuple[float, str]:
+    """What a token objective's loss is a mean over: tokens for token-mean, sequences else
+    (token-sum's constant B · max_len counts sequences)."""
+    if cfg.loss_agg == "token-mean":
+        return float(mask.sum()), "tokens"
+    return float(mask.shape[0]), "sequences"
 
 
 def _ppo_clip(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, clipped = ppo_clip_loss(b.log_r, b.adv, b.mask, cfg.eps_low, cfg.eps_high,
                                   cfg.loss_agg, cfg.max_new_tokens, b.weights)
-    loss = share(loss, _agg_units(cfg, b.mask))
+    loss = share(loss, *_agg_units(cfg, b.mask))
     return Loss(loss, float(loss.detach()), clipped)
 
 
 def _ppo_value(cfg: Any, b: Minibatch, share: Share) -> Loss:
     pol = _ppo_clip(cfg, b, share)
     v_loss = share(value_loss(b.values, b.old_values, b.returns, b.mask, cfg.value_clip),
-                   float(b.mask.sum()))
+                   float(b.mask.sum()), "tokens")
     return Loss(pol.total + cfg.value_coef * v_loss, pol.policy, pol.clipped,
                 {"loss/value": float(v_loss.detach())})
 
@@ -339,21 +350,21 @@ def _ppo_value(cfg: Any, b: Minibatch, share: Share) -> Loss:
 def _gspo(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, clipped = gspo_loss(b.log_r, b.adv, b.mask, cfg.seq_eps_low, cfg.seq_eps_high,
                               b.weights)
-    loss = share(loss, float(b.mask.shape[0]))
+    loss = share(loss, float(b.mask.shape[0]), "sequences")
     return Loss(loss, float(loss.detach()), clipped)
 
 
 def _pg_is(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, stats = pg_is_loss(b.logp_pi, b.log_r, b.adv, b.mask, cfg.is_cap, cfg.loss_agg,
                              cfg.max_new_tokens, b.weights)
-    loss = share(loss, _agg_units(cfg, b.mask))
+    loss = share(loss, *_agg_units(cfg, b.mask))
     return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), stats)
 
 
 def _online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
     chosen, rejected = dpo_pairs(b.rewards, cfg.samples_per_prompt)
     loss, margins = dpo_loss(b.logp_pi, b.ref, b.mask, chosen, rejected, cfg.dpo_scale)
-    loss = share(loss, float(len(chosen)))
+    loss = share(loss, float(len(chosen)), "pairs")
     margins = margins.detach()
     m = {"dpo/pairs": float(len(chosen))}
     if len(chosen):

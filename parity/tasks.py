@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from parity import arith, testbed
+from parity import arith, testbed, ui
 from parity.errors import ParityError, one_line
 from parity.files import (arrow_rows, ensure_writable, exists, json_lines, parse_json,
                           quiet_libraries, read_json, read_parquet, read_python, read_text)
@@ -39,6 +39,7 @@ BUILTIN = ("neg-length", "arith")
 
 ARITH_CANDIDATES = 512
 ARITH_SAMPLES = 40
+ARITH_PROBE = 32  # problems sampled before a model that solves none of them is refused
 ARITH_BAND = (0.2, 0.8)
 # Rewards become float32 tensors, and their batch mean and std are float32 sums: a reward near
 # float32's largest value (3.4e38) turns them into inf. 1e30 leaves room for sums over any batch.
@@ -299,15 +300,17 @@ def _refused_message(tok: Any, messages: list[dict]) -> int | None:
 
 
 def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperature: float,
-               cache: Path | None = None) -> tuple[list[dict], dict]:
+               chat_template: bool = False, cache: Path | None = None,
+               progress: bool = True) -> tuple[list[dict], dict]:
     """The filtered arith problem set for this model: every candidate really sampled
-    ARITH_SAMPLES times at the run's temperature; cached beside the testbed models."""
+    ARITH_SAMPLES times at the run's temperature, from the prompt the run will feed it (chat
+    template included); cached beside the testbed models."""
     weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     stamp = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
     # The sampler's name: a filter drawn by another sampler is another sample of solve rates.
-    key = hashlib.sha256(json.dumps([str(model_dir.resolve()), stamp, seed, temperature,
-                                     ARITH_CANDIDATES, ARITH_SAMPLES, "engine-cdf"]
-                                    ).encode()).hexdigest()[:16]
+    key_parts = [str(model_dir.resolve()), stamp, seed, temperature, ARITH_CANDIDATES,
+                 ARITH_SAMPLES, "engine-cdf"] + (["chat-template"] if chat_template else [])
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:16]
     path = (cache or testbed.cache_dir()) / "tasks" / f"arith-{key}.json"
     if path.is_file():
         try:
@@ -322,8 +325,22 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
         q, a = arith.problem(rng)
         seen.setdefault(q, a)
     problems = list(seen.items())
-    rates = arith.solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
-                              seed=seed)
+    ids = [prompt_token_ids(tokenizer, q, chat_template, "arith") for q, _ in problems]
+    with ui.progress("arith: solve rates", len(problems) * ARITH_SAMPLES, progress,
+                     eta=True) as bar:
+        def seen_enough(done: int, total: int, solved: int) -> None:
+            bar.completed(done)
+            # Bounded cost for a model that cannot do the task at all (a chat model answers
+            # in words, not `95<eos>`): stop at the first batch of at least ARITH_PROBE
+            # problems rather than sample all of them.
+            if solved == 0 and done >= ARITH_PROBE * ARITH_SAMPLES:
+                raise ParityError(
+                    f"arith: {model_dir} solved none of the first {done // ARITH_SAMPLES} "
+                    f"problems in {ARITH_SAMPLES} samples each (the task wants the sum alone, "
+                    f"then end of sequence, within 8 tokens); arith cannot train this model: "
+                    f"use neg-length, or a dataset with your own --reward")
+        rates = arith.solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
+                                  seed=seed, prompt_ids=ids, on_batch=seen_enough)
     lo, hi = ARITH_BAND
     rows = [{"prompt": q, "answer": a, "solve_rate": r}
             for (q, a), r in zip(problems, rates) if lo <= r <= hi]
@@ -352,7 +369,7 @@ def build_task(name: str, reward: str | list[str] | None, model_dir: Path, model
         rows = [{"prompt": p} for p in testbed.text_prompts(256, seed=seed)]
         task = Task(name, rows, [Reward(neg_length_reward, "neg_length", "neg-length")])
     elif name == "arith":
-        rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature)
+        rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature, chat_template)
         task = Task(name, rows, [Reward(arith_reward, "arith", "arith")], info=info)
     else:
         if not specs:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from parity import arith
 from parity.errors import ParityError
-from parity.files import ensure_writable, exists
+from parity.files import ensure_writable, exists, publish_dir
 
 
 @dataclass(frozen=True)
@@ -339,78 +339,81 @@ def _spec(name: str) -> ModelSpec:
     return SPECS[name]
 
 
+def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
+    """Train `spec`'s model and save it, with its tokenizer and testbed.json, into `tmp`."""
+    import torch
+    import transformers
+
+    t0, c0 = time.time(), time.process_time()
+    random.seed(spec.seed)
+    torch.manual_seed(spec.seed)
+    if spec.kind == "arith":
+        tok = _arith_tokenizer()
+        batches = _arith_batches(spec, tok)
+    elif spec.kind == "text":
+        corpus = text_corpus(spec.seed)
+        tok = _text_tokenizer(spec, corpus)
+        batches = _text_batches(spec, tok, corpus)
+    else:
+        raise ParityError(f"unknown testbed kind {spec.kind!r}")
+    model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
+    loss = _train(model, batches, spec, progress)
+    info = {"spec": asdict(spec), "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(), "final_train_loss": loss,
+            "n_params": sum(p.numel() for p in model.parameters())}
+    if spec.kind == "arith":
+        rng = random.Random(spec.seed + 1_000_003)  # fresh problems, not the training stream
+        probs = [arith.problem(rng) for _ in range(500)]
+        for key, temp in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
+            rates = arith.solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
+            info[key] = sum(rates) / len(rates)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # save_pretrained draws a bar of its own otherwise
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    tok.save_pretrained(tmp)
+    info["build_seconds"] = round(time.time() - t0, 2)
+    # Summed over threads; well below threads x build_seconds means other work shared the
+    # CPU, so build_seconds overstates what the build costs on an idle machine.
+    info["cpu_seconds"] = round(time.process_time() - c0, 2)
+    (tmp / _DONE).write_text(json.dumps(info, indent=2) + "\n")
+
+
 def build(name: str, cache: Path | None = None, force: bool = False, progress: bool = True) -> Path:
     """Train testbed model `name` and save it to cache/models/NAME; returns that directory.
 
     An already built model is returned as is unless force=True.
     """
-    import torch
-    import transformers
-
     spec = _spec(name)
     final = Path(cache or cache_dir()) / "models" / name
     if _is_built(final, spec) and not force:
         return final
     ensure_writable(final.parent, "testbed cache")  # before minutes of training, not after
     final.parent.mkdir(parents=True, exist_ok=True)
-    t0, c0 = time.time(), time.process_time()
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
-    try:
-        random.seed(spec.seed)
-        torch.manual_seed(spec.seed)
-        if spec.kind == "arith":
-            tok = _arith_tokenizer()
-            batches = _arith_batches(spec, tok)
-        elif spec.kind == "text":
-            corpus = text_corpus(spec.seed)
-            tok = _text_tokenizer(spec, corpus)
-            batches = _text_batches(spec, tok, corpus)
-        else:
-            raise ParityError(f"unknown testbed kind {spec.kind!r}")
-        model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
-        loss = _train(model, batches, spec, progress)
-        info = {"spec": asdict(spec), "torch": torch.__version__, "transformers": transformers.__version__,
-                "threads": torch.get_num_threads(), "final_train_loss": loss,
-                "n_params": sum(p.numel() for p in model.parameters())}
-        if spec.kind == "arith":
-            rng = random.Random(spec.seed + 1_000_003)  # fresh problems, not the training stream
-            probs = [arith.problem(rng) for _ in range(500)]
-            for key, temp in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
-                rates = arith.solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
-                info[key] = sum(rates) / len(rates)
-        from transformers.utils import logging as hf_logging
-
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # save_pretrained draws a bar of its own otherwise
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-        tok.save_pretrained(tmp)
-        info["build_seconds"] = round(time.time() - t0, 2)
-        # Summed over threads; well below threads x build_seconds means other work shared the
-        # CPU, so build_seconds overstates what the build costs on an idle machine.
-        info["cpu_seconds"] = round(time.process_time() - c0, 2)
-        (tmp / _DONE).write_text(json.dumps(info, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache is meant to be shared
-        if final.exists():  # rename cannot replace a non-empty directory: move the old one aside
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=final.parent))
-            os.replace(final, old / name)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not _is_built(final, spec):  # another process finished the same build first: keep theirs
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_dir(lambda: _build_into(tmp, spec, progress), tmp, final,
+                lambda p: _is_built(p, spec))
     return final
 
 
 def ensure(name: str, cache: Path | None = None, progress: bool = True) -> Path:
-    """The finished model directory for `name`, building it first if needed."""
+    """The finished model directory for `name` (a testbed model, or a built-in pretrained one
+    converted from its package), building it first if needed."""
+    from parity import pretrained
+    if name in pretrained.SOURCES:
+        return pretrained.build(name, Path(cache or cache_dir()), progress=progress)
     return build(name, cache, progress=progress)
+
+
+def known_models() -> list[str]:
+    """Every name `--model` accepts besides a directory."""
+    from parity import pretrained
+    return [*SPECS, *pretrained.SOURCES]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -426,9 +429,9 @@ def resolve_model(name_or_path: str, cache: Path | None = None) -> Path:
         if missing:
             raise ParityError(f"{path} is not a Hugging Face model directory: missing {' and '.join(missing)}")
         return path
-    if name_or_path in SPECS:
+    if name_or_path in known_models():
         return ensure(name_or_path, cache)
     if path.exists():
         raise ParityError(f"{path} is a file, not a model directory")
-    raise ParityError(f"no model directory {name_or_path!r} and no testbed model of that name; "
-                      f"testbed models: {', '.join(SPECS)}")
+    raise ParityError(f"no model directory {name_or_path!r} and no built-in model of that name; "
+                      f"built-in models: {', '.join(known_models())}")

@@ -32,22 +32,23 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from parity import checkpoints, distributed, vllm_engine
+from parity import checkpoints, distributed, memory, vllm_engine
 from parity.config import Config, dump_yaml
 from parity.diagnostics import (Shadow, StepDiagnostics, attribute, dump_table, exact_kl_of_rows,
-                                exact_kl_rows, write_dump)
+                                exact_kl_rows, kept_rows, write_dump)
 from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
 from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids
 from parity.errors import ParityError
 from parity.loggers import MetricLoggers, check_backends
 from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
 from parity.objectives import (OBJECTIVES, Minibatch, Objective, ValueHead, behaviour_weights,
-                               gae, grpo_advantages, log_ratio, whiten)
+                               gae, grpo_advantages, log_ratio, units, whiten)
 from parity.precision import LossScaler, autocast, fp32_head
 from parity.rollouts import Plan, Rollouts
 from parity.runs import (check_run_dir, load_model_and_task, run_dir_for, set_aside_metrics,
                          truncate_metrics)
-from parity.scoring import disable_dropout, score_full
+from parity.scoring import (disable_dropout, pieces, score_full, score_pieces, trimmed,
+                            widened)
 from parity.tasks import PromptSampler, Task
 from parity.ui import progress
 
@@ -157,6 +158,9 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     run, restored, backends, (model, tok, model_dir, task) = _check_and_load(cfg, dist, resume)
     if dist.main and not resume:
         _start_run_dir(cfg, run, model_dir, task)
+    if dist.main and (warning := memory.check(cfg, model, max(map(len, task.prompt_ids)),
+                                              dist.world)):
+        print(f"parity: warning: {warning}", file=sys.stderr)
     obj = OBJECTIVES[cfg.objective]
     if cfg.lm_head_fp32:
         fp32_head(model)
@@ -176,8 +180,14 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     gen = torch.Generator().manual_seed(cfg.seed)
     # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
     needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
-    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32)
+    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
+                     cfg.logprob_chunk)
               if cfg.diagnostics or needs_shadow else None)
+    if cfg.gradient_checkpointing:  # after the copies: they only ever run without gradient
+        # transformers 5 renamed it; the project still accepts 4.x, which has the old name only
+        enable = (getattr(model, "activation_checkpointing_enable", None)
+                  or model.gradient_checkpointing_enable)
+        enable({"use_reentrant": False})
     first_step, train_state = 1, None
     if resume and restored is None and dist.main and (kept := set_aside_metrics(run)):
         print(f"parity: warning: the steps {run} had logged are kept in {kept.name}",
@@ -228,9 +238,11 @@ class Prepared:
 def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
     cfg, mask, value_head = run.cfg, r.completion_mask, run.value_head
     p = Prepared(adv=grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards))
+    slices = _pieces(run, r)
     if cfg.ratio_source == "recompute" or value_head is not None:
         with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
-            sc = score_full(run.model, r, run.sampling, hidden=value_head is not None)
+            sc = score_pieces(run.model, r, run.sampling, slices, hidden=value_head is not None,
+                              chunk=cfg.logprob_chunk)
         if cfg.ratio_source == "recompute":
             p.old = sc.logp
             p.weights, p.metrics = behaviour_weights(p.old, r.engine_logprobs, mask,
@@ -247,14 +259,32 @@ def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
             p.ref = r.engine_logprobs
         else:
             with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
-                p.ref = score_full(run.ref_model, r, run.sampling).logp
+                p.ref = score_pieces(run.ref_model, r, run.sampling, slices,
+                                     chunk=cfg.logprob_chunk).logp
     return p
 
 
-def _rows(x: torch.Tensor | None, idx: slice) -> torch.Tensor | None:
-    return x[idx] if x is not None else None
+def _rows(x: torch.Tensor | None, idx: slice, t: int | None = None) -> torch.Tensor | None:
+    """Rows `idx` of a per-completion ([B]) or per-token ([B, T]) tensor; a per-token one cut
+    to the first `t` columns, as a trimmed piece has them."""
+    if x is None:
+        return None
+    return x[idx] if t is None or x.dim() == 1 else x[idx, :t]
 
 
+def _pieces(run: Run, r: Rollout) -> list[slice]:
+    """The micro-batches a forward over `r` is cut into (one slice: all of it at once). DPO
+    pairs are made inside a group, so its pieces hold whole groups; every rank runs as many
+    forwards as the most cut one, for the collectives of FSDP and of the last backward."""
+    cfg = run.cfg
+    if not (cfg.micro_batch or cfg.micro_batch_tokens):
+        return [slice(0, r.completion_ids.shape[0])]
+    group = cfg.samples_per_prompt if run.objective.pairs else 1
+    slices = pieces(r, cfg.micro_batch, cfg.micro_batch_tokens, group)
+    if run.dist.on:
+        slices = pieces(r, cfg.micro_batch, cfg.micro_batch_tokens, group,
+                        count=int(run.dist.max(len(slices))))
+    return slices
 @dataclass
 class Updates:
     """What a step's updates leave behind for its metrics and its rollout dump."""
@@ -269,39 +299,82 @@ class Updates:
 
 def update(run: Run, step: int, epoch: int, start: int, r: Rollout, p: Plan, prep: Prepared,
            rewards: torch.Tensor, u: Updates) -> None:
-    """One minibatch, rows [start, start + minibatch): forward, loss, attribution, backward,
-    optimizer step."""
+    """One minibatch, rows [start, start + minibatch): forward and backward piece by piece
+    (micro-batches, gradients accumulating), then the loss, attribution and metrics over the
+    whole minibatch, and one optimizer step."""
     cfg, s = run.cfg, run.sampling
     idx = slice(start, start + len(p.rows) // cfg.minibatches)
     mb, adv = r.select(idx), prep.adv[idx]
-    with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
-        sc = score_full(run.policy, mb, s, hidden=run.value_head is not None)
-    logp_pi = sc.logp
-    # ℓ_s on the weights ℓ_π just saw, before this update moves them.
-    logp_s = run.shadow.logprobs(run.model, mb, s, logp_pi) if run.shadow else logp_pi.detach()
-    log_r = log_ratio(cfg.ratio_source, logp_pi, mb.engine_logprobs, logp_s, _rows(prep.old, idx))
-    batch = Minibatch(log_r, logp_pi, logp_s, mb.completion_mask, adv, rewards[idx],
-                      _rows(prep.weights, idx),
-                      run.value(sc.hidden) if run.value_head is not None else None,
-                      _rows(prep.old_values, idx), _rows(prep.returns, idx), _rows(prep.ref, idx))
-    loss = run.objective.loss(cfg, batch, run.dist.share)
+    share = run.dist.sharer(units(mb.completion_mask, rewards[idx], cfg.samples_per_prompt,
+                                  run.objective.pairs))
+    slices = _pieces(run, mb)
+    whole = len(slices) == 1
+    T = mb.completion_ids.shape[1]
+    done: list[Minibatch] = []
+    for k, sl in enumerate(slices):
+        g = slice(start + sl.start, start + sl.stop)  # the piece's rows in the step's numbering
+        piece = mb if whole else trimmed(mb.select(sl))
+        t = piece.completion_ids.shape[1]
+        kl_rows = kept_rows(r, g) if epoch == 0 else []
+        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+            sc = score_full(run.policy, piece, s, hidden=run.value_head is not None,
+                            keep_logits=[row - g.start for row in kl_rows],
+                            chunk=cfg.logprob_chunk)
+        logp_pi = sc.logp
+        # ℓ_s on the weights ℓ_π just saw, before this update moves them.
+        logp_s = (run.shadow.logprobs(run.model, piece, s, logp_pi, cast=k == 0)
+                  if run.shadow else logp_pi.detach())
+        log_r = log_ratio(cfg.ratio_source, logp_pi, piece.engine_logprobs, logp_s,
+                          _rows(prep.old, g, t))
+        batch = Minibatch(log_r, logp_pi, logp_s, piece.completion_mask, _rows(prep.adv, g, t),
+                          rewards[g], _rows(prep.weights, g, t),
+                          run.value(sc.hidden) if run.value_head is not None else None,
+                          _rows(prep.old_values, g, t), _rows(prep.returns, g, t),
+                          _rows(prep.ref, g, t))
+        loss = run.objective.loss(cfg, batch, share)
+        if kl_rows:
+            local = [row - g.start for row in kl_rows]
+            u.diag.add_exact_kl(exact_kl_of_rows(r, sc.logits, kl_rows,
+                                                 piece.completion_mask[local], s))
+        del sc
+        with run.dist.accumulating([run.policy, run.value], last=k == len(slices) - 1):
+            run.scaler.backward(loss.total)
+        done.append(_detached(batch, T))
+    if not whole:  # the loss's figures over the whole minibatch, as one forward gives them
+        batch = _joined(done, mb, prep.adv[idx], rewards[idx])
+        with torch.no_grad():
+            loss = run.objective.loss(cfg, batch, share)
+    logp_pi, logp_s = batch.logp_pi.detach(), batch.logp_s
     eps_low, eps_high = run.objective.clip_range(cfg)
     att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask, eps_low,
                     eps_high, loss.clipped, sequence=run.objective.clip == "sequence")
     u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask, first=epoch == 0)
-    if epoch == 0 and r.dists is not None:
-        u.diag.add_exact_kl(exact_kl_of_rows(r, sc.logits, mb.completion_mask, s, start))
     if u.dump_ids is not None:
         sample_ids, prompt_ids = u.dump_ids
         u.dump.append(dump_table(step, len(u.policy_losses), epoch, sample_ids[idx],
                                  prompt_ids[idx], mb, adv, logp_pi, logp_s, att, eps_low,
                                  eps_high))
-    del sc
-    run.scaler.backward(loss.total)
     _, norm = run.scaler.step(run.opt, run.params, cfg.max_grad_norm)
     u.policy_losses.append(loss.policy)
     u.grad_norms.append(norm)
     u.metrics.append(loss.metrics)
+
+
+def _detached(b: Minibatch, T: int) -> Minibatch:
+    """A piece's per-token tensors without gradient, widened back to the minibatch's T."""
+    w = lambda x: widened(x.detach(), T) if x is not None and x.dim() == 2 else x  # noqa: E731
+    return Minibatch(w(b.log_r), w(b.logp_pi), w(b.logp_s), w(b.mask), w(b.adv), b.rewards,
+                     w(b.weights), w(b.values), w(b.old_values), w(b.returns), w(b.ref))
+
+
+def _joined(parts: list[Minibatch], mb: Rollout, adv: torch.Tensor,
+            rewards: torch.Tensor) -> Minibatch:
+    """The pieces of a minibatch put back together, in row order."""
+    cat = lambda name: (torch.cat([getattr(q, name) for q in parts])  # noqa: E731
+                        if getattr(parts[0], name) is not None else None)
+    return Minibatch(cat("log_r"), cat("logp_pi"), cat("logp_s"), mb.completion_mask, adv,
+                     rewards, cat("weights"), cat("values"), cat("old_values"), cat("returns"),
+                     cat("ref"))
 
 
 def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:

@@ -86,6 +86,22 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
     assert_same_metrics(a, metrics(tmp_path / "two"), 1e-5)
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_path, parallel):
+    """Each rank cuts its half of the minibatch by a token budget, so the ranks' own counts of
+    micro-batches can differ: they run as many forwards as the most cut one and reduce the
+    gradients once, after the last. SGD without clipping, so a mis-scaled share would show."""
+    cfg = COMMON + ["--recipe", "fp32", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                    "--loss-agg", "token-mean", "--max-new-tokens", "12", "--steps", "2",
+                    "--optimizer", "sgd", "--lr", "0.05", "--max-grad-norm", "0"]
+    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = parity(["train", *cfg, "--parallel", parallel, "--micro-batch-tokens", "60",
+                  "--out", str(tmp_path / "two")], TORCHRUN)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"), 1e-4)
+
+
 def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path):
     """The default recipe: the first step's rollout, rewards, α/β split and clip attribution
     across two ranks equal one process's. (After an update, fp32 sums in another order can move

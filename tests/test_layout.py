@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "parity"
 # Who may run the trainer: the command line, the sweep (one training per worker).
 TRAINER_USERS = {"cli", "sweep"}
 # Components: the RL core and the measurements. They never reach up to a command.
-COMPONENTS = {"config", "objectives", "precision", "engines", "scoring", "diagnostics",
+COMPONENTS = {"config", "memory", "pretrained", "objectives", "precision", "engines", "scoring", "diagnostics",
               "metrics", "checkpoints", "distributed", "async_engine", "vllm_engine", "rollouts",
               "runs", "tasks", "arith", "testbed", "errors", "files", "ui", "loggers",
               "audit_inputs"}

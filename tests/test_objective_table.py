@@ -41,9 +41,11 @@ class Shares:
     """Records what each loss says it is a mean over; the identity otherwise (one process)."""
     def __init__(self):
         self.units: list[float] = []
+        self.kinds: list[str] = []
 
-    def __call__(self, loss, n):
+    def __call__(self, loss, n, unit):
         self.units.append(n)
+        self.kinds.append(unit)
         return loss
 
 
@@ -82,14 +84,14 @@ def test_ppo_clip_loss_and_its_units_against_a_hand_computation():
     out = OBJECTIVES["ppo-clip"].loss(cfg(), b, share)
     assert out.policy == pytest.approx(_ppo_seq_mean_reference(b, 0.2), rel=1e-6)
     assert float(out.total) == out.policy
-    assert share.units == [4.0]  # seq-mean: a mean over sequences
+    assert share.units == [4.0] and share.kinds == ["sequences"]  # seq-mean: over sequences
     # row 0 token 0: r = e^0.3 = 1.35 > 1.2 with A > 0; row 1 token 1: r = e^-0.4 = 0.67 < 0.8
     # with A < 0; row 3 token 0: r = e^-0.3 = 0.74 < 0.8 with A < 0. Row 1's padding holds
     # log r = 9 and is never clipped.
     assert out.clipped.nonzero().tolist() == [[0, 0], [1, 1], [3, 0]]
     share = Shares()
     OBJECTIVES["ppo-clip"].loss(cfg(loss_agg="token-mean"), b, share)
-    assert share.units == [9.0]  # token-mean: a mean over the minibatch's valid tokens
+    assert share.units == [9.0] and share.kinds == ["tokens"]  # token-mean: valid tokens
 
 
 def test_ppo_value_reports_the_policy_loss_apart_from_the_value_loss():
@@ -103,7 +105,8 @@ def test_ppo_value_reports_the_policy_loss_apart_from_the_value_loss():
     assert out.policy == pytest.approx(policy, rel=1e-6)
     assert out.metrics["loss/value"] == pytest.approx(value, rel=1e-6)
     assert float(out.total) == pytest.approx(policy + 0.5 * value, rel=1e-6)
-    assert share.units == [4.0, 9.0]  # the policy over sequences, the value over tokens
+    # the policy over sequences, the value over tokens
+    assert share.units == [4.0, 9.0] and share.kinds == ["sequences", "tokens"]
 
 
 def test_gspo_clips_whole_sequences_on_their_mean_log_ratio():
@@ -120,7 +123,7 @@ def test_online_dpo_is_a_mean_over_pairs():
     b, share = batch(), Shares()
     out = OBJECTIVES["online-dpo"].loss(cfg(), b, share)
     # group 0: rewards 1 > 0 -> one pair (0 chosen, 1 rejected); group 1: equal -> none
-    assert share.units == [1.0] and out.metrics["dpo/pairs"] == 1.0
+    assert share.units == [1.0] and share.kinds == ["pairs"] and out.metrics["dpo/pairs"] == 1.0
     seq = ((b.logp_pi.detach() - b.ref) * b.mask).sum(-1).double()
     m = 0.1 * (seq[0] - seq[1])
     assert out.policy == pytest.approx(float(-torch.log(torch.sigmoid(m))), rel=1e-6)

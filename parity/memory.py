@@ -1,0 +1,92 @@
+"""What a run needs in memory at its largest, said before it starts.
+
+The estimate is an upper bound on the shape side (every completion as long as max_new_tokens,
+the longest prompt in every row) and a calibrated constant on the model side: the activations a
+forward with gradient keeps per token and layer, measured on the testbed and on SmolLM2-135M
+(bench/memory.py prints estimate beside measured peak; docs/performance.md has the table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from parity.errors import ParityError
+
+# Bytes a forward with gradient keeps per token per layer, in units of the width in fp32: the
+# residual stream, norms, projections, MLP and attention outputs (transformers' SDPA path keeps
+# no L x L tensor). 32 fits both measured models to within about 15%.
+_ACT_PER_LAYER = 32
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Estimate:
+    weights: float       # bytes: master weights, gradients, optimizer state, engine/shadow copies
+    forward: float       # bytes: the largest forward with gradient (activations and logits)
+    rows: int            # completions in that forward
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.forward
+
+
+def available() -> float | None:
+    """MemAvailable from /proc/meminfo, bytes (Linux); None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
+             micro_batch: int | None = None) -> Estimate:
+    c = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 1)
+    width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 1)
+    vocab = c.vocab_size
+    engine = _BYTES[cfg.engine_dtype] * n_params
+    weights = n_params * (4 + 4 + (8 if cfg.optimizer in ("adam", "adamw") else 0)) + engine
+    if cfg.diagnostics or cfg.ratio_source == "shadow":
+        weights += engine  # the shadow's own copy
+    rows = cfg.prompts_per_step * cfg.samples_per_prompt // cfg.minibatches // world
+    mb = cfg.micro_batch if micro_batch is None else micro_batch
+    rows = min(rows, mb) if mb else rows
+    length = longest_prompt + cfg.max_new_tokens
+    if cfg.micro_batch_tokens:
+        rows = max(1, min(rows, cfg.micro_batch_tokens // length))
+    act = layers * width * _ACT_PER_LAYER * _BYTES[cfg.trainer_dtype]
+    if cfg.gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
+        act = layers * width * 4 + width * _ACT_PER_LAYER * 4
+    positions = min(cfg.logprob_chunk, cfg.max_new_tokens) if cfg.logprob_chunk else cfg.max_new_tokens
+    logits = 3 * rows * positions * vocab * 4  # logits, log-softmax, its gradient (fp32)
+    return Estimate(weights, rows * length * act + logits, rows)
+
+
+def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1) -> str | None:
+    """None when the run fits the memory available now; else a warning naming the setting to
+    change. A run whose weights and optimizer alone exceed it is refused."""
+    free = available()
+    if free is None:
+        return None
+    e = estimate(cfg, model, longest_prompt, world)
+    gb = 2 ** 30
+    if e.weights > free:
+        raise ParityError(f"this run's weights, gradients and optimizer state need "
+                          f"{e.weights / gb:.1f} GB and {free / gb:.1f} GB is available: a "
+                          f"smaller model, or more ranks under FSDP")
+    if e.total <= free:
+        return None
+    fits = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < e.rows and
+            estimate(cfg, model, longest_prompt, world, micro_batch=n).total <= 0.9 * free]
+    advice = (f"--micro-batch {fits[0]}" if fits else
+              "--micro-batch 1 with --logprob-chunk 64 --gradient-checkpointing, or shorter "
+              "--max-new-tokens")
+    return (f"this run may need up to {e.total / gb:.1f} GB (its largest forward holds {e.rows} "
+            f"completions of up to {longest_prompt + cfg.max_new_tokens} tokens) and "
+            f"{free / gb:.1f} GB is available; if it is killed, use {advice}")

