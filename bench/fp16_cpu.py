@@ -4,7 +4,7 @@
 
 Times matrix products of a testbed-sized shape and of 1024^3 per dtype, then one fp16 trainer
 forward + backward (64 completions) with torch's native CPU fp16 kernels and with the emulation
-(fp16 inputs, fp32 accumulation, fp16 output). Ratios within one run are what to compare.
+(fp16 inputs, float64 accumulation, fp16 output). Ratios within one run are what to compare.
 """
 
 from __future__ import annotations

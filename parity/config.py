@@ -146,7 +146,8 @@ class Config:
     lm_head_fp32: bool = _f(False, "Compute the LM head in fp32 on both sides (engine and "
                             "trainer), whatever the dtype of the rest.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
-                           "inputs, fp32 accumulation, fp16 output, as GPU tensor cores; fast) or "
+                           "inputs, float64 accumulation, fp16 output: GPU tensor cores' numerics "
+                           "to an ulp, the same for any batch shape; fast) or "
                            "`native` (torch's CPU fp16 kernels; several times slower: "
                            "docs/performance.md).")
     loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.", gt=0)

@@ -27,12 +27,24 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class FP16MatmulOnCPU(TorchFunctionMode):
-    """fp16 matrix products as GPU tensor cores compute them: fp16 inputs, fp32 accumulation,
+    """fp16 matrix products as GPU tensor cores compute them: fp16 inputs, wide accumulation,
     fp16 output. On CPU, torch's native fp16 GEMM has no fast kernel (several times slower than
     this emulation: docs/performance.md), so we compute the product of the fp16-rounded inputs in
-    fp32 and round the result to fp16. A product of two fp16 numbers is exact in fp32, so this is
-    the tensor-core numerics up to accumulation order. Covers what fp16 autocast would have
-    lowered (linear, matmul, bmm, mm, attention); backward runs the same way, through the casts.
+    float64 and round the result to fp16. Covers what fp16 autocast would have lowered (linear,
+    matmul, bmm, mm, attention); backward runs the same way, through the casts.
+
+    Why float64, not the fp32 that tensor cores accumulate in: a row's result must not depend on
+    how many rows are multiplied with it. The engine decodes one position at a time (B rows per
+    linear, one query row per head in attention); the shadow and the trainer score the whole
+    sequence at once. torch's fp32 CPU GEMM takes another kernel, so another summation order,
+    for a few rows (here 1-3) than for many, and about 0.1% of the fp16-rounded outputs then
+    differ by an ulp. Over 30 layers that made the fp16 kernel gap |α| of SmolLM2-135M 5e-3 per
+    token against bf16's 7e-6 (whose native kernel gives a row the same result in any batch).
+    A product of two fp16 numbers is exact in float64, and float64 sums K of them to within
+    ~K·2⁻⁵³ of the sum of their magnitudes, ~10⁹ times inside fp16's half-ulp of 2⁻¹²: bar a
+    near-tie, the fp16 result is the exact product correctly rounded whatever the summation order,
+    so the same in every shape. It is within an ulp of tensor cores' fp32 accumulation, and costs
+    about twice the fp32 emulation (docs/performance.md).
     """
 
     OPS = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
@@ -49,8 +61,8 @@ class FP16MatmulOnCPU(TorchFunctionMode):
                 any(t.device.type != "cpu" for t in tensors):
             return func(*args, **kwargs)
 
-        def to16(a):
-            return a.to(torch.float16).float() if isinstance(a, torch.Tensor) and \
+        def to16(a):  # rounded to fp16, then widened to float64: see the class docstring
+            return a.to(torch.float16).double() if isinstance(a, torch.Tensor) and \
                 a.is_floating_point() else a
         # `out=` (TRL's chunked log-prob kernel writes tiles in place) must receive the result,
         # not an fp32 stand-in of itself.
