@@ -3,6 +3,8 @@
     python bench/vs_trl.py                       # arith model and task, 16 prompts x 8, 8 tokens
     python bench/vs_trl.py --steps 40 --repeats 3
     python bench/vs_trl.py --model text --task neg-length --max-new-tokens 24
+    python bench/vs_trl.py --model smollm2-135m --task neg-length --prompts 8 --max-new-tokens 64 \
+        --lr 1e-6 --steps 4 --repeats 1 --micro-batch 8
 
 Both sides train the same testbed model on the same task rows with the same reward function
 (`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with the same prompts per step x completions per prompt, completion
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -57,7 +60,9 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
         output_dir=str(out / "trl"), use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, max_steps=a.steps, learning_rate=a.lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
+        per_device_train_batch_size=a.micro_batch or a.prompts * a.group,
+        gradient_accumulation_steps=(a.prompts * a.group) // (a.micro_batch or a.prompts * a.group),
+        num_generations=a.group,
         max_completion_length=a.max_new_tokens, temperature=1.0, epsilon=0.2, beta=0.0,
         loss_type="grpo", scale_rewards="group", logging_steps=1, save_strategy="no",
         report_to=[], seed=a.seed, disable_tqdm=True, dataloader_num_workers=0)
@@ -68,7 +73,8 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     steps = [h for h in trainer.state.log_history if "reward" in h]
     times = [b - a_ for a_, b in zip([start] + stamps[:-1], stamps)]
     return {"step_s": times, "reward": [h["reward"] for h in steps],
-            "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps]}
+            "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps],
+            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
 def parity_worker(a: argparse.Namespace, out: Path) -> dict:
@@ -80,11 +86,12 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
                        "max_new_tokens": a.max_new_tokens, "seed": a.seed, "optimizer": "adamw",
                        "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
                        "out": str(out / "parity"), "progress": False, "save_every": 0,
-                       "report_to": "none"})
+                       "report_to": "none", "micro_batch": a.micro_batch})
     rows = load_metrics(train(cfg) / "metrics.jsonl")
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
-            "update_s": [m["time/train_s"] for m in rows]}
+            "update_s": [m["time/train_s"] for m in rows],
+            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
 def run_worker(who: str, a: argparse.Namespace) -> dict:
@@ -103,7 +110,7 @@ def summarize(r: dict, a: argparse.Namespace) -> dict:
     tok = statistics.median(r["tokens"][2:] or r["tokens"])
     out = {"step_s": step, "completions_s": a.prompts * a.group / step, "tokens_s": tok / step,
            "reward_first5": statistics.mean(r["reward"][:5]),
-           "reward_last5": statistics.mean(r["reward"][-5:])}
+           "reward_last5": statistics.mean(r["reward"][-5:]), "peak_gb": r["peak_gb"]}
     if "update_s" in r:
         out["update_s"] = statistics.median(r["update_s"][2:] or r["update_s"])
     return out
@@ -119,6 +126,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro-batch", type=int, default=0, help="completions per forward and "
+                    "backward on both sides (TRL: per-device batch with gradient accumulation; "
+                    "parity: micro_batch); 0: the whole step at once")
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -139,8 +149,9 @@ def main() -> None:
 
     print(f"\nworkload: {a.model} on {a.task}, {a.prompts} prompts x {a.group} completions, <= "
           f"{a.max_new_tokens} tokens, {a.steps} steps, fp32, one process each, "
+          f"{'micro-batches of ' + str(a.micro_batch) + ', ' if a.micro_batch else ''}"
           f"{a.repeats} alternating runs per side (medians over runs)\n")
-    cols = ("step_s", "completions_s", "tokens_s", "reward_first5", "reward_last5")
+    cols = ("step_s", "completions_s", "tokens_s", "reward_first5", "reward_last5", "peak_gb")
     med = {w: {c: statistics.median(r[c] for r in rs) for c in cols} for w, rs in results.items()}
     print(f"| side | {' | '.join(cols)} |")
     print("|---|" + "---|" * len(cols))

@@ -193,7 +193,8 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     model.eval()
     torch.manual_seed(a.seed)
     s = Sampling(a.temperature, a.top_p, a.top_k)
-    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, chunk=a.logprob_chunk)
+    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, chunk=a.logprob_chunk,
+                    kernels=a.shadow_kernels)
     meas = Measurement(a)
     total = None if a.rollouts else a.samples
     with progress("audit", total, a.progress, transient=True) as bar:

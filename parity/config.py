@@ -35,6 +35,7 @@ OptimizerName = Literal["adamw", "adam", "sgd"]
 EngineName = Literal["hf", "vllm"]
 Parallel = Literal["ddp", "fsdp"]
 CpuFp16 = Literal["emulate", "native"]
+ShadowKernels = Literal["engine", "independent"]
 
 DTYPES = typing.get_args(Dtype)
 RATIO_SOURCES = typing.get_args(RatioSource)
@@ -145,6 +146,12 @@ class Config:
                             "gap beta (docs/design.md).")
     lm_head_fp32: bool = _f(False, "Compute the LM head in fp32 on both sides (engine and "
                             "trainer), whatever the dtype of the rest.")
+    shadow_kernels: ShadowKernels = _f("engine", "The shadow forward's arithmetic: `engine` "
+                                       "(the engine's attention implementation, so its kernel "
+                                       "gap is batch-shape noise alone) or `independent` (the "
+                                       "trainer's own attention, as a trainer computing against "
+                                       "a separate inference engine such as vLLM must); the gap "
+                                       "left is mismatch/kernel_gap_abs_mean.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
                            "inputs, float64 accumulation, fp16 output: GPU tensor cores' numerics "
                            "to an ulp, the same for any batch shape; fast) or "
@@ -546,6 +553,7 @@ AuditSettings = derive("AuditSettings", [
     shared("kl_exact_rows", help="Completions per batch whose whole engine distribution is kept "
            "for the exact KL(mu||pi) over the vocabulary (0 disables)."),
     shared("cpu_fp16"),
+    shared("shadow_kernels"),
     shared("seed"),
     shared("threads"),
     shared("progress"),

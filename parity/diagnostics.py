@@ -42,13 +42,15 @@ class Shadow:
     same forward as the trainer, so there ℓ_s = ℓ_π and no extra forward is run."""
 
     def __init__(self, master: torch.nn.Module, engine_dtype: str, trainer_dtype: str,
-                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False, chunk: int = 0):
+                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False, chunk: int = 0,
+                 kernels: str = "engine"):
         self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32"
         self.dtype, self.cpu_fp16, self.chunk = engine_dtype, cpu_fp16, chunk
         self.model = None
         if not self.identity:
             self.model = low_precision_copy(master, engine_dtype, lm_head_fp32)
-            self.model.set_attn_implementation(ENGINE_ATTENTION)  # the engine's kernels
+            if kernels == "engine":  # else the copy keeps the trainer's own attention
+                self.model.set_attn_implementation(ENGINE_ATTENTION)
 
     @torch.no_grad()
     def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,

@@ -181,7 +181,7 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
     needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
     shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
-                     cfg.logprob_chunk)
+                     cfg.logprob_chunk, cfg.shadow_kernels)
               if cfg.diagnostics or needs_shadow else None)
     if cfg.gradient_checkpointing:  # after the copies: they only ever run without gradient
         # transformers 5 renamed it; the project still accepts 4.x, which has the old name only
