@@ -3,6 +3,7 @@
     python examples/trl_grpo.py --recipe bf16-engine --eps 0.01
     python examples/trl_grpo.py --recipe bf16-shadow --eps 0.01
     python examples/trl_grpo.py --recipe fp16
+    python examples/trl_grpo.py --recipe bf16-shadow --eps 0.01 --iterations 2
 
 Prints, per step, TRL's own clip count next to parity's attribution of it.
 """
@@ -32,6 +33,11 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=0.2, help="GRPOConfig.epsilon")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--batch", type=int, default=32, help="completions per step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--max-tokens", type=int, default=24, help="max_completion_length")
+    ap.add_argument("--iterations", type=int, default=1,
+                    help="GRPOConfig.num_iterations: updates per batch of completions")
     ap.add_argument("--out", default="runs/trl-example")
     a = ap.parse_args()
 
@@ -41,8 +47,9 @@ def main() -> None:
     dataset = datasets.Dataset.from_list([{"prompt": p} for p in testbed.text_prompts(256)])
     fp16 = a.recipe == "fp16"
     args = GRPOConfig(output_dir=a.out, use_cpu=True, max_steps=a.steps, learning_rate=a.lr,
-                      per_device_train_batch_size=32, num_generations=8,
-                      max_completion_length=24, epsilon=a.eps, logging_steps=1,
+                      per_device_train_batch_size=a.batch, num_generations=a.group,
+                      max_completion_length=a.max_tokens, num_iterations=a.iterations,
+                      epsilon=a.eps, logging_steps=1,
                       bf16=a.recipe == "bf16", fp16=fp16, gradient_checkpointing=not fp16,
                       save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
     trainer = ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=neg_length,
@@ -51,11 +58,11 @@ def main() -> None:
     trainer.train()
 
     cols = ("reward", "clip_ratio/region_mean", "clip/phantom_frac", "clip/alpha_frac",
-            "mismatch/beta_abs_mean", "mismatch/kl_k3")
+            "mismatch/kernel_gap_abs_mean", "mismatch/beta_abs_mean", "mismatch/kl_k3")
     print("\nstep  " + "  ".join(f"{c:>22}" for c in cols))
-    for h in trainer.state.log_history:
-        if "reward" in h:
-            print(f"{h['step']:>4}  " + "  ".join(f"{h[c]:>22.4g}" for c in cols))
+    for h in trainer.state.log_history:  # an update on reused completions logs no reward
+        if "clip/frac" in h:
+            print(f"{h['step']:>4}  " + "  ".join(f"{h.get(c, float('nan')):>22.4g}" for c in cols))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ advantages, the loss itself, logging, checkpoints) to TRL:
   `engine_dtype` (the role vLLM plays on a GPU). It records ℓ_μ, each sampled token's log-prob
   under the distribution it was drawn from, which TRL keeps as `sampling_per_token_logps`.
 - `_get_per_token_logps_and_entropies`: in the loss, the shadow forward (the current weights
-  cast to engine precision, no grad) gives ℓ_s next to the trainer's ℓ_π.
+  cast to engine precision, no grad, at the engine's position ids) gives ℓ_s next to the
+  trainer's ℓ_π.
 - `_compute_loss`: sets the ratio's denominator by `ratio_source`, then attributes every clip
   (clipped, phantom, hidden: docs/design.md) and appends parity's metrics to TRL's
   `_metrics`, so they reach TRL's log and every `report_to` backend under parity's names:
@@ -39,7 +40,7 @@ import torch
 
 from parity.config import RECIPES, check_fields, derive, shared
 from parity.diagnostics import StepDiagnostics, attribute
-from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
+from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling, positions
 from parity.errors import ParityError
 from parity.objectives import clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
@@ -215,10 +216,14 @@ class ParityGRPOTrainer(GRPOTrainer):
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         dev = input_ids.device
-        # Engine precision, whatever autocast the trainer's forward runs under.
+        # Engine precision, whatever autocast the trainer's forward runs under, and the engine's
+        # position ids. TRL passes none, so transformers would count a left-padded prompt's
+        # padding, and in bf16 RoPE rounds differently at shifted positions: on SmolLM2-135M
+        # that alone made |α| at θ = θ_old 0.043 per token, not 8e-6 (docs/trl.md).
         with torch.autocast(dev.type, enabled=False), \
                 fp16_kernels(self.parity.engine_dtype, dev, self.parity.cpu_fp16):
-            out = self.shadow(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+            out = self.shadow(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=positions(attention_mask), labels=labels,
                               fused_lm_head=True)
         return out.log_probs[:, -logits_to_keep:].float()
 
@@ -267,6 +272,13 @@ class ParityGRPOTrainer(GRPOTrainer):
             a = adv.mean(-1) if sequence and adv.dim() == 2 else adv
             clipped = clipped_tokens(log_r, a, mask, eps_low, eps_high, sequence)
         att = attribute(pi, s, mu, adv, mask, eps_low, eps_high, clipped, sequence=sequence)
+        # Completions sampled at this optimizer step: θ = θ_old, so |α| is the kernel gap and
+        # ℓ_π − ℓ_μ the mismatch before the policy moves. On completions reused by a later
+        # step (num_iterations > 1, steps_per_generation) both include the policy change.
+        fresh = self._synced_step == self.state.global_step
         diag = StepDiagnostics()
-        diag.add(att, pi, mu, adv, mask, first=True)
-        return diag.metrics()
+        diag.add(att, pi, mu, adv, mask, first=fresh)
+        m = diag.metrics()
+        if not fresh:
+            m.pop("mismatch/kernel_gap_abs_mean", None)
+        return m
