@@ -43,6 +43,7 @@ class Request:
     prompts: list[list[int]]
     record_rows: list[int]
     shard: Shard
+    max_batch: int = 0   # prompts decoded at once (HFEngine.generate)
 
 
 @dataclass
@@ -84,7 +85,8 @@ def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, 
                 for v in [v for v in weights if v < req.version]:
                     del weights[v]  # requests come in step order: older versions are done
             t0 = time.perf_counter()
-            r = engine.generate(req.prompts, max_new_tokens, s, gen, req.record_rows, req.shard)
+            r = engine.generate(req.prompts, max_new_tokens, s, gen, req.record_rows, req.shard,
+                                req.max_batch)
             outbox.put(("rollout", req.step, Delivered(r, req.version, time.perf_counter() - t0,
                                                        gen.get_state())))
     except Exception:

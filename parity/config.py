@@ -208,6 +208,9 @@ class Config:
     logprob_chunk: int = _f(0, "Positions whose vocabulary-wide logits exist at once when "
                             "scoring (the rest are recomputed in the backward); 0: every "
                             "position of a forward at once.", ge=0)
+    rollout_batch: int = _f(0, "Prompts the hf engine decodes at once (its KV cache and logits "
+                            "grow with it): a larger step is sampled in pieces of this many, "
+                            "with the same completions; 0: all of the step's at once.", ge=0)
     gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in the "
                                       "backward instead of keeping them (transformers' "
                                       "gradient checkpointing): about a third more update "

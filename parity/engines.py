@@ -209,17 +209,63 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                  generator: torch.Generator, record_rows: list[int] | None = None,
-                 shard: Shard | None = None) -> Rollout:
+                 shard: Shard | None = None, max_batch: int = 0) -> Rollout:
         """Sample one completion per prompt. For the batch rows in `record_rows` the whole
         sampling distribution at every position is kept as well (`Rollout.dists`). With a
-        `shard` the prompts are some rows of a batch sampled across ranks."""
+        `shard` the prompts are some rows of a batch sampled across ranks. `max_batch` > 0
+        decodes at most that many prompts at a time (the KV cache and the logits scale with
+        it), with the same results."""
         device = next(self.model.parameters()).device
+        shard = shard or Shard(list(range(len(prompts))), len(prompts))
         with fp16_kernels(self.dtype, device, self.cpu_fp16):
-            return self._generate(prompts, max_new_tokens, s, generator, record_rows or [],
-                                  shard or Shard(list(range(len(prompts))), len(prompts)))
+            if not max_batch or max_batch >= len(prompts):
+                return self._generate(prompts, max_new_tokens, s, generator, record_rows or [],
+                                      shard)[0]
+            return self._in_pieces(prompts, max_new_tokens, s, generator, record_rows or [],
+                                   shard, max_batch)
+
+    def _in_pieces(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                   generator: torch.Generator, record_rows: list[int], shard: Shard,
+                   max_batch: int) -> Rollout:
+        """`_generate` on consecutive pieces of the prompts. A row's random numbers are drawn
+        per position for the whole batch (`uniforms`), so each piece starts from the same
+        generator state and takes its own rows' numbers; afterwards the generator is where
+        the whole batch would have left it: after the longest piece's positions. Every piece
+        keeps the whole batch's prompt width, so its products have the whole batch's columns.
+        Ranks hold equal numbers of rows, so they cut equal numbers of pieces and stop each
+        one together."""
+        start, width = generator.get_state(), shard.width or max(map(len, prompts))
+        parts, longest, end = [], -1, start
+        for a in range(0, len(prompts), max_batch):
+            generator.set_state(start)
+            b = min(a + max_batch, len(prompts))
+            rec = [i - a for i in record_rows if a <= i < b]
+            r, steps = self._generate(prompts[a:b], max_new_tokens, s, generator, rec,
+                                      Shard(shard.rows[a:b], shard.batch, shard.all_done, width,
+                                            shard.fixed_draws))
+            if steps > longest:
+                longest, end = steps, generator.get_state()
+            parts.append((a, r))
+        generator.set_state(end)
+        T = max(r.completion_ids.shape[1] for _, r in parts)
+        wide = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+        out = Rollout(torch.cat([r.prompt_ids for _, r in parts]),
+                      torch.cat([r.prompt_mask for _, r in parts]),
+                      torch.cat([wide(r.completion_ids, self.pad_id) for _, r in parts]),
+                      torch.cat([wide(r.completion_mask, 0.0) for _, r in parts]),
+                      torch.cat([wide(r.engine_logprobs, 0.0) for _, r in parts]),
+                      torch.cat([r.finished for _, r in parts]))
+        kept = [(a, r) for a, r in parts if r.dists is not None]
+        if kept:
+            out.dist_rows = torch.cat([r.dist_rows + a for a, r in kept])
+            out.dists = torch.cat([torch.nn.functional.pad(r.dists, (0, 0, 0, T - r.dists.shape[1]))
+                                   for _, r in kept])
+        return out
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
-                  generator: torch.Generator, record_rows: list[int], shard: Shard) -> Rollout:
+                  generator: torch.Generator, record_rows: list[int], shard: Shard
+                  ) -> tuple[Rollout, int]:
+        """The rollout, and how many positions were decoded (draws taken per row)."""
         ids, mask = left_pad(prompts, self.pad_id, shard.width)
         B = ids.shape[0]
         rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
@@ -262,4 +308,4 @@ class HFEngine:
         if record_rows:
             r.dist_rows = torch.tensor(record_rows, dtype=torch.long)
             r.dists = torch.stack(recorded[:T], dim=1)
-        return r
+        return r, t + 1

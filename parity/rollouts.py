@@ -91,7 +91,8 @@ class Rollouts:
             p = self._plan(self.next_request)
             self.aeng.submit(Request(
                 self.next_request, v, p.prompts, p.record_rows,
-                Shard(p.sample_ids, p.batch, width=p.width, fixed_draws=self.dist.on)))
+                Shard(p.sample_ids, p.batch, width=p.width, fixed_draws=self.dist.on),
+                self.cfg.rollout_batch))
             self.next_request += 1
 
     def get(self, step: int, master: torch.nn.Module) -> Delivery:
@@ -101,7 +102,8 @@ class Rollouts:
             p = self._plan(step)
             r = self.engine.generate(p.prompts, self.cfg.max_new_tokens, self.s, self.gen,
                                      p.record_rows, Shard(p.sample_ids, p.batch,
-                                                          self.dist.all_true, p.width))
+                                                          self.dist.all_true, p.width),
+                                     **self._bound())
             self.gen_after[step] = self.gen.get_state()
             return Delivery(p, r, changed)
         d = self.aeng.get(step)
@@ -110,6 +112,10 @@ class Rollouts:
                         d.rollout_s, {"async/staleness": step - 1 - d.version,
                                       "async/engine_version": d.version,
                                       "async/wait_s": time.perf_counter() - t0})
+
+    def _bound(self) -> dict[str, int]:
+        # The vLLM engine schedules its own batches.
+        return {"max_batch": self.cfg.rollout_batch} if self.cfg.engine == "hf" else {}
 
     def after_update(self, step: int, master: torch.nn.Module) -> None:
         if self.aeng is not None:
