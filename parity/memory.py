@@ -18,6 +18,9 @@ from parity.errors import ParityError
 # no L x L tensor). 32 fits both measured models to within about 15%.
 _ACT_PER_LAYER = 32
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The process before any model: Python, torch, transformers and their allocators (measured
+# 0.4-0.5 GB on the testbed's smallest runs).
+_RUNTIME = 0.5 * 2 ** 30
 
 
 @dataclass
@@ -51,7 +54,8 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 1)
     vocab = c.vocab_size
     engine = _BYTES[cfg.engine_dtype] * n_params
-    weights = n_params * (4 + 4 + (8 if cfg.optimizer in ("adam", "adamw") else 0)) + engine
+    adam = 8 if cfg.optimizer in ("adam", "adamw") else 0  # two fp32 moments
+    weights = _RUNTIME + n_params * (4 + 4 + adam) + engine
     if cfg.diagnostics or cfg.ratio_source == "shadow":
         weights += engine  # the shadow's own copy
     rows = cfg.prompts_per_step * cfg.samples_per_prompt // cfg.minibatches // world

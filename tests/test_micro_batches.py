@@ -223,3 +223,43 @@ def test_a_bounded_engine_batch_trains_the_same_run(text_model, tmp_path):
     assert [m["completion/len_mean"] for m in m0] == [m["completion/len_mean"] for m in m1]
     assert (bounded.delta() - whole.delta()).norm() <= 2e-4 * whole.delta().norm()
     _same_metrics(m0, m1, 2e-3)
+
+
+def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from parity.engines import Rollout, Sampling
+    from parity.errors import ParityError
+    from parity.scoring import score_full
+    with pytest.raises(ParityError, match="micro_batch=3: objective=online-dpo pairs completions "
+                                          "of one prompt"):
+        make_config({**BASE, "objective": "online-dpo", "micro_batch": 3}).validate()
+    capped = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2,
+                                          final_logit_softcapping=30.0))
+    r = Rollout(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3), torch.zeros(1, 3),
+                torch.zeros(1, dtype=torch.bool))
+    with pytest.raises(ParityError, match="transforms its logits after the output projection"):
+        score_full(capped, r, Sampling(), chunk=2)
+
+
+def test_arith_refuses_a_model_that_cannot_do_it_after_its_first_problems(text_model, tmp_path):
+    """An untrained model never answers `a+b=` with the sum alone: the calibration stops after
+    its first batch of samples instead of sampling all 512 problems 40 times."""
+    import re
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from parity.errors import ParityError
+    from parity.runs import load_policy
+    from parity.tasks import ARITH_CANDIDATES, ARITH_PROBE, arith_rows
+    _, tok = load_policy(text_model)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(text_model)).eval()
+    model.save_pretrained(tmp_path / "untrained")
+    with pytest.raises(ParityError, match=r"solved none of the first \d+ problems") as e:
+        arith_rows(tmp_path / "untrained", model, tok, 0, 1.0, cache=tmp_path, progress=False)
+    n = int(re.search(r"first (\d+) problems", str(e.value)).group(1))
+    assert ARITH_PROBE <= n < ARITH_CANDIDATES
+    assert not list(tmp_path.glob("tasks/*.json"))  # nothing cached for a refused model
