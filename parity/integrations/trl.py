@@ -104,6 +104,20 @@ def _without_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _count_positions_as_the_engine(model: torch.nn.Module) -> None:
+    """TRL's forwards pass no position ids, so transformers numbers a left-padded row from its
+    padding, where the engine numbers it from its first token (`engines.positions`). With
+    learned absolute positions (GPT-2) that scores another sequence than the one sampled, and
+    the difference would be reported as precision gap β; every forward of the policy (and of
+    the reference) gets the engine's position ids instead."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is None and mask is not None and not args:
+            kwargs["position_ids"] = positions(mask)
+        return args, kwargs
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 class ParityGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with parity's engine, ratio sources and diagnostics (module docstring)."""
 
@@ -136,8 +150,10 @@ class ParityGRPOTrainer(GRPOTrainer):
         # Whatever GRPOConfig(disable_dropout=...) says: dropout noise in the loss's forward
         # would be measured as precision gap.
         disable_dropout(master)
+        _count_positions_as_the_engine(master)
         if getattr(self, "ref_model", None) is not None:
             disable_dropout(self.ref_model)
+            _count_positions_as_the_engine(self.ref_model)
         head32 = bool(a.cast_lm_head_to_fp32)
         self.engine = HFEngine(master, self.parity.engine_dtype, self.eos_token_ids,
                                self._tokenizer.pad_token_id, self.parity.cpu_fp16, head32)
