@@ -32,7 +32,7 @@ from parity.scoring import score_full
 from parity.config import AuditSettings
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
-from parity.precision import autocast
+from parity.precision import autocast, fp32_head
 from parity.runs import check_run_dir, free_dir, load_policy, max_positions
 
 
@@ -127,7 +127,7 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
                           chat_template=a.chat_template)
         prompt_ids, source = task.prompt_ids, f"task {a.task}"
     engine = HFEngine(model, a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-                      a.cpu_fp16)
+                      a.cpu_fp16, a.lm_head_fp32)
     order = PromptSampler(len(prompt_ids), a.seed)
     gen = torch.Generator().manual_seed(a.seed)
     per_batch = max(1, a.batch_size // a.group)
@@ -193,8 +193,10 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     model.eval()
     torch.manual_seed(a.seed)
     s = Sampling(a.temperature, a.top_p, a.top_k)
-    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, chunk=a.logprob_chunk,
-                    kernels=a.shadow_kernels)
+    if a.lm_head_fp32:
+        fp32_head(model)
+    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, a.lm_head_fp32,
+                    chunk=a.logprob_chunk, kernels=a.shadow_kernels)
     meas = Measurement(a)
     total = None if a.rollouts else a.samples
     with progress("audit", total, a.progress, transient=True) as bar:
@@ -206,7 +208,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     result = {"model": a.model, "model_dir": str(model_dir),
               "n_params": sum(p.numel() for p in model.parameters()),
               "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
-              "input": source, "eps": a.eps, "max_new_tokens": a.max_new_tokens,
+              "lm_head_fp32": a.lm_head_fp32, "input": source, "eps": a.eps, "max_new_tokens": a.max_new_tokens,
               "seed": a.seed,
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
               **res, "seconds": time.perf_counter() - t0}

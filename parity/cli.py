@@ -276,6 +276,24 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
     from parity.reproduce import FULL, QUICK, print_claims, reproduce
+    if args.model:
+        from parity import pretrained
+        from parity.reproduce_real import RealPlan, reproduce_real
+        if args.quick:
+            raise ParityError("reproduce: --quick is the testbed's; --model runs the real-model "
+                              "reproduction (shorten it with --steps)")
+        if args.model not in pretrained.SOURCES or f"{args.model}-bf16" not in pretrained.SOURCES:
+            names = [n for n in pretrained.SOURCES if f"{n}-bf16" in pretrained.SOURCES]
+            raise ParityError(f"reproduce --model {args.model}: the real-model reproduction "
+                              f"runs on a built-in pretrained model: {', '.join(names)}")
+        plan = RealPlan(model=args.model, **({"steps": args.steps} if args.steps else {}))
+        out = Path(args.out or f"reproduce-{args.model}")
+        result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
+        print_claims({**result, "plan": args.model})
+        print(f"wrote {out}/claims.md and {out}/claims.json")
+        return
+    if args.steps:
+        raise ParityError("reproduce: --steps applies to the real-model reproduction (--model)")
     plan = QUICK if args.quick else FULL
     out = Path(args.out or ("reproduce-quick" if args.quick else "reproduce"))
     result = reproduce(plan, out, workers=args.workers, progress=args.progress)
@@ -351,8 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "claims.md with a verdict per claim.")
     rq.set_defaults(func=cmd_reproduce)
     rq.add_argument("--quick", action="store_true", help="the few-minute version (README)")
-    rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/ "
-                    "or reproduce/); a rerun reuses what is done")
+    rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
+                    "pretrained model (smollm2-135m) instead of the testbed")
+    rq.add_argument("--steps", type=int, default=0, help="--model only: steps per run "
+                    "(default 14)")
+    rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "
+                    "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")
     rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
                         "directories, overlaid.")

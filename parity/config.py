@@ -556,6 +556,7 @@ AuditSettings = derive("AuditSettings", [
     shared("kl_exact_rows", help="Completions per batch whose whole engine distribution is kept "
            "for the exact KL(mu||pi) over the vocabulary (0 disables)."),
     shared("cpu_fp16"),
+    shared("lm_head_fp32"),
     shared("shadow_kernels"),
     shared("seed"),
     shared("threads"),

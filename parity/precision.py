@@ -208,6 +208,12 @@ def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool =
         p.requires_grad_(False)
     if lm_head_fp32:
         fp32_head(copy_)
+        # The head's weight must be the master's fp32 value, not its `dtype` rounding that the
+        # cast above made: a sync (cast_weights_into) gives it the fp32 value, so a copy that
+        # started from the rounding differs from a synced one until the first sync.
+        with torch.no_grad():
+            copy_.get_output_embeddings().weight.copy_(
+                full_tensor(master.get_output_embeddings().weight).float())
         for p in copy_.parameters():
             p.requires_grad_(False)
     return copy_

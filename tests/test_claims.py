@@ -163,3 +163,58 @@ def test_a_failed_or_missing_run_never_becomes_a_verdict():
     assert by["6"].verdict == C.NOT_MEASURABLE and "bf16-engine" in by["6"].reason
     assert by["1b"].verdict == C.NOT_MEASURABLE
     assert C.bf16_weights_freeze(0.01, None, 1.0, 1e-5).verdict == C.NOT_MEASURABLE
+
+
+# ---- the real-model claims ------------------------------------------------------------------
+
+def test_difference_interval_is_students_t_with_the_pooled_sd():
+    # Hand computation: means 12 and 10; deviations ±1 on each side, pooled SD = sqrt(4/4) = 1;
+    # df = 4, t = 2.78; half-width = 2.78 · 1 · sqrt(1/3 + 1/3).
+    d, hw = C.difference([11.0, 12.0, 13.0], [9.0, 10.0, 11.0])
+    assert d == pytest.approx(2.0)
+    assert hw == pytest.approx(2.78 * (2 / 3) ** 0.5)
+    assert C.difference([1.0], [2.0, 3.0]) is None  # one seed has no spread
+
+
+def test_sanity_check_verdict_follows_the_seed_spread():
+    lags = C.sanity_check({"fp32": [20.0, 22.0, 21.0], "bf16-engine": [5.0, 6.0, 4.0]}, 1e-6, 10)
+    assert lags.verdict == C.HOLDS and "lags" in lags.reason
+    faster = C.sanity_check({"fp32": [1.0, 2.0, 0.0], "bf16-engine": [14.0, 13.0, 15.0]}, 1e-6, 10)
+    assert faster.verdict == C.NOT_AT_SCALE and "faster" in faster.reason
+    # The same means as `faster` but seeds spread widely: no verdict either way.
+    noisy = C.sanity_check({"fp32": [-10.0, 13.0, 0.0], "bf16-engine": [0.0, 28.0, 14.0]}, 1e-6, 10)
+    assert noisy.verdict == C.NOT_MEASURABLE
+    assert C.sanity_check({"fp32": [1.0]}, 1e-6, 10).verdict == C.NOT_MEASURABLE
+
+
+def test_fixes_and_fp16_claims_need_a_lag_to_judge():
+    drops = {"fp32": [20.0, 22.0, 21.0], "bf16-engine": [5.0, 6.0, 4.0], "fp16": [21.0, 19.0, 20.0],
+             "bf16-shadow": [20.0], "no-clip": [22.0], "recompute": [19.0]}
+    lag = C.sanity_check(drops, 1e-6, 10)
+    assert C.fixes_on_real_model(drops, lag).verdict == C.HOLDS
+    assert C.fp16_like_fp32(drops).verdict == C.HOLDS
+    half = dict(drops, **{"no-clip": [6.0]})          # no-clip moves like bf16-engine
+    r5 = C.fixes_on_real_model(half, lag)
+    assert r5.verdict == C.NOT_AT_SCALE and r5.measured["sides"]["no-clip"] == "like bf16-engine"
+    # Without a lag there is nothing to restore, whatever the fixes did.
+    same = dict(drops, **{"bf16-engine": [20.0, 21.0, 22.0]})
+    assert C.fixes_on_real_model(same, C.sanity_check(same, 1e-6, 10)).verdict == C.NOT_MEASURABLE
+    assert C.fp16_like_fp32(same).verdict == C.NOT_MEASURABLE
+    assert C.fixes_on_real_model({"fp32": [1.0]}, lag).verdict == C.NOT_MEASURABLE
+
+
+def test_real_gap_head_growth_and_ties_verdicts():
+    assert C.real_gap(0.04, 0.10, "m").verdict == C.HOLDS
+    assert C.real_gap(0.04, 0.004, "m").verdict == C.NOT_AT_SCALE   # 18% / 45
+    assert C.real_gap(0.005, 0.10, "m").verdict == C.NOT_AT_SCALE
+    assert C.fp32_head_helps(2e-3, 5e-4, 0.04, 0.02).verdict == C.HOLDS
+    assert C.fp32_head_helps(2e-3, 1.5e-3, 0.04, 0.035).verdict == C.NOT_AT_SCALE
+    assert C.gap_grows([1e-3, 2e-3], [3e-3, 5e-3], "KL", "R7").verdict == C.HOLDS
+    assert C.gap_grows([1e-3, 2e-3], [3e-3, 2e-3], "KL", "R7").verdict == C.NOT_AT_SCALE
+    assert C.gap_grows([], [], "KL", "R7").verdict == C.NOT_MEASURABLE
+    sync = {"dequantised": 0.037, "bf16-rounded": 0.0001}
+    assert C.ties_explain_head_start(0.08, sync, (10.0, 4.0), (1.0, 5.0)).verdict == C.HOLDS
+    # Still faster on the rounded weights: the ties are not the explanation.
+    assert C.ties_explain_head_start(0.08, sync, (10.0, 4.0), (9.0, 5.0)).verdict == C.NOT_AT_SCALE
+    assert C.ties_explain_head_start(0.08, sync, (1.0, 4.0), (1.0, 5.0)).verdict == C.NOT_MEASURABLE
+    assert C.ties_explain_head_start(0.08, sync, None, (1.0, 5.0)).verdict == C.NOT_MEASURABLE

@@ -14,7 +14,8 @@ COMPONENTS = {"config", "memory", "pretrained", "objectives", "precision", "engi
               "metrics", "checkpoints", "distributed", "async_engine", "vllm_engine", "rollouts",
               "runs", "tasks", "arith", "testbed", "errors", "files", "ui", "loggers",
               "audit_inputs"}
-COMMANDS = {"cli", "trainer", "sweep", "reproduce", "audit", "fp16_check", "reports", "claims"}
+COMMANDS = {"cli", "trainer", "sweep", "reproduce", "reproduce_real", "audit", "fp16_check",
+            "reports", "claims"}
 MAX_LINES = 80
 
 

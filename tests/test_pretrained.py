@@ -140,6 +140,33 @@ def test_conversion_gives_back_the_model_and_tokenizer(small_gguf, tmp_path):
     assert hf_tok.eos_token == "<|im_end|>"
 
 
+def test_bf16_rounded_variant_holds_the_conversion_rounded_to_bf16(small_gguf, tmp_path):
+    from parity.runs import load_policy
+    path, _, _ = small_gguf
+    pretrained.convert_gguf(path, tmp_path / "fp32", progress=False)
+    info = pretrained.convert_gguf(path, tmp_path / "bf16", progress=False, round_to="bf16")
+    exact, _ = load_policy(tmp_path / "fp32")
+    rounded, _ = load_policy(tmp_path / "bf16")
+    for (name, a), (_, b) in zip(exact.named_parameters(), rounded.named_parameters()):
+        assert torch.equal(b, a.to(torch.bfloat16).float()), name
+        assert torch.equal(b.to(torch.bfloat16).float(), b), name  # nothing left to round
+    assert info["round_to"] == "bf16"
+    # The tie share is counted on the unrounded weights: recount it from their bit patterns.
+    n = sum(p.numel() for p in exact.parameters())
+    ties = sum(int(((p.detach().view(torch.int32) & 0xFFFF) == 0x8000).sum())
+               for p in exact.parameters())
+    assert info["dequantised_bf16_ties"] == pytest.approx(ties / n)
+
+
+def test_bf16_ties_counts_halfway_weights():
+    # 1 + 2^-8 lies halfway between the bf16 values 1 and 1 + 2^-7; 1 + 2^-7 is one of them,
+    # 1 + 2^-9 is nearer to 1 than halfway.
+    w = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        w.weight.copy_(torch.tensor([[1 + 2**-8, 1 + 2**-7], [-(1 + 2**-8), 1 + 2**-9]]))
+    assert pretrained._bf16_ties(w) == 0.5
+
+
 def test_build_is_atomic_and_cached(small_gguf, tmp_path, monkeypatch):
     path, _, _ = small_gguf
     src = pretrained.Source("tiny", "parity_tests_pkg", path.name, "pip install tiny", "test")

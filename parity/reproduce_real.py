@@ -1,0 +1,302 @@
+"""`parity reproduce --model smollm2-135m`: the seeds' findings on a real pretrained model.
+
+    audits     bf16, fp16 and bf16 with an fp32 LM head against an fp32 trainer    → R1, R2, R3
+    sweeps     the seed's sanity check: neg-length on chat prompts, ε = 0.2, lr 1e-6,
+               the engine's log-probs in the ratio (as an asynchronous trainer has them)
+                 fp32, bf16-engine, fp16 × 3 seeds; bf16, bf16-shadow, no-clip,
+                 recompute × 1 seed                                              → R4–R7
+               the same weights rounded to bf16 (`<model>-bf16`): fp32, bf16-engine × 2 → R8
+               a larger lr (1e-5): fp32, bf16-engine, fp16 × 1 seed              (table)
+    → claims.json, claims.md, plots; every part reused when the command runs again.
+
+The testbed's reproduction (`parity/reproduce.py`) scales ε to its small β; here the seeds'
+own ε = 0.2 applies, because a real model's β is the seeds' size (claim R1 measures it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity import claims as C
+from parity.files import ensure_writable, read_json
+from parity.reports import load_metrics
+
+# Completions shorten from the first steps to the last: a run's `drop` is the mean length over
+# its first WINDOW steps minus over its last WINDOW steps.
+WINDOW = 3
+
+
+@dataclass
+class RealPlan:
+    """One real-model reproduction. Every field is the workload of all its runs."""
+    model: str = "smollm2-135m"
+    audit_samples: int = 64         # completions per audit
+    # Small steps, many of them: at a fixed lr Adam moves the weights as far per step whatever
+    # the batch, so for the time of 10 steps of 16 completions this moves the policy further.
+    prompts_per_step: int = 2
+    group: int = 4                  # completions per prompt: 8 per step
+    max_new_tokens: int = 64
+    steps: int = 14
+    lr: float = 1e-6                # TRL's GRPOConfig default, the seed's setting
+    large_lr: float = 1e-5
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    control_seeds: list[int] = field(default_factory=lambda: [0, 1])
+    main: tuple[str, ...] = ("fp32", "bf16-engine", "fp16")
+    fixes: tuple[str, ...] = ("bf16", "bf16-shadow", "no-clip", "recompute")
+
+    @property
+    def control_model(self) -> str:
+        return f"{self.model}-bf16"
+
+
+def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -> dict[str, Any]:
+    from parity.audit import AuditSettings, audit
+    if (out / "audit.json").is_file():
+        return read_json(out / "audit.json", "earlier audit")
+    return audit(AuditSettings(model=plan.model, engine_dtype=engine, task="neg-length",
+                               chat_template=True, samples=plan.audit_samples,
+                               group=plan.group, max_new_tokens=plan.max_new_tokens,
+                               kl_exact_rows=8, lm_head_fp32=head, progress=progress), out)
+
+
+def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], model: str,
+           lr: float, workers: int, progress: bool) -> dict[str, Any]:
+    from parity.sweep import SweepSpec, run_sweep
+    common = {"steps": plan.steps, "lr": lr, "chat_template": True,
+              "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
+              "max_new_tokens": plan.max_new_tokens, "eps_low": 0.2, "eps_high": 0.2}
+    spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=["neg-length"], models=[model],
+                     overrides=common, per_recipe={"no-clip": {"eps_low": None,
+                                                               "eps_high": None}},
+                     workers=workers)
+    return run_sweep(spec, out, progress=progress)
+
+
+def _runs(summaries: list[dict[str, Any]]) -> dict[str, list[Path]]:
+    """Finished run directories by recipe, over several sweeps' summaries."""
+    out: dict[str, list[Path]] = {}
+    for s in summaries:
+        for e in s["runs"].values():
+            if e.get("ok") and Path(e["path"], "metrics.jsonl").is_file():
+                out.setdefault(e["recipe"], []).append(Path(e["path"]))
+    return out
+
+
+def run_stats(path: Path) -> dict[str, Any]:
+    """What the claims read from one run's metrics.jsonl."""
+    rows = load_metrics(path / "metrics.jsonl")
+
+    def mean(key: str, rs: list[dict]) -> float | None:
+        v = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return statistics.fmean(v) if v else None
+    first, last = rows[:WINDOW], rows[-WINDOW:]
+    len0, len1 = mean("completion/len_mean", first), mean("completion/len_mean", last)
+    changed = [r.get("sync/changed_frac") for r in rows]
+    return {"steps": len(rows), "len_first": len0, "len_last": len1,
+            "drop": None if len0 is None or len1 is None else len0 - len1,
+            "truncated_first": 1 - (mean("completion/eos_frac", first) or 0.0),
+            "truncated_last": 1 - (mean("completion/eos_frac", last) or 0.0),
+            "beta_first": rows[0].get("mismatch/beta_abs_mean"),
+            "beta_last": mean("mismatch/beta_abs_mean", last),
+            "kl_first": rows[0].get("mismatch/kl_k3"), "kl_last": mean("mismatch/kl_k3", last),
+            "corr_beta_adv": mean("mismatch/beta_adv_corr", rows),
+            "phantom_first": mean("clip/phantom_frac", first),
+            "changed_first_sync": changed[1] if len(changed) > 1 else None,
+            "changed_later": mean("sync/changed_frac", rows[2:]),
+            "step_s": mean("time/step_s", rows)}
+
+
+def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool = True
+                   ) -> dict[str, Any]:
+    from parity import testbed
+    t_start = time.perf_counter()
+    ensure_writable(out, "reproduce --out")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (plan.model, plan.control_model):   # conversions first, with their own bars
+        testbed.resolve_model(name)
+    timing: dict[str, float] = {}
+
+    def phase(name: str, t0: float) -> None:
+        timing[name] = time.perf_counter() - t0
+        if progress:
+            print(f"[reproduce {plan.model}] {name}: {timing[name] / 60:.1f} min", flush=True)
+
+    t0 = time.perf_counter()
+    audits = {key: _audit(plan, eng, head, out / "audits" / key, progress)
+              for key, eng, head in (("bf16", "bf16", False), ("fp16", "fp16", False),
+                                     ("bf16-fp32-head", "bf16", True))}
+    phase("audits", t0)
+    # Ordered so that an interrupted reproduction has the most telling runs first: one seed of
+    # every recipe, the bf16-rounded control, the larger lr, then the remaining seeds.
+    sw = out / "sweeps"
+    parts = [("seed0", list(plan.main) + list(plan.fixes), plan.seeds[:1], plan.model, plan.lr),
+             ("bf16-rounded", ["fp32", "bf16-engine"], plan.control_seeds, plan.control_model,
+              plan.lr),
+             ("large-lr", list(plan.main), plan.seeds[:1], plan.model, plan.large_lr),
+             ("more-seeds", list(plan.main), plan.seeds[1:], plan.model, plan.lr)]
+    summaries = {}
+    for name, recipes, seeds, model, lr in parts:
+        t0 = time.perf_counter()
+        summaries[name] = _sweep(plan, sw / name, recipes, seeds, model, lr, workers, progress)
+        _prune_checkpoints(sw / name / "runs")
+        phase(f"sweep {name}", t0)
+
+    runs = _runs([summaries["seed0"], summaries["more-seeds"]])
+    stats = {r: [run_stats(p) for p in ps] for r, ps in runs.items()}
+    control = {r: [run_stats(p) for p in ps]
+               for r, ps in _runs([summaries["bf16-rounded"]]).items()}
+    large = {r: [run_stats(p) for p in ps] for r, ps in _runs([summaries["large-lr"]]).items()}
+    _plots(runs, _runs([summaries["bf16-rounded"]]), out)
+    claims = judge(audits, stats, control, _ties(plan.model), plan)
+    seconds = time.perf_counter() - t_start
+    result = {"plan": plan.__dict__ | {"main": list(plan.main), "fixes": list(plan.fixes)},
+              "seconds": seconds, "timing": timing,
+              "audits": {k: {m: a["metrics"].get(m) for m in _AUDIT_KEYS}
+                         | {"phantom_eps_0.2": _phantom(a, 0.2),
+                            "phantom_eps_0.05": _phantom(a, 0.05)}
+                         for k, a in audits.items()},
+              "runs": {"lr": stats, "bf16_rounded": control, "large_lr": large},
+              "claims": [c.to_dict() for c in claims]}
+    (out / "claims.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "claims.md").write_text(markdown(result, claims, plan, out))
+    return result
+
+
+def _prune_checkpoints(runs: Path) -> None:
+    """A finished run's checkpoint is 1.6 GB on this model and the claims read only
+    metrics.jsonl: its files go, its directory stays, so the sweep still sees the run as
+    finished and a rerun reuses it. A note says where the weights went."""
+    for step in runs.glob("*/checkpoints/step-*"):
+        for f in step.iterdir():
+            if f.is_dir():
+                shutil.rmtree(f)
+            else:
+                f.unlink()
+        (step / "PRUNED.txt").write_text("parity reproduce --model removed this checkpoint's "
+                                         "files to save disk; the run cannot be resumed.\n")
+
+
+_AUDIT_KEYS = ("mismatch/beta_abs_mean", "mismatch/beta_abs_max", "mismatch/kl_exact",
+               "mismatch/kl_k3", "mismatch/kernel_gap_abs_mean", "mismatch/beta_adv_corr")
+
+
+def _phantom(a: dict[str, Any], eps: float) -> float | None:
+    return next((r["phantom_frac"] for r in a["phantom_vs_eps"] if abs(r["eps"] - eps) < 1e-9),
+                None)
+
+
+def _kl(m: dict[str, float]) -> float:
+    return m["mismatch/kl_exact"] if "mismatch/kl_exact" in m else m["mismatch/kl_k3"]
+
+
+def _drops(stats: dict[str, list[dict]]) -> dict[str, list[float]]:
+    return {r: [s["drop"] for s in ss if s["drop"] is not None] for r, ss in stats.items()}
+
+
+def judge(audits: dict[str, dict], stats: dict[str, list[dict]],
+          control: dict[str, list[dict]], ties: float | None, plan: RealPlan) -> list[C.Claim]:
+    """Measured numbers → claims. Pure apart from reading what it is given."""
+    b, f, h = (audits[k]["metrics"] for k in ("bf16", "fp16", "bf16-fp32-head"))
+    claims = [C.real_gap(b["mismatch/beta_abs_mean"], _phantom(audits["bf16"], 0.2), plan.model),
+              C.fp16_shrinks_gap(_kl(b), _kl(f), b["mismatch/beta_abs_mean"],
+                                 f["mismatch/beta_abs_mean"]),
+              C.fp32_head_helps(_kl(b), _kl(h), b["mismatch/beta_abs_mean"],
+                                h["mismatch/beta_abs_mean"])]
+    claims[1].id = "R2"
+    drops = _drops(stats)
+    lag = C.sanity_check(drops, plan.lr, plan.steps)
+    claims += [lag, C.fixes_on_real_model(drops, lag), C.fp16_like_fp32(drops)]
+    bf = stats.get("bf16-engine", [])
+    claims.append(C.gap_grows([s["kl_first"] for s in bf if s["kl_last"] is not None],
+                              [s["kl_last"] for s in bf if s["kl_last"] is not None],
+                              "KL(μ‖π) (k3)", "R7"))
+    cdrops = _drops(control)
+
+    def first_sync(ss: list[dict]) -> float | None:
+        v = [s["changed_first_sync"] for s in ss if s["changed_first_sync"] is not None]
+        return statistics.fmean(v) if v else None
+    claims.append(C.ties_explain_head_start(
+        ties, {"dequantised": first_sync(bf), "bf16-rounded": first_sync(control.get(
+            "bf16-engine", []))},
+        C.difference(drops.get("bf16-engine", []), drops.get("fp32", [])),
+        C.difference(cdrops.get("bf16-engine", []), cdrops.get("fp32", []))))
+    return claims
+
+
+def _ties(model: str) -> float:
+    """Share of the model's weights exactly halfway between two bf16 values."""
+    from parity import testbed
+    from parity.pretrained import _bf16_ties
+    from parity.runs import load_policy
+    return _bf16_ties(load_policy(testbed.resolve_model(model))[0])
+
+
+PANELS = [("completion/len_mean", "completion length"),
+          ("completion/eos_frac", "completions ending in EOS"),
+          ("mismatch/beta_abs_mean", "|β| token mean"), ("mismatch/kl_k3", "KL(μ‖π) k3"),
+          ("clip/phantom_frac", "phantom-clipped fraction"),
+          ("sync/changed_frac", "bf16/fp16 weights changed at sync")]
+
+
+def _plots(runs: dict[str, list[Path]], control: dict[str, list[Path]], out: Path) -> None:
+    from parity.reports import sweep_report
+    groups = dict(runs) | {f"{r} (bf16-rounded weights)": ps for r, ps in control.items()}
+    sweep_report(groups, out / "plots", PANELS)
+
+
+def _table(rows: list[list[str]], head: list[str]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _g(v: Any, fmt: str) -> str:
+    return "missing" if v is None else format(v, fmt)
+
+
+def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out: Path) -> str:
+    pre = (f"`parity reproduce --model {plan.model}`: {result['seconds'] / 60:.1f} min on this "
+           f"machine (2 CPU cores). neg-length with the chat template, {plan.prompts_per_step} "
+           f"prompts × {plan.group} completions of at most {plan.max_new_tokens} tokens per "
+           f"step, {plan.steps} steps, ε = 0.2, lr {plan.lr:g}, the engine's log-probs in the "
+           f"ratio. Seeds {plan.seeds} for {', '.join(plan.main)}; seed {plan.seeds[0]} for "
+           f"{', '.join(plan.fixes)}. `claims.json` has every measured number.")
+    md = C.to_markdown(claims, f"Claims of the seeds, measured on {plan.model}", pre)
+    md += "\n## Audits (an fp32 trainer against each engine)\n\n"
+    md += _table([[k, _g(a["mismatch/beta_abs_mean"], ".3g"), _g(a["mismatch/beta_abs_max"], ".3g"),
+                   _g(a["mismatch/kl_exact"], ".2g"), _g(a["phantom_eps_0.2"], ".2%"),
+                   _g(a["phantom_eps_0.05"], ".2%"), _g(a["mismatch/kernel_gap_abs_mean"], ".2g")]
+                  for k, a in result["audits"].items()],
+                  ["engine", "|β| mean", "|β| max", "KL(μ‖π) exact", "phantom ε=0.2",
+                   "phantom ε=0.05", "shadow kernel gap"])
+    for title, key in (("Runs at lr " + format(plan.lr, "g"), "lr"),
+                       ("The same weights rounded to bf16, lr " + format(plan.lr, "g"),
+                        "bf16_rounded"),
+                       ("A larger lr, " + format(plan.large_lr, "g"), "large_lr")):
+        rows = []
+        for recipe, ss in result["runs"][key].items():
+            for i, s in enumerate(ss):
+                rows.append([recipe, str(i), _g(s["len_first"], ".1f"), _g(s["len_last"], ".1f"),
+                             _g(s["drop"], ".1f"), _g(s["truncated_first"], ".0%"),
+                             _g(s["truncated_last"], ".0%"), _g(s["beta_first"], ".3g"),
+                             _g(s["beta_last"], ".3g"), _g(s["kl_first"], ".2g"),
+                             _g(s["kl_last"], ".2g"), _g(s["corr_beta_adv"], "+.3f"),
+                             _g(s["changed_first_sync"], ".2%"), _g(s["changed_later"], ".2%"),
+                             _g(s["step_s"], ".0f")])
+        md += f"\n## {title}\n\n" + (_table(rows, [
+            "recipe", "run", "length first", "length last", "drop", "truncated first",
+            "truncated last", "|β| first", "|β| last", "KL first", "KL last", "corr(β, A)",
+            "changed at 1st sync", "changed later", "s/step"]) if rows else "No finished runs.\n")
+    md += (f"\nFirst and last: the mean over the first and the last {WINDOW} steps (|β| and KL "
+           f"first: step 1 alone). Truncated: completions that reached {plan.max_new_tokens} "
+           f"tokens without EOS.\n")
+    if (out / "plots" / "sweep.png").is_file():
+        md += ("\n### Per step, one line per recipe (mean over seeds, band from lowest to "
+               "highest)\n\n![per step](plots/sweep.png)\n")
+    return md
