@@ -114,13 +114,16 @@ def test_kl_estimates_against_formulas():
 
 
 def test_exact_kl_against_loops():
+    from parity.diagnostics import KL_CHUNK
     g = torch.Generator().manual_seed(2)
-    mu_logits, pi_logits = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
+    N = 2 * KL_CHUNK + 5  # positions in three chunks, the last one short
+    mu_logits, pi_logits = torch.randn(N, 7, generator=g), torch.randn(N, 7, generator=g)
     for s in (Sampling(), Sampling(temperature=0.7, top_k=3), Sampling(top_p=0.8)):
         from parity.engines import processed_logits
         mu = torch.log_softmax(processed_logits(mu_logits, s), -1)
         got = exact_kl(mu, pi_logits, s)
-        for n in range(4):
+        assert got.shape == (N,)
+        for n in range(N):
             # π as the trainer samples it, but never excluding what μ can sample.
             x = processed_logits(pi_logits[n], s).tolist()
             for v in range(7):
