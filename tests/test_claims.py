@@ -218,3 +218,23 @@ def test_real_gap_head_growth_and_ties_verdicts():
     assert C.ties_explain_head_start(0.08, sync, (10.0, 4.0), (9.0, 5.0)).verdict == C.NOT_AT_SCALE
     assert C.ties_explain_head_start(0.08, sync, (1.0, 4.0), (1.0, 5.0)).verdict == C.NOT_MEASURABLE
     assert C.ties_explain_head_start(0.08, sync, None, (1.0, 5.0)).verdict == C.NOT_MEASURABLE
+
+
+def test_real_run_stats_from_a_metrics_file(tmp_path):
+    from parity.reproduce_real import WINDOW, run_stats
+    assert WINDOW == 3
+    lens = [60, 58, 56, 50, 40, 30, 20]
+    rows = [{"step": i + 1, "completion/len_mean": n, "completion/eos_frac": i / 10,
+             "mismatch/beta_abs_mean": 0.04 + i / 100, "mismatch/kl_k3": 1e-3 * (i + 1),
+             "sync/changed_frac": [0.0, 0.037, 0.005, 0.004, 0.006, 0.005, 0.004][i],
+             "time/step_s": 10.0} for i, n in enumerate(lens)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = run_stats(tmp_path)
+    assert s["len_first"] == pytest.approx(58) and s["len_last"] == pytest.approx(30)
+    assert s["drop"] == pytest.approx(28)
+    assert s["truncated_first"] == pytest.approx(1 - 0.1)     # eos 0, .1, .2
+    assert s["truncated_last"] == pytest.approx(1 - 0.5)      # eos .4, .5, .6
+    assert s["beta_first"] == pytest.approx(0.04) and s["kl_last"] == pytest.approx(6e-3)
+    # The first sync is step 2's (step 1 samples with the starting weights).
+    assert s["changed_first_sync"] == 0.037
+    assert s["changed_later"] == pytest.approx((0.005 + 0.004 + 0.006 + 0.005 + 0.004) / 5)
