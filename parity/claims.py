@@ -417,32 +417,30 @@ def gap_grows(first: list[float], last: list[float], what: str, cid: str) -> Cla
     return Claim(cid, s, seeds, m, NOT_AT_SCALE, f"not in every seed: {pairs}")
 
 
-def ties_explain_head_start(ties: float | None, first_sync: dict[str, float | None],
-                            main: tuple[float, float] | None,
-                            control: tuple[float, float] | None) -> Claim:
-    """R8. parity's own explanation of a bf16 engine that trains *faster* than fp32 from
-    dequantised weights: weights exactly halfway between two bf16 values flip at the first
-    sync, each by half a bf16 step in the direction of the first update (hundreds of times
-    that update at lr 1e-6), so the engine's policy jumps ahead of the trainer's. Holds when the
-    bf16 engine is faster on the dequantised weights, is not on the same weights rounded to
-    bf16 (no ties), and its first sync flips far more weights there."""
-    m = {"dequantised_bf16_ties": ties, "first_sync_changed": first_sync,
-         "difference_dequantised": main, "difference_bf16_rounded": control}
-    s = ("a bf16 engine runs ahead of fp32 because dequantised weights sit on bf16 ties, "
-         "which flip at the first sync")
-    seeds = "(parity's own explanation; no seed states it)"
+def ties_make_the_gap_grow(ties: float | None, first_sync: dict[str, float | None],
+                          growth: dict[str, list[float]]) -> Claim:
+    """R8. parity's own explanation of a bf16 mismatch that grows in training, from dequantised
+    weights: a weight exactly halfway between two bf16 values flips at the first sync however
+    small the update, each by a whole bf16 step in the update's direction (on SmolLM2-135M the
+    median step at its ties is 2.4e-4, against Adam's step of about lr = 1e-6), so the engine's policy moves coherently away from the
+    trainer's. The growth is the mean KL(μ‖π) after the first sync over the KL at step 1. Holds
+    when every run on the dequantised weights grows by more than 2×, every run on the same
+    weights rounded to bf16 (no ties) by less than 1.5×, and the first sync flips at least 5×
+    more weights on the dequantised ones."""
     deq, rnd = first_sync.get("dequantised"), first_sync.get("bf16-rounded")
-    if main is None or control is None or deq is None or rnd is None or ties is None:
+    g_deq, g_rnd = growth.get("dequantised", []), growth.get("bf16-rounded", [])
+    m = {"dequantised_bf16_ties": ties, "first_sync_changed": first_sync, "kl_growth": growth}
+    s = ("the bf16 mismatch grows after the first sync because dequantised weights sit on bf16 "
+         "ties")
+    seeds = "(parity's own explanation of the growth users of the FP16 paper's code ask about)"
+    if not g_deq or not g_rnd or deq is None or rnd is None or ties is None:
         return Claim("R8", s, seeds, m, NOT_MEASURABLE,
-                     "a run of the dequantised or the bf16-rounded weights is missing")
+                     "a bf16-engine run of the dequantised or the bf16-rounded weights is missing")
     detail = (f"{ties:.1%} of the dequantised weights are bf16 ties; the first sync changes "
-              f"{deq:.2%} of bf16 weights there and {rnd:.3%} on the bf16-rounded copy; "
-              f"bf16-engine minus fp32 length drop: {main[0]:+.1f} ± {main[1]:.1f} "
-              f"(dequantised), {control[0]:+.1f} ± {control[1]:.1f} (bf16-rounded)")
-    faster, gone = main[0] > main[1], abs(control[0]) <= control[1]
-    if faster and gone and deq > 5 * rnd:
+              f"{deq:.2%} of the engine's bf16 weights there and {rnd:.2%} on the bf16-rounded "
+              f"copy; KL after the first sync / KL at step 1, per seed: dequantised "
+              f"{', '.join(f'{x:.1f}×' for x in g_deq)}, bf16-rounded "
+              f"{', '.join(f'{x:.1f}×' for x in g_rnd)}")
+    if min(g_deq) > 2 and max(g_rnd) < 1.5 and deq > 5 * rnd:
         return Claim("R8", s, seeds, m, HOLDS, detail)
-    if not faster:
-        return Claim("R8", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine is not faster on the dequantised weights: {detail}")
     return Claim("R8", s, seeds, m, NOT_AT_SCALE, detail)

@@ -212,12 +212,17 @@ def test_real_gap_head_growth_and_ties_verdicts():
     assert C.gap_grows([1e-3, 2e-3], [3e-3, 5e-3], "KL", "R7").verdict == C.HOLDS
     assert C.gap_grows([1e-3, 2e-3], [3e-3, 2e-3], "KL", "R7").verdict == C.NOT_AT_SCALE
     assert C.gap_grows([], [], "KL", "R7").verdict == C.NOT_MEASURABLE
-    sync = {"dequantised": 0.037, "bf16-rounded": 0.0001}
-    assert C.ties_explain_head_start(0.08, sync, (10.0, 4.0), (1.0, 5.0)).verdict == C.HOLDS
-    # Still faster on the rounded weights: the ties are not the explanation.
-    assert C.ties_explain_head_start(0.08, sync, (10.0, 4.0), (9.0, 5.0)).verdict == C.NOT_AT_SCALE
-    assert C.ties_explain_head_start(0.08, sync, (1.0, 4.0), (1.0, 5.0)).verdict == C.NOT_MEASURABLE
-    assert C.ties_explain_head_start(0.08, sync, None, (1.0, 5.0)).verdict == C.NOT_MEASURABLE
+    sync = {"dequantised": 0.037, "bf16-rounded": 0.003}
+    grows = {"dequantised": [3.5, 2.6], "bf16-rounded": [1.1, 1.2]}
+    assert C.ties_make_the_gap_grow(0.08, sync, grows).verdict == C.HOLDS
+    # The rounded copy's mismatch grows too: the ties are not the explanation.
+    both = dict(grows, **{"bf16-rounded": [1.1, 2.2]})
+    assert C.ties_make_the_gap_grow(0.08, sync, both).verdict == C.NOT_AT_SCALE
+    # As many flips on both: the rounded copy is no control for the ties.
+    same = {"dequantised": 0.037, "bf16-rounded": 0.02}
+    assert C.ties_make_the_gap_grow(0.08, same, grows).verdict == C.NOT_AT_SCALE
+    assert C.ties_make_the_gap_grow(0.08, sync, dict(grows, **{"bf16-rounded": []})).verdict \
+        == C.NOT_MEASURABLE
 
 
 def test_real_run_stats_from_a_metrics_file(tmp_path):
