@@ -8,19 +8,60 @@ records, for every sampled token, ℓ_μ: its log-prob under the distribution ac
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers import StaticCache
+from transformers import AttentionInterface, StaticCache
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
+def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float | None = None, dropout: float = 0.0,
+                     parity_kv_len: int | None = None, **kwargs: Any
+                     ) -> tuple[torch.Tensor, None]:
+    """Eager attention's arithmetic (QKᵀ and the product with V in the model's dtype, the
+    softmax in fp32, as transformers' eager path for Llama-family models), without what made
+    decoding slow down with length: the static cache is read only up to `parity_kv_len`, the
+    positions filled so far, instead of all of it at every token; and grouped-query heads share
+    their key/value head through a reshape of the query instead of eager's `repeat_kv`, which
+    copied every cached key and value once per query head per layer per token (figures:
+    docs/performance.md). Without `parity_kv_len` (the shadow's full forward) it attends to
+    every key it is given."""
+    if parity_kv_len is not None:
+        key, value = key[:, :, :parity_kv_len], value[:, :, :parity_kv_len]
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., :parity_kv_len]
+    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        # Capped logits or attention sinks (Gemma 2, gpt-oss): the model's own eager path.
+        own = sys.modules[type(module).__module__].eager_attention_forward
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                   **kwargs)
+    B, H, q, d = query.shape
+    kv, L = key.shape[1], key.shape[2]
+    g = H // kv    # query heads per key/value head, in repeat_kv's order (head = j·g + i)
+    w = torch.matmul(query.reshape(B, kv, g * q, d), key.transpose(2, 3))
+    w = w * (d ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        w = (w.view(B, kv, g, q, L) + attention_mask[:, :, None]).view(B, kv, g * q, L)
+    w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout and module.training:
+        w = torch.nn.functional.dropout(w, p=dropout)
+    out = torch.matmul(w, value).view(B, H, q, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
 # A decode step attends one query to a short cache, where torch's CPU SDPA kernel costs more
-# in setup than the products do. The shadow forward attends the same way, because a different
-# attention kernel would put a kernel gap inside α. Figures: docs/performance.md.
-ENGINE_ATTENTION = "eager"
+# in setup than the products do; `engine_attention` is eager's arithmetic without its costs at
+# length. The shadow forward attends the same way, because a different attention kernel would
+# put a kernel gap inside α. Figures: docs/performance.md.
+ENGINE_ATTENTION = "parity_eager"
+AttentionInterface.register(ENGINE_ATTENTION, engine_attention)
+AttentionMaskInterface.register(ENGINE_ATTENTION, eager_mask)  # the additive mask eager uses
 
 
 @dataclass(frozen=True)
@@ -275,7 +316,7 @@ class HFEngine:
         pos = positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True,
-                         logits_to_keep=keep_last(ids.shape[1], 1))
+                         logits_to_keep=keep_last(ids.shape[1], 1), parity_kv_len=ids.shape[1])
         tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long)
         logps = torch.zeros((B, max_new_tokens), dtype=torch.float32)
         valid = torch.zeros((B, max_new_tokens), dtype=torch.float32)
@@ -299,7 +340,8 @@ class HFEngine:
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
-                             position_ids=last_pos, past_key_values=cache, use_cache=True)
+                             position_ids=last_pos, past_key_values=cache, use_cache=True,
+                             parity_kv_len=attn.shape[1])
         if shard.fixed_draws:
             for _ in range(t + 1, max_new_tokens):
                 uniforms(generator, shard.batch)

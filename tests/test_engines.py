@@ -128,3 +128,42 @@ def test_inverse_cdf_sampler_draws_each_row_from_its_own_distribution():
         expected = p[row][keep] * n
         chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
         assert chi2 < chi2_critical(int(keep.sum()) - 1)
+
+
+def _attention_reference(q, k, v, mask, scaling):
+    """softmax(q·kᵀ·scaling + mask)·v in float64, one query head at a time, each on the
+    key/value head repeat_kv gives it (head h reads key/value head h // groups)."""
+    B, H, Q, d = q.shape
+    g = H // k.shape[1]
+    out = torch.zeros(B, Q, H, d, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            s = q[b, h].double() @ k[b, h // g].double().T * scaling + mask[b, 0].double()
+            out[b, :, h] = torch.softmax(s, -1) @ v[b, h // g].double()
+    return out
+
+
+def test_engine_attention_against_a_float64_reference():
+    from parity.engines import engine_attention
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    B, H, kv, d, L = 2, 6, 2, 8, 9   # grouped-query: 3 query heads per key/value head
+    neg = torch.finfo(torch.float32).min
+    k, v = torch.randn(B, kv, L, d), torch.randn(B, kv, L, d)
+    # A decode step over a static cache filled to 5 of its 9 positions, row 1 left-padded by 2:
+    # positions past the fill are masked as the cache's mask masks them, and not read at all.
+    q = torch.randn(B, H, 1, d)
+    mask = torch.zeros(B, 1, 1, L)
+    mask[..., 5:] = neg
+    mask[1, ..., :2] = neg
+    got, _ = engine_attention(module, q, k, v, mask, 0.3, parity_kv_len=5)
+    assert got.shape == (B, 1, H, d)
+    torch.testing.assert_close(got.double(), _attention_reference(q, k[:, :, :5], v[:, :, :5],
+                                                                 mask[..., :5], 0.3),
+                               atol=1e-6, rtol=1e-6)
+    # A full forward (the shadow's): every query position, causal mask, no fill given.
+    q = torch.randn(B, H, L, d)
+    causal = torch.full((L, L), neg).triu(1).expand(B, 1, L, L)
+    got, _ = engine_attention(module, q, k, v, causal, d ** -0.5)
+    torch.testing.assert_close(got.double(), _attention_reference(q, k, v, causal, d ** -0.5),
+                               atol=1e-6, rtol=1e-6)
