@@ -4,9 +4,11 @@
 
 α = ℓ_s − ℓ_μ should be the policy change alone; at equal weights it is the kernel gap, the
 difference between the engine's KV-cache decode and the shadow's full forward, both in engine
-precision. The engine decodes with eager attention (bench/decode_variants.py); the shadow, like the
-trainer, uses SDPA. This prints the gap with the shadow on each implementation: a shadow that
-attends like the engine leaves only the cache-versus-full-forward difference.
+precision. The engine decodes with parity's attention (`parity.engines.engine_attention`: eager's
+arithmetic over the filled part of its KV cache). This prints the gap with the shadow on each
+implementation: `sdpa` is the trainer's own (`shadow_kernels: independent`), `parity_eager` the
+engine's (`shadow_kernels: engine`, the default), `eager` transformers' eager attention. A shadow
+that attends like the engine leaves only the cache-versus-full-forward difference.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import torch
 
 from parity import testbed
-from parity.engines import HFEngine, Sampling
+from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
 from parity.scoring import score
 from parity.precision import low_precision_copy
 from parity.runs import load_policy
@@ -36,10 +38,10 @@ def main() -> None:
     r = engine.generate([p for p in prompts for _ in range(a.group)], a.new_tokens, Sampling(),
                         torch.Generator().manual_seed(0))
     mask = r.completion_mask
-    print(f"{a.model}, {a.dtype} engine (eager attention), {int(mask.sum())} tokens\n")
+    print(f"{a.model}, {a.dtype} engine ({ENGINE_ATTENTION} attention), {int(mask.sum())} tokens\n")
     print("| shadow attention | kernel gap mean |α| | max |α| |")
     print("|---|---|---|")
-    for attn in ("sdpa", "eager"):
+    for attn in ("sdpa", "eager", ENGINE_ATTENTION):
         shadow = low_precision_copy(master, a.dtype)
         shadow.set_attn_implementation(attn)
         with torch.no_grad():

@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24, help="max_completion_length")
     ap.add_argument("--iterations", type=int, default=1,
                     help="GRPOConfig.num_iterations: updates per batch of completions")
+    ap.add_argument("--shadow-kernels", default="engine", choices=("engine", "independent"),
+                    help="the shadow's attention: the engine's, or the trainer's own")
     ap.add_argument("--out", default="runs/trl-example")
     a = ap.parse_args()
 
@@ -54,7 +56,8 @@ def main() -> None:
                       save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
     trainer = ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=neg_length,
                                 args=args, train_dataset=dataset,
-                                parity=ParityOptions.from_recipe(a.recipe))
+                                parity=ParityOptions.from_recipe(a.recipe,
+                                                                 shadow_kernels=a.shadow_kernels))
     trainer.train()
 
     cols = ("reward", "clip_ratio/region_mean", "clip/phantom_frac", "clip/alpha_frac",

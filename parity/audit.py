@@ -88,6 +88,7 @@ class Measurement:
                         "clip/hidden_frac": head["hidden"], "clip/alpha_frac": head["alpha"]})
         if adv is None:
             metrics.pop("mismatch/beta_adv_corr", None)
+            metrics.pop("mismatch/beta_adv_corr_se", None)
         sweep = []
         for eps in sorted(set(EPS_SWEEP) | {self.a.eps}):
             f = clip_fractions(tok["alpha"], tok["beta"], adv, eps, eps)
@@ -287,9 +288,14 @@ def fit_loglog(xs: list[float], ys: list[float]) -> dict[str, float] | None:
         return None
     mx = sum(p[0] for p in pts) / len(pts)
     my = sum(p[1] for p in pts) / len(pts)
-    slope = (sum((x - mx) * (y - my) for x, y in pts) /
-             sum((x - mx) ** 2 for x, _ in pts))
-    return {"slope": slope, "intercept": my - slope * mx, "points": len(pts)}
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    intercept = my - slope * mx
+    fit = {"slope": slope, "intercept": intercept, "points": len(pts)}
+    if len(pts) > 2:  # the slope's standard error from the residuals, n − 2 degrees of freedom
+        rss = sum((y - intercept - slope * x) ** 2 for x, y in pts)
+        fit["slope_se"] = math.sqrt(rss / (len(pts) - 2) / sxx)
+    return fit
 
 
 def _same_audit(res: dict[str, Any], a: AuditSettings) -> bool:

@@ -38,16 +38,21 @@ class Claim:
         return asdict(self)
 
 
-def beta_is_minus_kl(beta_mean: float, beta_std: float, tokens: int, kl: float) -> Claim:
-    """1a. E_μ[ℓ_π − ℓ_μ] = −KL(μ‖π): β's token mean is negative, about −KL."""
-    se = beta_std / math.sqrt(max(tokens, 1))
-    m = {"beta_mean": beta_mean, "kl_exact": kl, "standard_error": se, "tokens": tokens}
+def beta_is_minus_kl(beta_mean: float, se: float | None, completions: int, kl: float) -> Claim:
+    """1a. E_μ[ℓ_π − ℓ_μ] = −KL(μ‖π): β's token mean is negative, about −KL. `se` is the mean's
+    standard error with each completion as one draw (`mismatch/beta_mean_se`)."""
+    m = {"beta_mean": beta_mean, "kl_exact": kl, "standard_error": se,
+         "completions": completions}
     s, seeds = "β has a negative mean, about −KL(μ‖π)", "negative bias of β"
-    if kl < 2 * se:
-        need = (2 * beta_std / kl) ** 2 if kl > 0 else math.inf
+    if se is None:
         return Claim("1a", s, seeds, m, NOT_MEASURABLE,
-                     f"KL(μ‖π) = {kl:.2g} is below the noise of β's mean (2·SE = {2 * se:.2g}); "
-                     f"resolving it needs about {need:.2g} tokens, {tokens} were sampled")
+                     "the audit reported no standard error of β's mean")
+    if kl < 2 * se:
+        need = completions * (2 * se / kl) ** 2 if kl > 0 else math.inf
+        return Claim("1a", s, seeds, m, NOT_MEASURABLE,
+                     f"KL(μ‖π) = {kl:.2g} is below the noise of β's mean (2·SE = {2 * se:.2g}, "
+                     f"per completion); resolving it needs about {need:.2g} completions, "
+                     f"{completions} were sampled")
     if beta_mean < 0 and abs(beta_mean + kl) < 3 * se:
         return Claim("1a", s, seeds, m, HOLDS,
                      f"mean β = {beta_mean:.3g} against −KL = {-kl:.3g} (SE {se:.2g})")
@@ -56,36 +61,51 @@ def beta_is_minus_kl(beta_mean: float, beta_std: float, tokens: int, kl: float) 
                  f"({3 * se:.2g})")
 
 
-def beta_correlates_with_advantage(corr: float | None, tokens: int) -> Claim:
-    """1b. β correlates with the advantage."""
-    noise = 3 / math.sqrt(max(tokens, 1))
-    m = {"corr_beta_advantage": corr, "noise_3_sigma": noise, "tokens": tokens}
+def beta_correlates_with_advantage(corr: float | None, se: float | None) -> Claim:
+    """1b. β correlates with the advantage. `se` is the correlation's standard error with each
+    completion as one draw (`mismatch/beta_adv_corr_se`): a completion's tokens share one
+    advantage, so counting them as independent would shrink the noise by √(tokens/completion)."""
+    m = {"corr_beta_advantage": corr, "standard_error": se,
+         "noise_3_sigma": None if se is None else 3 * se}
     s, seeds = "β correlates with the advantage", "correlated with the advantage"
-    if corr is None:
+    if corr is None or se is None:
         return Claim("1b", s, seeds, m, NOT_MEASURABLE,
-                     "the audit reported no corr(β, A): it had no advantages, or β or A was "
-                     "constant")
-    if abs(corr) > noise:
-        return Claim("1b", s, seeds, m, HOLDS, f"corr(β, A) = {corr:+.3f}, beyond ±{noise:.3f}")
+                     "the audit reported no corr(β, A) with its standard error: it had no "
+                     "advantages, or β or A was constant")
+    if abs(corr) > 3 * se:
+        return Claim("1b", s, seeds, m, HOLDS,
+                     f"corr(β, A) = {corr:+.3f}, beyond 3 SE (±{3 * se:.3f}, per completion)")
     return Claim("1b", s, seeds, m, NOT_AT_SCALE,
-                 f"corr(β, A) = {corr:+.3f} is within the noise ±{noise:.3f}")
+                 f"corr(β, A) = {corr:+.3f} is within 3 SE (±{3 * se:.3f}, per completion)")
 
 
-def beta_grows_with_size(slope: float | None, n_points: int, at_06b: float | None,
-                         min_slope: float = 0.05) -> Claim:
-    """1c. |β| grows with model size (log-log slope across the size ladder)."""
-    m = {"loglog_slope": slope, "points": n_points, "beta_abs_at_0.6B": at_06b}
+def beta_grows_with_size(slope: float | None, slope_se: float | None, n_points: int,
+                         at_06b: float | None, min_slope: float = 0.05) -> Claim:
+    """1c. |β| grows with model size: the log-log slope across the size ladder, with the 95%
+    interval of Student's t on n − 2 degrees of freedom. Holds when the interval lies above
+    zero; does not hold when it lies below `min_slope` (flat or falling, resolved); otherwise
+    the ladder cannot tell."""
+    m = {"loglog_slope": slope, "slope_se": slope_se, "points": n_points,
+         "beta_abs_at_0.6B": at_06b}
     s = "|β| grows with model size"
     seeds = f"|β| O(1e-2..1e-1) at 0.6B (taken as {SEED_BETA:g})"
-    if slope is None or n_points < 2:
-        return Claim("1c", s, seeds, m, NOT_MEASURABLE, "fewer than two model sizes measured")
-    if slope > min_slope:
+    if slope is None or slope_se is None or n_points < 3:
+        return Claim("1c", s, seeds, m, NOT_MEASURABLE,
+                     "fewer than three model sizes measured: the slope has no error")
+    half = _T975.get(n_points - 2, 2.0) * slope_se
+    m["interval_95"] = [slope - half, slope + half]
+    at = f"; extrapolated |β| at 0.6B: {at_06b:.3g}" if at_06b is not None else ""
+    if slope - half > 0:
         return Claim("1c", s, seeds, m, HOLDS,
-                     f"log-log slope {slope:+.3f}; extrapolated |β| at 0.6B: {at_06b:.3g}")
-    return Claim("1c", s, seeds, m, NOT_AT_SCALE,
-                 f"log-log slope {slope:+.3f} (flat within {min_slope}); extrapolated |β| at "
-                 f"0.6B {at_06b:.3g} against the seeds' ~{SEED_BETA:g}: parameter count alone "
-                 f"does not make the gap")
+                     f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes){at}")
+    if slope + half < min_slope:
+        return Claim("1c", s, seeds, m, NOT_AT_SCALE,
+                     f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes), below "
+                     f"{min_slope}{at} against the seeds' ~{SEED_BETA:g}: parameter count alone "
+                     f"does not make the gap")
+    return Claim("1c", s, seeds, m, NOT_MEASURABLE,
+                 f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes): the interval "
+                 f"holds both zero and a growth of {min_slope}")
 
 
 def matched_eps(beta_abs: float) -> float:
@@ -211,9 +231,10 @@ def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str =
 
 
 def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
-    """5b. recompute, tis and seq-mis compared on the same runs: each converges (every seed
-    reaches the threshold, as fp32's do)."""
-    names = ("fp32", "recompute", "tis", "seq-mis")
+    """5b. recompute, tis and seq-mis compared on the same runs: where bf16-engine lags, each
+    converges (every seed reaches the threshold, as fp32's do). Without a lag there is nothing
+    for them to restore, and converging says nothing about them."""
+    names = ("fp32", "bf16-engine", "recompute", "tis", "seq-mis")
     st = {r: _steps(groups, r) for r in names}
     m = {**{f"steps_{r}": v for r, v in st.items()},
          **{f"reached_{r}": _reached(groups, r) for r in names}}
@@ -222,6 +243,11 @@ def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
     if any(v is None for v in st.values()):
         return Claim("5b", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
     detail = ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names)
+    if not _lags(st["bf16-engine"], st["fp32"]):
+        return Claim("5b", s, seeds, m, NOT_MEASURABLE,
+                     f"bf16-engine does not lag here, so there is nothing for them to restore: "
+                     f"{detail}")
+    names = ("fp32", "recompute", "tis", "seq-mis")
     failed = [r for r in names[1:] if not _converges(groups, r, None)]
     if not failed:
         return Claim("5b", s, seeds, m, HOLDS, f"steps to threshold (seeds reaching it): "

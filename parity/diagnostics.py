@@ -181,10 +181,33 @@ def clip_fractions(alpha: torch.Tensor, beta: torch.Tensor, adv: torch.Tensor | 
     return out
 
 
-def _corr(x: torch.Tensor, y: torch.Tensor) -> float | None:
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    denom = float(x.norm() * y.norm())
-    return float((x * y).sum()) / denom if denom > 0 else None
+def _cluster_se(x: torch.Tensor, u: torch.Tensor, cluster: torch.Tensor) -> float:
+    """The cluster-robust (CR0 sandwich) standard error of the least-squares slope of y on x,
+    from regressor x and residuals u: sqrt(Σ_c (Σ_{t∈c} x_t u_t)²) / Σ_t x_t². A completion's
+    tokens share its advantage and its prompt, so they are not independent draws; summing
+    within a completion before squaring lets them count as one. With x = 1 it is the standard
+    error of a mean."""
+    score = torch.zeros(int(cluster.max()) + 1, dtype=torch.float64).index_add_(
+        0, cluster, (x * u).double())
+    return float(score.square().sum().sqrt()) / float(x.double().square().sum())
+
+
+def mean_and_cluster_se(y: torch.Tensor, cluster: torch.Tensor) -> tuple[float, float]:
+    """y's mean and its standard error with each cluster (completion) as one draw."""
+    y = y.double()
+    return float(y.mean()), _cluster_se(torch.ones_like(y), y - y.mean(), cluster)
+
+
+def corr_and_cluster_se(y: torch.Tensor, x: torch.Tensor, cluster: torch.Tensor
+                        ) -> tuple[float, float] | None:
+    """corr(y, x) as the slope of standardised y on standardised x, and that slope's
+    cluster-robust standard error; None when either does not vary."""
+    y, x = y.double() - y.double().mean(), x.double() - x.double().mean()
+    if float(y.norm()) == 0 or float(x.norm()) == 0:
+        return None
+    zy, zx = y / y.square().mean().sqrt(), x / x.square().mean().sqrt()
+    r = float((zx * zy).sum() / zx.square().sum())
+    return r, _cluster_se(zx, zy - r * zx, cluster)
 
 
 def _slope(x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -202,15 +225,17 @@ class StepDiagnostics:
     """Collects the tokens of one step's updates and returns its metrics.
 
     Clip fractions, α and β pool every update of the step (so tokens seen in several epochs count
-    once per update); the KL estimates, the sequence log-ratio and the exact KL use each token's
-    first forward (epoch 0), where ℓ_π − ℓ_μ is the mismatch before the policy moves. The kernel
+    once per update); the KL estimates, the sequence log-ratio and the exact KL use the step's
+    first update only (the first minibatch of epoch 0), where the trainer's weights still equal
+    those the engine sampled with and ℓ_π − ℓ_μ is the mismatch alone. The kernel
     gap is |α| on the step's first update, at θ = θ_old: what the engine's and the shadow's
     kernels disagree on with equal weights and precision."""
 
     def __init__(self) -> None:
         self.tok: dict[str, list[torch.Tensor]] = {k: [] for k in (
             "alpha", "beta", "adv", "prob", "pos", "clipped", "phantom", "hidden",
-            "alpha_clipped")}
+            "alpha_clipped", "seq")}
+        self.n_seq = 0                      # completions seen: each add's rows get new ids
         self.first: dict[str, list[torch.Tensor]] = {"logp_pi": [], "logp_mu": [], "mask": []}
         self.kl_exact: list[torch.Tensor] = []
         self.gap_sum, self.gap_n = 0.0, 0   # |α| over the step's first update
@@ -223,7 +248,8 @@ class StepDiagnostics:
         out = cls()
         for d in parts:
             for k, v in d.tok.items():
-                out.tok[k] += v
+                out.tok[k] += v if k != "seq" else [x + out.n_seq for x in v]
+            out.n_seq += d.n_seq
             for k, v in d.first.items():
                 out.first[k] += v
             out.kl_exact += d.kl_exact
@@ -236,10 +262,12 @@ class StepDiagnostics:
         m = mask > 0
         pos = torch.arange(mask.shape[1]).expand_as(mask)
         a = (adv[:, None] if adv.dim() == 1 else adv).expand_as(mask)
+        seq = (self.n_seq + torch.arange(mask.shape[0]))[:, None].expand_as(mask)
+        self.n_seq += mask.shape[0]
         for k, v in (("alpha", att.alpha), ("beta", att.beta), ("adv", a),
                      ("prob", logp_pi.detach().exp()), ("pos", pos), ("clipped", att.clipped),
                      ("phantom", att.phantom), ("hidden", att.hidden),
-                     ("alpha_clipped", att.alpha_clipped)):
+                     ("alpha_clipped", att.alpha_clipped), ("seq", seq)):
             self.tok[k].append(v[m].detach().cpu())
         if not self.first_update_seen:
             self.first_update_seen = True
@@ -263,13 +291,14 @@ class StepDiagnostics:
             alpha, beta = t["alpha"].double(), t["beta"].double()
             out["mismatch/alpha_mean"] = float(alpha.mean())
             out["mismatch/alpha_abs_mean"] = float(alpha.abs().mean())
-            out["mismatch/beta_mean"] = float(beta.mean())
+            out["mismatch/beta_mean"], out["mismatch/beta_mean_se"] = mean_and_cluster_se(
+                beta, t["seq"])
             out["mismatch/beta_abs_mean"] = float(beta.abs().mean())
             out["mismatch/beta_std"] = float(beta.std()) if n > 1 else 0.0
             out["mismatch/beta_abs_max"] = float(beta.abs().max())
-            corr = _corr(beta, t["adv"])
+            corr = corr_and_cluster_se(beta, t["adv"], t["seq"])
             if corr is not None:
-                out["mismatch/beta_adv_corr"] = corr
+                out["mismatch/beta_adv_corr"], out["mismatch/beta_adv_corr_se"] = corr
             if self.gap_n:
                 out["mismatch/kernel_gap_abs_mean"] = self.gap_sum / self.gap_n
             out.update(_bucketed(beta, t["prob"], PROB_BUCKETS, "beta_by_prob"))

@@ -187,11 +187,13 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
     beta_abs = m16["mismatch/beta_abs_mean"]
     eps_m = C.matched_eps(beta_abs)
     out = [
-        C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16["mismatch/beta_std"], a16["tokens"],
-                           _kl(m16)),
-        C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr"), a16["tokens"]),
-        C.beta_grows_with_size(fit["slope"] if fit else None, len(sc.get("points", [])),
-                               fit["at"]["6e+08"] if fit else None),
+        C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16.get("mismatch/beta_mean_se"),
+                           a16["completions"], _kl(m16)),
+        C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr"),
+                                         m16.get("mismatch/beta_adv_corr_se")),
+        C.beta_grows_with_size(fit["slope"] if fit else None,
+                               fit.get("slope_se") if fit else None,
+                               len(sc.get("points", [])), fit["at"]["6e+08"] if fit else None),
         C.phantom_at_seed_eps(phantom_at(a16["phantom_vs_eps"], C.SEED_EPS), beta_abs),
         C.phantom_at_matched_eps(eps_m, phantom_at(a16["phantom_vs_eps"], eps_m),
                                  eps_at_phantom(a16["phantom_vs_eps"], C.SEED_PHANTOM)),

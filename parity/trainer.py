@@ -315,7 +315,7 @@ def update(run: Run, step: int, epoch: int, start: int, r: Rollout, p: Plan, pre
         g = slice(start + sl.start, start + sl.stop)  # the piece's rows in the step's numbering
         piece = mb if whole else trimmed(mb.select(sl))
         t = piece.completion_ids.shape[1]
-        kl_rows = kept_rows(r, g) if epoch == 0 else []
+        kl_rows = kept_rows(r, g) if epoch == 0 and start == 0 else []
         with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
             sc = score_full(run.policy, piece, s, hidden=run.value_head is not None,
                             keep_logits=[row - g.start for row in kl_rows],
@@ -348,7 +348,11 @@ def update(run: Run, step: int, epoch: int, start: int, r: Rollout, p: Plan, pre
     eps_low, eps_high = run.objective.clip_range(cfg)
     att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask, eps_low,
                     eps_high, loss.clipped, sequence=run.objective.clip == "sequence")
-    u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask, first=epoch == 0)
+    # The mismatch figures (KL, sequence log-ratio, exact KL) only where the weights still
+    # equal those the engine sampled with: after the step's first update they would carry the
+    # policy's own move.
+    u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask,
+               first=epoch == 0 and start == 0)
     if u.dump_ids is not None:
         sample_ids, prompt_ids = u.dump_ids
         u.dump.append(dump_table(step, len(u.policy_losses), epoch, sample_ids[idx],

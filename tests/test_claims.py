@@ -23,20 +23,41 @@ def groups(**steps):
 
 
 def test_beta_bias_verdicts_follow_the_numbers():
-    assert C.beta_is_minus_kl(-1e-3, 1e-2, 100_000, 1e-3).verdict == C.HOLDS
+    assert C.beta_is_minus_kl(-1e-3, 3e-5, 4_000, 1e-3).verdict == C.HOLDS
     # Same KL, but β's mean has the wrong sign: the claim fails.
-    assert C.beta_is_minus_kl(+1e-3, 1e-2, 100_000, 1e-3).verdict == C.NOT_AT_SCALE
-    # A KL below the sampling noise cannot be resolved, whatever the mean.
-    c = C.beta_is_minus_kl(-1e-5, 1e-2, 10_000, 3e-5)
-    assert c.verdict == C.NOT_MEASURABLE and "tokens" in c.reason
+    assert C.beta_is_minus_kl(+1e-3, 3e-5, 4_000, 1e-3).verdict == C.NOT_AT_SCALE
+    # A KL below the sampling noise cannot be resolved, whatever the mean: with per-completion
+    # SE 1e-4 and KL 3e-5, 2·SE/KL = 6.7, so 400 completions would need about 18,000.
+    c = C.beta_is_minus_kl(-1e-5, 1e-4, 400, 3e-5)
+    assert c.verdict == C.NOT_MEASURABLE and "completions" in c.reason
+    assert "1.8e+04" in c.reason
+    assert C.beta_is_minus_kl(-1e-3, None, 400, 1e-3).verdict == C.NOT_MEASURABLE
 
 
 def test_correlation_and_size_verdicts():
-    assert C.beta_correlates_with_advantage(0.1, 10_000).verdict == C.HOLDS
-    assert C.beta_correlates_with_advantage(0.01, 10_000).verdict == C.NOT_AT_SCALE
-    assert C.beta_grows_with_size(0.3, 7, 0.05).verdict == C.HOLDS
-    assert C.beta_grows_with_size(0.01, 7, 0.008).verdict == C.NOT_AT_SCALE
-    assert C.beta_grows_with_size(None, 1, None).verdict == C.NOT_MEASURABLE
+    assert C.beta_correlates_with_advantage(0.1, 0.02).verdict == C.HOLDS
+    # The same correlation over completions whose tokens share one advantage: 3 SE is wider.
+    assert C.beta_correlates_with_advantage(0.1, 0.05).verdict == C.NOT_AT_SCALE
+    assert C.beta_correlates_with_advantage(0.1, None).verdict == C.NOT_MEASURABLE
+    # 1c: 95% interval of the slope, t with n − 2 = 5 degrees of freedom (2.57).
+    grows = C.beta_grows_with_size(0.3, 0.05, 7, 0.05)
+    assert grows.verdict == C.HOLDS
+    assert grows.measured["interval_95"] == pytest.approx([0.3 - 0.1285, 0.3 + 0.1285])
+    assert C.beta_grows_with_size(0.01, 0.01, 7, 0.008).verdict == C.NOT_AT_SCALE
+    # The full run's slope 0.043 ± 0.022 SE: the interval holds zero, the ladder cannot tell.
+    assert C.beta_grows_with_size(0.043, 0.022, 7, 0.01).verdict == C.NOT_MEASURABLE
+    assert C.beta_grows_with_size(0.3, None, 2, 0.05).verdict == C.NOT_MEASURABLE
+    assert C.beta_grows_with_size(None, None, 1, None).verdict == C.NOT_MEASURABLE
+
+
+def test_loglog_fit_slope_error_against_a_hand_computation():
+    from parity.audit import fit_loglog
+    # log10 x = 0, 1, 2; log10 y = 0, 0.1, 0.4: slope 0.2, intercept -1/30, residuals 1/30,
+    # -1/15, 1/30; RSS 1/150 on 1 dof; Sxx 2: SE = sqrt(1/300).
+    f = fit_loglog([1, 10, 100], [1, 10 ** 0.1, 10 ** 0.4])
+    assert f["slope"] == pytest.approx(0.2) and f["intercept"] == pytest.approx(-1 / 30)
+    assert f["slope_se"] == pytest.approx((1 / 300) ** 0.5)
+    assert "slope_se" not in fit_loglog([1, 10], [1, 2])
 
 
 def test_phantom_verdicts():
@@ -75,10 +96,13 @@ def test_fixes_fp16_and_small_lr_verdicts():
                             ).verdict == C.NOT_AT_SCALE
     assert C.wide_eps_helps(groups(fp32=10, bf16_engine=10, wide_eps=10), 0.005, 0.007
                             ).verdict == C.NOT_MEASURABLE
-    assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=12)
+    assert C.recompute_family(groups(fp32=10, bf16_engine=20, recompute=10, tis=11, seq_mis=12)
                               ).verdict == C.HOLDS
-    assert C.recompute_family(groups(fp32=10, recompute=10, tis=11, seq_mis=(401, 1))
-                              ).verdict == C.NOT_AT_SCALE
+    assert C.recompute_family(groups(fp32=10, bf16_engine=20, recompute=10, tis=11,
+                                     seq_mis=(401, 1))).verdict == C.NOT_AT_SCALE
+    # Nothing lagged: the fixes converging says nothing about them.
+    c = C.recompute_family(groups(fp32=14, bf16_engine=13, recompute=13, tis=13, seq_mis=12))
+    assert c.verdict == C.NOT_MEASURABLE and "does not lag" in c.reason
     assert C.fp16_shrinks_gap(4e-5, 6e-7, 6e-3, 8e-4).verdict == C.HOLDS
     assert C.fp16_shrinks_gap(4e-5, 2e-5, 6e-3, 5e-3).verdict == C.NOT_AT_SCALE
     assert C.bf16_weights_freeze(0.01, 0.3, 1.0, 1e-5).verdict == C.HOLDS
@@ -100,10 +124,12 @@ def _measured(kl_fp16: float) -> tuple:
                                                    {"eps": 0.2, "phantom_frac": 0.0}],
              "metrics": {"mismatch/beta_abs_mean": 6e-3, "mismatch/beta_mean": 1e-5,
                          "mismatch/beta_std": 8e-3, "mismatch/kl_exact": 3.6e-5,
-                         "mismatch/beta_adv_corr": 0.01}}
+                         "mismatch/beta_mean_se": 1.2e-4, "mismatch/beta_adv_corr": 0.01,
+                         "mismatch/beta_adv_corr_se": 0.03}, "completions": 400}
     f16 = {"tokens": 20_000, "metrics": {"mismatch/beta_abs_mean": 8e-4,
                                          "mismatch/kl_exact": kl_fp16}}
-    sc = {"points": [1, 2], "fits": {"beta_abs_mean": {"slope": 0.05, "at": {"6e+08": 7e-3}}}}
+    sc = {"points": [1, 2, 3], "fits": {"beta_abs_mean": {"slope": 0.05, "slope_se": 0.01,
+                                                          "at": {"6e+08": 7e-3}}}}
     g = {"groups": groups(fp32=12, bf16_engine=13, bf16_shadow=12, no_clip=12, recompute=12,
                           tis=12, seq_mis=12, wide_eps=12)}
     lr = {"groups": {"a": {"recipe": "bf16-engine", "changed_frac": 0.02},

@@ -265,6 +265,52 @@ def test_step_metrics_buckets_and_slope():
     assert m["mismatch/seq_log_ratio_slope"] == pytest.approx(0.0, abs=1e-7)
 
 
+def test_cluster_standard_errors_by_hand_and_against_a_loop():
+    """β's mean and corr(β, A) get standard errors with each completion as one draw. By hand:
+    β = (0.3, 0.0, −0.1 | 0.0, 0.2), mean 0.08; residual sums per completion 0.2 − 0.24 = −0.04
+    and 0.2 − 0.16 = 0.04, so SE = sqrt(0.0016 + 0.0016) / 5."""
+    diag = StepDiagnostics()
+    mu = torch.tensor([[-0.05, -3.0, -0.2, 0.0], [-0.05, -3.0, 0.0, 0.0]])
+    beta = torch.tensor([[0.3, 0.0, -0.1, 0.0], [0.0, 0.2, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    pi = (mu + beta) * mask
+    diag.add(attribute(pi, mu, mu, adv, mask, 0.2, 0.2), pi, mu, adv, mask, first=True)
+    m = diag.metrics()
+    assert m["mismatch/beta_mean_se"] == pytest.approx(math.sqrt(0.0032) / 5)
+
+    # A second formulation in float64 loops, on random completions over two updates (the second
+    # update's rows are other completions): the CR0 sandwich of the standardised regression.
+    g = torch.Generator().manual_seed(0)
+    diag, rows = StepDiagnostics(), []
+    for _ in range(2):
+        n, t = 6, 5
+        mask = (torch.rand(n, t, generator=g) < 0.8).float()
+        mask[:, 0] = 1
+        adv = torch.randn(n, generator=g)
+        mu = -torch.rand(n, t, generator=g)
+        pi = (mu + 0.05 * torch.randn(n, t, generator=g) + 0.02 * adv[:, None]) * mask
+        diag.add(attribute(pi, mu, mu, adv, mask, 0.2, 0.2), pi, mu, adv, mask, first=True)
+        rows += [[(float(pi[i, j] - mu[i, j]), float(adv[i])) for j in range(t) if mask[i, j]]
+                 for i in range(n)]
+    m = diag.metrics()
+    toks = [x for r in rows for x in r]
+    nt = len(toks)
+    mb, ma = sum(b for b, _ in toks) / nt, sum(a for _, a in toks) / nt
+    sb = math.sqrt(sum((b - mb) ** 2 for b, _ in toks) / nt)
+    sa = math.sqrt(sum((a - ma) ** 2 for _, a in toks) / nt)
+    r = sum((b - mb) * (a - ma) for b, a in toks) / (nt * sb * sa)
+    se_mean = math.sqrt(sum(sum(b - mb for b, _ in c) ** 2 for c in rows)) / nt
+    score = [sum(((a - ma) / sa) * ((b - mb) / sb - r * (a - ma) / sa) for b, a in c)
+             for c in rows]
+    se_r = math.sqrt(sum(x * x for x in score)) / nt
+    assert m["mismatch/beta_adv_corr"] == pytest.approx(r, rel=1e-9)
+    assert m["mismatch/beta_mean_se"] == pytest.approx(se_mean, rel=1e-6)
+    assert m["mismatch/beta_adv_corr_se"] == pytest.approx(se_r, rel=1e-6)
+    # Counting tokens as independent would understate the correlation's noise here.
+    assert m["mismatch/beta_adv_corr_se"] > math.sqrt((1 - r * r) / nt)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_shadow_reproduces_engine_logprobs(text_model, dtype):

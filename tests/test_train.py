@@ -30,6 +30,20 @@ def run(tmp_path, **kw):
     return out, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_mismatch_metrics_do_not_count_the_policys_own_move(tmp_path, text_model):
+    """fp32 engine and fp32 trainer: no mismatch beyond kernel noise. With two minibatches the
+    second is scored after an update at a large learning rate; its ℓ_π − ℓ_μ is the policy's
+    move, and the mismatch figures must not count it."""
+    _, rows = run(tmp_path, model="text-xs", recipe="fp32", steps=2, lr=3e-3,
+                  prompts_per_step=4, samples_per_prompt=4, minibatches=2, epochs=2,
+                  kl_exact_rows=4, max_new_tokens=12)
+    for r in rows:
+        assert r["clip/frac"] > 0  # the policy moved far enough to be clipped
+        assert abs(r["mismatch/kl_k1"]) < 1e-5 and r["mismatch/kl_k3"] < 1e-6
+        assert r["mismatch/kl_exact"] < 1e-6
+        assert abs(r["mismatch/seq_log_ratio_mean"]) < 1e-4
+
+
 def test_run_directory_contract(tmp_path, text_model):
     out, rows = run(tmp_path, model="text-xs", recipe="bf16-engine", steps=3, lr=1e-3,
                     prompts_per_step=4, samples_per_prompt=4, minibatches=2, epochs=2,

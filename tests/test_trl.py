@@ -137,6 +137,22 @@ def test_shadow_reproduces_the_engine_at_theta_old(text_model, tmp_path):
     assert gap < 1e-6
 
 
+def test_independent_shadow_kernels_leave_a_gap_of_the_order_of_beta(text_model, tmp_path):
+    """`shadow_kernels='independent'`: the shadow keeps the trainer's own attention, as a trainer
+    scoring against vLLM must; in bf16 the other kernel's rounding alone then makes a kernel gap
+    far above the engine-kernel shadow's (< 1e-6 above), of the order of β itself."""
+    t = _trainer(text_model, tmp_path, steps=1, lr=1e-6, parity=ParityOptions.from_recipe(
+        "bf16-shadow", shadow_kernels="independent"))
+    master = t.accelerator.unwrap_model(t.model)
+    assert t.shadow.config._attn_implementation == master.config._attn_implementation
+    t.train()
+    h = _steps(t)[0]
+    print(f"\nindependent kernels: kernel gap {h['mismatch/kernel_gap_abs_mean']:.2e}, "
+          f"|beta| {h['mismatch/beta_abs_mean']:.2e}")
+    assert h["mismatch/kernel_gap_abs_mean"] > 1e-4
+    assert h["mismatch/kernel_gap_abs_mean"] > 0.05 * h["mismatch/beta_abs_mean"]
+
+
 def test_fp16_fix_on_cpu(text_model, tmp_path, bf16_engine_run):
     """accelerate runs fp16=True on CPU as fp32 with no scaler; parity supplies both. The
     gradient is unscaled before clipping (grad_norm near the fp32 run's, not 65536x), and the

@@ -91,6 +91,7 @@ ParityOptions = derive("ParityOptions", [
            help="The trainer precision these options expect (recipes set it); GRPOConfig's "
                 "bf16/fp16 flags must agree. None: whatever GRPOConfig says."),
     shared("cpu_fp16"),
+    shared("shadow_kernels"),
 ], _ParityOptionsMethods, __name__,
     "What parity changes in GRPOTrainer; every other setting stays GRPOConfig's.")
 
@@ -166,7 +167,8 @@ class ParityGRPOTrainer(GRPOTrainer):
         if not (self.parity.engine_dtype == "fp32" and self.trainer_dtype == "fp32"):
             self.shadow = _without_patched_forward(
                 low_precision_copy(master, self.parity.engine_dtype, head32))
-            self.shadow.set_attn_implementation(ENGINE_ATTENTION)  # the engine's kernels
+            if self.parity.shadow_kernels == "engine":  # else the trainer's own attention
+                self.shadow.set_attn_implementation(ENGINE_ATTENTION)
             add_fused_lm_head(self.shadow, temperature=self.temperature,
                               cast_lm_head_to_fp32=head32)
         self._shadow_step: int | None = None
