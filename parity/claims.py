@@ -256,6 +256,31 @@ def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
                  f"converge: {detail}")
 
 
+def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
+    """7. FP16 on both sides (the `fp16` recipe) restores training where a bf16 engine stalls
+    (the FP16 paper's headline); `bf16` on both sides is reported beside it, as the paper
+    reports it failing too. Restores: every seed reaches the threshold, sooner than
+    bf16-engine."""
+    names = ("fp32", "bf16-engine", "fp16", "bf16")
+    st = {r: _steps(groups, r) for r in names}
+    m = {**{f"steps_{r}": v for r, v in st.items()},
+         **{f"reached_{r}": _reached(groups, r) for r in names}}
+    s = f"{task + ': ' if task else ''}FP16 on both sides restores training where bf16 stalls"
+    seeds = "FP16 paper: fp16 reaches fp32's reward for every algorithm; bf16 collapses"
+    if any(v is None for v in st.values()):
+        return Claim("7", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+    detail = ("steps to threshold (median; seeds reaching it): "
+              + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names))
+    if not _lags(st["bf16-engine"], st["fp32"]):
+        return Claim("7", s, seeds, m, NOT_MEASURABLE,
+                     f"bf16-engine does not lag here, so there is nothing to restore: {detail}")
+    both = ("bf16 on both sides lags too" if _lags(st["bf16"], st["fp32"])
+            else "bf16 on both sides does not lag either")
+    if _converges(groups, "fp16", st["bf16-engine"]):
+        return Claim("7", s, seeds, m, HOLDS, f"{detail}; {both}")
+    return Claim("7", s, seeds, m, NOT_AT_SCALE, f"fp16 does not restore it: {detail}; {both}")
+
+
 def bf16_weights_freeze(changed_bf16: float | None, changed_fp16: float | None,
                         changed_fp32: float | None, lr: float) -> Claim:
     """6. At a small learning rate a bf16 engine's weights stop changing at sync while the fp32

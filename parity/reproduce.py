@@ -26,6 +26,8 @@ from parity.files import ensure_writable, read_json
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
                 "seq-mis"]
+# The FP16 paper's headline (one precision on both sides) where the stall shows: arith.
+ARITH_RECIPES = MAIN_RECIPES + ["fp16", "bf16"]
 
 
 @dataclass
@@ -145,7 +147,7 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     arith = None
     if plan.arith_steps:
         t0 = time.perf_counter()
-        arith = _sweep(out / "sweeps" / "arith", MAIN_RECIPES, plan.arith_seeds, "arith",
+        arith = _sweep(out / "sweeps" / "arith", ARITH_RECIPES, plan.arith_seeds, "arith",
                        testbed.DEFAULT_ARITH, {"steps": plan.arith_steps, "eps_low": eps_run,
                                                "eps_high": eps_run}, workers, progress,
                        scaled_clip(eps_run))
@@ -209,6 +211,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
     out.append(C.recompute_family(_groups(main), "neg-length"))
     if arith is not None:
         out.append(_renamed(C.recompute_family(_groups(arith), "arith"), "5b-arith"))
+    if arith is not None:
+        out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
     # A failed run, or one that reported no figure, is missing here, never a 0.
     changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),

@@ -100,6 +100,14 @@ def test_fixes_fp16_and_small_lr_verdicts():
                               ).verdict == C.HOLDS
     assert C.recompute_family(groups(fp32=10, bf16_engine=20, recompute=10, tis=11,
                                      seq_mis=(401, 1))).verdict == C.NOT_AT_SCALE
+    # FP16 on both sides where bf16-engine stalls (no seed reaches the threshold in 400).
+    c = C.fp16_restores(groups(fp32=260, bf16_engine=(401, 0), fp16=270, bf16=(401, 0)))
+    assert c.verdict == C.HOLDS and "bf16 on both sides lags too" in c.reason
+    assert C.fp16_restores(groups(fp32=260, bf16_engine=(401, 0), fp16=(401, 1), bf16=250)
+                           ).verdict == C.NOT_AT_SCALE
+    assert C.fp16_restores(groups(fp32=260, bf16_engine=250, fp16=270, bf16=250)
+                           ).verdict == C.NOT_MEASURABLE
+    assert C.fp16_restores(groups(fp32=260, bf16_engine=(401, 0))).verdict == C.NOT_MEASURABLE
     # Nothing lagged: the fixes converging says nothing about them.
     c = C.recompute_family(groups(fp32=14, bf16_engine=13, recompute=13, tis=13, seq_mis=12))
     assert c.verdict == C.NOT_MEASURABLE and "does not lag" in c.reason
