@@ -166,14 +166,22 @@ def _reached(groups: dict[str, dict], recipe: str) -> str:
     return f"{g.get('reached', 0)}/{g.get('runs', 0) - g.get('failed', 0)}"
 
 
+def _steps_reached(groups: dict[str, dict], names: tuple[str, ...]
+                   ) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Each recipe's median steps to the threshold, and the claim's measured figures: those
+    steps and how many seeds reached it."""
+    st = {r: _steps(groups, r) for r in names}
+    return st, {**{f"steps_{r}": v for r, v in st.items()},
+                **{f"reached_{r}": _reached(groups, r) for r in names}}
+
+
 def stall_and_fixes(task: str, groups: dict[str, dict], eps: float) -> Claim:
     """3. bf16-engine stalls or lags; removing β (bf16-shadow) or the clip (no-clip) restores it.
     `groups`: a sweep summary's groups for one task. Lags: its median steps to the threshold
     (a run that never gets there counts as its budget + 1) exceed 1.2 × fp32's + 1. Restores:
     every seed of the fix reaches the threshold, sooner than bf16-engine."""
-    st = {r: _steps(groups, r) for r in ("fp32", "bf16-engine", "bf16-shadow", "no-clip")}
-    m = {"eps": eps, **{f"steps_{r}": v for r, v in st.items()},
-         **{f"reached_{r}": _reached(groups, r) for r in st}}
+    st, m = _steps_reached(groups, ("fp32", "bf16-engine", "bf16-shadow", "no-clip"))
+    m = {"eps": eps, **m}
     s = f"{task}: bf16-engine lags; bf16-shadow and no-clip restore convergence"
     seeds = "stalls at ε = 0.2 (Qwen3-0.6B); removing β or the clip restores convergence"
     if any(v is None for v in st.values()):
@@ -211,9 +219,8 @@ def fp16_shrinks_gap(kl_bf16: float, kl_fp16: float, beta_bf16: float, beta_fp16
 def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str = "") -> Claim:
     """5a. A wider ε helps (where the mismatch hurts at all): its median steps to the threshold
     are fewer than bf16-engine's."""
-    st = {r: _steps(groups, r) for r in ("fp32", "bf16-engine", "wide-eps")}
-    m = {"eps": eps, "wide_eps_high": wide, **{f"steps_{r}": v for r, v in st.items()},
-         **{f"reached_{r}": _reached(groups, r) for r in st}}
+    st, m = _steps_reached(groups, ("fp32", "bf16-engine", "wide-eps"))
+    m = {"eps": eps, "wide_eps_high": wide, **m}
     s, seeds = f"{task + ': ' if task else ''}a wider ε helps", \
         "a wider ε restores convergence"
     if any(v is None for v in st.values()):
@@ -234,10 +241,9 @@ def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
     """5b. recompute, tis and seq-mis compared on the same runs: where bf16-engine lags, each
     converges (every seed reaches the threshold, as fp32's do). Without a lag there is nothing
     for them to restore, and converging says nothing about them."""
-    names = ("fp32", "bf16-engine", "recompute", "tis", "seq-mis")
-    st = {r: _steps(groups, r) for r in names}
-    m = {**{f"steps_{r}": v for r, v in st.items()},
-         **{f"reached_{r}": _reached(groups, r) for r in names}}
+    fixes = ("recompute", "tis", "seq-mis")
+    names = ("fp32", "bf16-engine") + fixes
+    st, m = _steps_reached(groups, names)
     s = f"{task + ': ' if task else ''}recompute, tis and seq-mis converge like fp32"
     seeds = "TIS degrades later, sequence-MIS stable but slower (FP16 paper, 1.5B)"
     if any(v is None for v in st.values()):
@@ -247,8 +253,7 @@ def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
         return Claim("5b", s, seeds, m, NOT_MEASURABLE,
                      f"bf16-engine does not lag here, so there is nothing for them to restore: "
                      f"{detail}")
-    names = ("fp32", "recompute", "tis", "seq-mis")
-    failed = [r for r in names[1:] if not _converges(groups, r, None)]
+    failed = [r for r in fixes if not _converges(groups, r, None)]
     if not failed:
         return Claim("5b", s, seeds, m, HOLDS, f"steps to threshold (seeds reaching it): "
                      f"{detail}")
@@ -262,9 +267,7 @@ def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
     reports it failing too. Restores: every seed reaches the threshold, sooner than
     bf16-engine."""
     names = ("fp32", "bf16-engine", "fp16", "bf16")
-    st = {r: _steps(groups, r) for r in names}
-    m = {**{f"steps_{r}": v for r, v in st.items()},
-         **{f"reached_{r}": _reached(groups, r) for r in names}}
+    st, m = _steps_reached(groups, names)
     s = f"{task + ': ' if task else ''}FP16 on both sides restores training where bf16 stalls"
     seeds = "FP16 paper: fp16 reaches fp32's reward for every algorithm; bf16 collapses"
     if any(v is None for v in st.values()):

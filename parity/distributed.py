@@ -147,9 +147,16 @@ class Dist:
         fully_shard(model)
         return model
 
-    def close(self) -> None:
-        if self.on and td.is_initialized():
-            td.destroy_process_group()
+    def close(self, finished: bool = False) -> None:
+        """Leaves the process group. After a run that `finished`, every rank first waits for
+        the others (rank 0 may still be writing the last checkpoint): a rank that tore its group
+        down while a peer's connection was still open could abort at exit. After a failure
+        nobody waits: a peer may never arrive."""
+        if not (self.on and td.is_initialized()):
+            return
+        if finished:
+            self._call(td.barrier)
+        td.destroy_process_group()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

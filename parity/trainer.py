@@ -448,14 +448,17 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     injection in tests). Under torchrun / accelerate launch every rank calls this; rank 0 alone
     writes the run directory."""
     dist = distributed.init(cfg.dist_timeout_s)
+    finished = False
     try:
-        return _train(build_run(cfg, dist, on_model, resume), resume)
+        out = _train(build_run(cfg, dist, on_model, resume), resume)
+        finished = True
+        return out
     except RuntimeError as e:
         if dist.on and is_comm_failure(e):
             raise RankFailure(failure_message(e)) from None
         raise
     finally:
-        dist.close()
+        dist.close(finished)
 
 
 def _train(run: Run, resume: bool) -> Path:

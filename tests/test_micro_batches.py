@@ -74,7 +74,10 @@ def _same_metrics(a, b, rel):
             if k.startswith(timing) or not isinstance(v, float):
                 assert v == y[k] or k.startswith(timing), (k, v, y[k])
                 continue
-            assert math.isclose(v, y[k], rel_tol=rel, abs_tol=1e-6), (x["step"], k, v, y[k])
+            # fp32 on both sides leaves the mismatch figures at rounding noise (~1e-6 a sequence)
+            # that other batch shapes change; where there is a mismatch (bf16) it is ~1e-2.
+            tol = 1e-5 if k.startswith("mismatch/") else 1e-6
+            assert math.isclose(v, y[k], rel_tol=rel, abs_tol=tol), (x["step"], k, v, y[k])
 
 
 @pytest.mark.parametrize("case", CASES)
