@@ -3,11 +3,15 @@ against parity's (`parity.engines.engine_attention`), alternated in one process.
 
     python bench/decode_length.py                                   # smollm2-135m, bf16
     python bench/decode_length.py --model text --lengths 64,256 --rows 16
+    python bench/decode_length.py --sides parity_eager --lengths 64,256,512,1024,2048
 
 Every row decodes the full length (the end-of-sequence id is one no token has), from the same
 prompts and the same random numbers on both sides; the table gives completion tokens per
 second for each side, their ratio, and whether both sides sampled the same tokens. Alternating
-the sides at each length puts drift of a shared machine on both.
+the sides at each length puts drift of a shared machine on both. `--sides parity_eager` times
+parity's attention alone (eager needs minutes at 1,024 tokens); `parity_strided` is parity's
+attention reading the cache through a strided view, as it did before it copied the keys
+(`engines.engine_attention`): `--sides parity_strided,parity_eager` times that copy.
 """
 
 from __future__ import annotations
@@ -18,35 +22,65 @@ import time
 import torch
 
 
+STRIDED = "parity_strided"
+
+
+def _register_strided() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from parity.engines import engine_attention
+
+    def strided(module, query, key, value, attention_mask, parity_kv_len=None, **kw):
+        if parity_kv_len is not None:   # slice here, so engine_attention never copies
+            key, value = key[:, :, :parity_kv_len], value[:, :, :parity_kv_len]
+            if attention_mask is not None:
+                attention_mask = attention_mask[..., :parity_kv_len]
+        return engine_attention(module, query, key, value, attention_mask, **kw)
+    AttentionInterface.register(STRIDED, strided)
+    AttentionMaskInterface.register(STRIDED, eager_mask)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--lengths", default="64,256,512,1024")
+    ap.add_argument("--sides", default="eager,parity_eager",
+                    help="attention implementations to time, in this order at each length")
     a = ap.parse_args()
 
     from parity import testbed
     from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
+    _register_strided()
     from parity.runs import load_policy
     model, tok = load_policy(testbed.resolve_model(a.model))
     prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.rows, seed=0)]
     engine = HFEngine(model, a.dtype, -1, tok.pad_token_id)   # -1: no row ever stops early
     print(f"{a.model}, {a.dtype} engine, {a.rows} rows, prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {torch.get_num_threads()} threads\n")
-    print("| new tokens | eager tokens/s | parity tokens/s | parity / eager | same tokens |")
-    print("|---:|---:|---:|---:|---|")
+    sides = a.sides.split(",")
+    unknown = set(sides) - {"eager", ENGINE_ATTENTION, STRIDED}
+    if unknown:
+        ap.error(f"--sides: unknown {', '.join(sorted(unknown))} "
+                 f"(eager, {ENGINE_ATTENTION}, {STRIDED})")
+    both = len(sides) == 2
+    print("| new tokens | " + " | ".join(f"{x} tokens/s" for x in sides)
+          + (" | ratio | same tokens |" if both else " |"))
+    print("|---:|" + "---:|" * len(sides) + ("---:|---|" if both else ""))
     for n in map(int, a.lengths.split(",")):
         rate, out = {}, {}
-        for attn in ("eager", ENGINE_ATTENTION):
+        for attn in sides:
             engine.model.set_attn_implementation(attn)
             t0 = time.perf_counter()
             out[attn] = engine.generate(prompts, n, Sampling(), torch.Generator().manual_seed(0))
             rate[attn] = float(out[attn].completion_mask.sum()) / (time.perf_counter() - t0)
-        same = torch.equal(out["eager"].completion_ids, out[ENGINE_ATTENTION].completion_ids)
-        print(f"| {n} | {rate['eager']:.0f} | {rate[ENGINE_ATTENTION]:.0f} | "
-              f"{rate[ENGINE_ATTENTION] / rate['eager']:.2f} | {'yes' if same else 'no'} |",
-              flush=True)
+        line = f"| {n} | " + " | ".join(f"{rate[x]:.0f}" for x in sides)
+        if both:
+            same = torch.equal(*(out[x].completion_ids for x in sides))
+            line += f" | {rate[sides[1]] / rate[sides[0]]:.2f} | {'yes' if same else 'no'}"
+        print(line + " |", flush=True)
 
 
 if __name__ == "__main__":
