@@ -2,8 +2,8 @@
 
     audits       bf16 and fp16 engines against an fp32 trainer     → claims 1a, 1b, 2a, 2b, 4
     scale        the same audit across model sizes                 → claim 1c
-    sweeps       recipes × seeds on neg-length (and arith in full)
-                 at the ε where phantom clipping matches the seeds → claims 3, 5a, 5b
+    sweeps       recipes × seeds on neg-length (full) and arith, each at the ε where its
+                 own model's bf16 engine phantom-clips the seeds' 18%  → claims 3, 5a, 5b, 7
     small lr     weight changes at sync per engine dtype           → claim 6
     → claims.json, claims.md, the table printed
 
@@ -28,6 +28,8 @@ MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "re
                 "seq-mis"]
 # The FP16 paper's headline (one precision on both sides) where the stall shows: arith.
 ARITH_RECIPES = MAIN_RECIPES + ["fp16", "bf16"]
+# The stall and the two fixes of claim 3: what the quick run can afford of arith.
+STALL_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip"]
 
 
 @dataclass
@@ -38,17 +40,21 @@ class Plan:
     scale_models: list[str]
     sweep_model: str
     seeds: list[int]
-    steps: int
+    steps: int                                # neg-length steps; 0: no neg-length sweep
     arith_steps: int = 0                      # 0: no arith sweep
     arith_seeds: list[int] = field(default_factory=list)
+    arith_recipes: list[str] = field(default_factory=lambda: list(ARITH_RECIPES))
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
     audit_tokens: int = 24    # as neg-length trains (its task default)
 
 
+# The quick run spends its minutes on the headline, the arith stall and two fixes, rather than
+# on neg-length, where nothing lags (the full run has both).
 QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
              scale_models=[testbed.TEST_TEXT, testbed.DEFAULT_TEXT],
-             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1], steps=20)
+             sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0, arith_steps=400,
+             arith_seeds=[0, 1], arith_recipes=STALL_RECIPES)
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
             arith_seeds=[0, 1, 2])
@@ -81,13 +87,27 @@ def phantom_at(table: list[dict[str, float]], eps: float) -> float:
 KL_ROWS = 8
 
 
-def _audit(plan: Plan, engine: str, out: Path, progress: bool) -> dict[str, Any]:
+def _audit(plan: Plan, engine: str, out: Path, progress: bool, model: str | None = None,
+           task: str = "neg-length") -> dict[str, Any]:
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
-    return audit(AuditSettings(model=plan.audit_model, engine_dtype=engine, task="neg-length",
-                               samples=plan.samples, max_new_tokens=plan.audit_tokens,
+    return audit(AuditSettings(model=model or plan.audit_model, engine_dtype=engine, task=task,
+                               samples=plan.samples,
+                               max_new_tokens=plan.audit_tokens if task == "neg-length" else None,
                                kl_exact_rows=KL_ROWS, progress=progress), out)
+
+
+# Where an audit never phantom-clips 18% (a model whose β is tiny), the sweep runs at this ε and
+# claims.md says that it is not calibrated.
+FALLBACK_EPS = 0.005
+
+
+def calibrated_eps(audit: dict[str, Any]) -> tuple[float, bool]:
+    """The clip range at which this audit's bf16 engine phantom-clips the seeds' 18% of tokens
+    (two significant digits), and whether the audit reached 18% at all."""
+    eps = eps_at_phantom(audit["phantom_vs_eps"], C.SEED_PHANTOM)
+    return (float(f"{eps:.2g}"), True) if eps is not None else (FALLBACK_EPS, False)
 
 
 def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict[str, Any]:
@@ -136,21 +156,32 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     sc = _scale(plan, out / "scale", progress, {plan.audit_model: a16})  # not audited twice
     phase("scale", t0)
 
-    # The scaled experiment: the ε at which the bf16 engine phantom-clips the seeds' 18%.
-    eps_run = eps_at_phantom(a16["phantom_vs_eps"], C.SEED_PHANTOM) or 0.005
-    eps_run = float(f"{eps_run:.2g}")
-    t0 = time.perf_counter()
-    common = {"steps": plan.steps, "eps_low": eps_run, "eps_high": eps_run}
-    main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
-                  plan.sweep_model, common, workers, progress, scaled_clip(eps_run))
-    phase("neg-length sweep", t0)
-    arith = None
+    # The scaled experiment: each sweep at the ε where its own model's bf16 engine phantom-clips
+    # the seeds' 18% of tokens, at the start of training on its own task.
+    eps_run, ok = calibrated_eps(a16)
+    calibration = {"neg-length": {"eps": eps_run, "calibrated": ok,
+                                  "audit": f"audits/bf16-vs-fp32 ({plan.audit_model})"}}
+    main = None
+    if plan.steps:
+        t0 = time.perf_counter()
+        common = {"steps": plan.steps, "eps_low": eps_run, "eps_high": eps_run}
+        main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
+                      plan.sweep_model, common, workers, progress, scaled_clip(eps_run))
+        phase("neg-length sweep", t0)
+    arith, eps_arith = None, None
     if plan.arith_steps:
         t0 = time.perf_counter()
-        arith = _sweep(out / "sweeps" / "arith", ARITH_RECIPES, plan.arith_seeds, "arith",
-                       testbed.DEFAULT_ARITH, {"steps": plan.arith_steps, "eps_low": eps_run,
-                                               "eps_high": eps_run}, workers, progress,
-                       scaled_clip(eps_run))
+        aa = _audit(plan, "bf16", out / "audits" / "bf16-arith", progress,
+                    model=testbed.DEFAULT_ARITH, task="arith")
+        eps_arith, ok = calibrated_eps(aa)
+        calibration["arith"] = {"eps": eps_arith, "calibrated": ok,
+                                "audit": f"audits/bf16-arith ({testbed.DEFAULT_ARITH})"}
+        phase("arith calibration", t0)
+        t0 = time.perf_counter()
+        arith = _sweep(out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
+                       testbed.DEFAULT_ARITH, {"steps": plan.arith_steps, "eps_low": eps_arith,
+                                               "eps_high": eps_arith}, workers, progress,
+                       scaled_clip(eps_arith))
         phase("arith sweep", t0)
     t0 = time.perf_counter()
     lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
@@ -158,12 +189,12 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
                 {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
     phase("small-lr runs", t0)
 
-    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan)
+    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith)
     seconds = time.perf_counter() - t_start
     result = {"plan": plan.name, "seconds": seconds, "timing": timing, "eps_run": eps_run,
-              "claims": [c.to_dict() for c in claims]}
+              "calibration": calibration, "claims": [c.to_dict() for c in claims]}
     (out / "claims.json").write_text(json.dumps(result, indent=1))
-    (out / "claims.md").write_text(claims_markdown(claims, plan, seconds, eps_run, a16, out))
+    (out / "claims.md").write_text(claims_markdown(claims, plan, seconds, calibration, out))
     return result
 
 
@@ -181,13 +212,16 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
     return summary["groups"]
 
 
-def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: dict,
-          eps_run: float, plan: Plan) -> list[C.Claim]:
-    """Measured numbers → claims. Pure apart from reading the dictionaries it is given."""
+def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
+          eps_run: float, plan: Plan, eps_arith: float | None = None) -> list[C.Claim]:
+    """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
+    the plan did not run (`None`), or a recipe it left out, judges none of its claims."""
     m16, mf16 = a16["metrics"], f16["metrics"]
     fit = sc.get("fits", {}).get("beta_abs_mean")
     beta_abs = m16["mismatch/beta_abs_mean"]
     eps_m = C.matched_eps(beta_abs)
+    eps_arith = eps_run if eps_arith is None else eps_arith
+    ran = set(plan.arith_recipes) if arith is not None else set()
     out = [
         C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16.get("mismatch/beta_mean_se"),
                            a16["completions"], _kl(m16)),
@@ -199,19 +233,23 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
         C.phantom_at_seed_eps(phantom_at(a16["phantom_vs_eps"], C.SEED_EPS), beta_abs),
         C.phantom_at_matched_eps(eps_m, phantom_at(a16["phantom_vs_eps"], eps_m),
                                  eps_at_phantom(a16["phantom_vs_eps"], C.SEED_PHANTOM)),
-        C.stall_and_fixes("neg-length", _groups(main), eps_run),
     ]
+    if main is not None:
+        out.append(C.stall_and_fixes("neg-length", _groups(main), eps_run))
     if arith is not None:
-        out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_run), "3-arith"))
+        out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_arith), "3-arith"))
     out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), beta_abs, mf16["mismatch/beta_abs_mean"]))
-    wide = round(1.4 * eps_run, 6)
-    out.append(C.wide_eps_helps(_groups(main), eps_run, wide, "neg-length"))
-    if arith is not None:
-        out.append(_renamed(C.wide_eps_helps(_groups(arith), eps_run, wide, "arith"), "5a-arith"))
-    out.append(C.recompute_family(_groups(main), "neg-length"))
-    if arith is not None:
+    if main is not None:
+        out.append(C.wide_eps_helps(_groups(main), eps_run, round(1.4 * eps_run, 6),
+                                    "neg-length"))
+    if "wide-eps" in ran:
+        out.append(_renamed(C.wide_eps_helps(_groups(arith), eps_arith, round(1.4 * eps_arith, 6),
+                                             "arith"), "5a-arith"))
+    if main is not None:
+        out.append(C.recompute_family(_groups(main), "neg-length"))
+    if {"recompute", "tis", "seq-mis"} <= ran:
         out.append(_renamed(C.recompute_family(_groups(arith), "arith"), "5b-arith"))
-    if arith is not None:
+    if {"fp16", "bf16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
     # A failed run, or one that reported no figure, is missing here, never a 0.
     changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
@@ -220,21 +258,33 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict, arith: dict | None, lr: di
     return out
 
 
-def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float, eps_run: float,
-                    a16: dict, out: Path) -> str:
+def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
+                    calibration: dict[str, dict[str, Any]], out: Path) -> str:
+    sweeps = []
+    if plan.steps:
+        sweeps.append(f"neg-length on `{plan.sweep_model}`, {plan.steps} steps, seeds "
+                      f"{plan.seeds}")
+    if plan.arith_steps:
+        sweeps.append(f"arith on `{testbed.DEFAULT_ARITH}`, {plan.arith_steps} steps, seeds "
+                      f"{plan.arith_seeds}, recipes {', '.join(plan.arith_recipes)}")
+    eps = []
+    for task, c in calibration.items():
+        eps.append(f"{task} ε = {c['eps']:g} " + (
+            f"(where {c['audit']}'s bf16 engine phantom-clips the seeds' 18% of tokens)"
+            if c["calibrated"] else
+            f"(NOT calibrated: {c['audit']}'s bf16 engine never phantom-clips 18% of tokens "
+            f"at any ε audited; a fixed fallback)"))
     pre = (f"`parity reproduce{' --quick' if plan.name == 'quick' else ''}`: {seconds / 60:.1f} "
            f"min on this machine. Audits on `{plan.audit_model}` ({plan.samples} completions "
-           f"each); sweeps on `{plan.sweep_model}` (neg-length, {plan.steps} steps, seeds "
-           f"{plan.seeds}"
-           + (f"; arith, {plan.arith_steps} steps, seeds {plan.arith_seeds}" if plan.arith_steps
-              else "")
-           + f") at ε = {eps_run:g}, where the bf16 engine phantom-clips the seeds' 18% of "
-           f"tokens. `claims.json` has every measured number.")
+           f"each); sweeps: {'; '.join(sweeps)}. Clip ranges: {'; '.join(eps)}. The small-lr "
+           f"runs use ε = 0.2. `claims.json` has every measured number.")
     md = C.to_markdown(claims, "Claims of the seeds, measured on the CPU testbed", pre)
     figs = [("sweeps/neg-length/sweep.png", "neg-length: recipes at the scaled ε"),
             ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),
             ("scale/scale.png", "mismatch against model size"),
-            ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε")]
+            ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε"),
+            ("audits/bf16-arith/phantom_vs_eps.png",
+             "bf16 engine on arith: clip fractions against ε (its sweep's calibration)")]
     for path, caption in figs:
         if (out / path).is_file():
             md += f"\n### {caption}\n\n![{caption}]({path})\n"
@@ -243,7 +293,9 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float, eps_run: 
 
 def print_claims(result: dict[str, Any]) -> None:
     from rich.table import Table
-    eps = f", scaled ε = {result['eps_run']:g}" if "eps_run" in result else ""
+    cal = result.get("calibration") or {}
+    eps = "".join(f", {task} ε = {c['eps']:g}" + ("" if c["calibrated"] else " (not calibrated)")
+                  for task, c in cal.items())
     t = Table(title=f"parity reproduce ({result['plan']}): {result['seconds'] / 60:.1f} min{eps}")
     for col in ("claim", "statement", "seeds", "measured", "verdict"):
         t.add_column(col, overflow="fold")

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from parity import claims as C
-from parity.reproduce import Plan, eps_at_phantom, judge, phantom_at, reproduce
+from parity.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, Plan, calibrated_eps,
+                              claims_markdown, eps_at_phantom, judge, phantom_at, reproduce)
 
 
 def groups(**steps):
@@ -162,6 +163,37 @@ def test_judge_builds_every_claim_and_follows_its_inputs():
     assert flipped["4"].verdict == C.NOT_AT_SCALE
     md = C.to_markdown(claims, "T")
     assert md.count("\n| ") == len(claims) + 1 and "| verdict |" in md
+
+
+def test_quick_plan_judges_the_arith_stall_and_only_what_it_ran():
+    """The quick run's sweep is arith with the stall's four recipes: it judges claim 3 on arith,
+    at arith's own ε, and leaves out the claims whose recipes it did not run (never "not
+    measurable" for want of a run it did not plan)."""
+    audit, f16, sc, _, _, lr = _measured(5.5e-7)
+    arith = {"groups": groups(fp32=267, bf16_engine=(401, 0), bf16_shadow=243, no_clip=264)}
+    assert QUICK.arith_recipes == STALL_RECIPES and not QUICK.steps
+    by = {c.id: c for c in judge(audit, f16, sc, None, arith, lr, 0.004, QUICK, 0.007)}
+    assert list(by) == ["1a", "1b", "1c", "2a", "2b", "3-arith", "4", "6"]
+    assert by["3-arith"].verdict == C.HOLDS and by["3-arith"].measured["eps"] == 0.007
+    # One seed of a fix missing the threshold: it no longer restores on every seed.
+    half = {"groups": groups(fp32=267, bf16_engine=(401, 0), bf16_shadow=(243, 1), no_clip=264)}
+    c = {c.id: c for c in judge(audit, f16, sc, None, half, lr, 0.004, QUICK, 0.007)}["3-arith"]
+    assert c.verdict == C.NOT_AT_SCALE and "no-clip" in c.reason
+
+
+def test_eps_calibration_is_reported_when_it_fails(tmp_path):
+    reached = {"phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.4},
+                                  {"eps": 0.2, "phantom_frac": 0.0}]}
+    eps, ok = calibrated_eps(reached)
+    assert ok and 0.001 < eps < 0.2 and eps == float(f"{eps:.2g}")
+    never = {"phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.05},
+                                {"eps": 0.2, "phantom_frac": 0.0}]}
+    assert calibrated_eps(never) == (FALLBACK_EPS, False)
+    cal = {"neg-length": {"eps": eps, "calibrated": True, "audit": "audits/a (m)"},
+           "arith": {"eps": FALLBACK_EPS, "calibrated": False, "audit": "audits/b (arith)"}}
+    md = claims_markdown([], QUICK, 60.0, cal, tmp_path)
+    assert f"neg-length ε = {eps:g} (where audits/a (m)" in md
+    assert f"arith ε = {FALLBACK_EPS:g} (NOT calibrated" in md
 
 
 def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
