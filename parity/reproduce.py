@@ -30,6 +30,9 @@ MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "re
 ARITH_RECIPES = MAIN_RECIPES + ["fp16", "bf16"]
 # The stall and the two fixes of claim 3: what the quick run can afford of arith.
 STALL_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip"]
+# Claim 9: the FP16 paper's algorithms besides GRPO, and the precisions it compares them in.
+OTHER_ALGORITHMS = ["gspo", "pg-is", "ppo-value", "online-dpo"]
+ALGORITHM_RECIPES = ["fp32", "bf16-engine", "fp16"]
 
 
 @dataclass
@@ -44,6 +47,11 @@ class Plan:
     arith_steps: int = 0                      # 0: no arith sweep
     arith_seeds: list[int] = field(default_factory=list)
     arith_recipes: list[str] = field(default_factory=lambda: list(ARITH_RECIPES))
+    arith_model: str = testbed.DEFAULT_ARITH
+    # Other objectives trained on arith with fp32, bf16-engine and fp16 (claim 9); GRPO's
+    # token PPO-clip comes from the arith sweep itself.
+    algorithms: list[str] = field(default_factory=list)
+    algorithm_seeds: list[int] = field(default_factory=list)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
     audit_tokens: int = 24    # as neg-length trains (its task default)
@@ -57,7 +65,7 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
              arith_seeds=[0, 1], arith_recipes=STALL_RECIPES)
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
-            arith_seeds=[0, 1, 2])
+            arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1])
 
 
 def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
@@ -92,10 +100,11 @@ def _audit(plan: Plan, engine: str, out: Path, progress: bool, model: str | None
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
+    # neg-length at the length it trains with; a built-in task's own length otherwise
+    length = {"max_new_tokens": plan.audit_tokens} if task == "neg-length" else {}
     return audit(AuditSettings(model=model or plan.audit_model, engine_dtype=engine, task=task,
-                               samples=plan.samples,
-                               max_new_tokens=plan.audit_tokens if task == "neg-length" else None,
-                               kl_exact_rows=KL_ROWS, progress=progress), out)
+                               samples=plan.samples, kl_exact_rows=KL_ROWS, progress=progress,
+                               **length), out)
 
 
 # Where an audit never phantom-clips 18% (a model whose β is tiny), the sweep runs at this ε and
@@ -136,6 +145,13 @@ def scaled_clip(eps: float) -> dict[str, dict[str, Any]]:
             "wide-eps": {"eps_low": eps, "eps_high": round(1.4 * eps, 6)}}
 
 
+def _token_clip(objective: str, eps: float) -> dict[str, float]:
+    """The scaled ε for an objective that clips tokens; the others keep their own clip (GSPO's
+    sequence range is already of the order of a sequence's mean β) or have none."""
+    from parity.objectives import OBJECTIVES
+    return {"eps_low": eps, "eps_high": eps} if OBJECTIVES[objective].clip == "token" else {}
+
+
 def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
     t_start = time.perf_counter()
     for sub in (out, out / "audits", out / "scale", out / "sweeps"):  # every stage's, at once
@@ -172,24 +188,32 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     if plan.arith_steps:
         t0 = time.perf_counter()
         aa = _audit(plan, "bf16", out / "audits" / "bf16-arith", progress,
-                    model=testbed.DEFAULT_ARITH, task="arith")
+                    model=plan.arith_model, task="arith")
         eps_arith, ok = calibrated_eps(aa)
         calibration["arith"] = {"eps": eps_arith, "calibrated": ok,
-                                "audit": f"audits/bf16-arith ({testbed.DEFAULT_ARITH})"}
+                                "audit": f"audits/bf16-arith ({plan.arith_model})"}
         phase("arith calibration", t0)
         t0 = time.perf_counter()
         arith = _sweep(out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
-                       testbed.DEFAULT_ARITH, {"steps": plan.arith_steps, "eps_low": eps_arith,
+                       plan.arith_model, {"steps": plan.arith_steps, "eps_low": eps_arith,
                                                "eps_high": eps_arith}, workers, progress,
                        scaled_clip(eps_arith))
         phase("arith sweep", t0)
+    algos = {}
+    for obj in plan.algorithms if arith is not None else []:
+        t0 = time.perf_counter()
+        algos[obj] = _sweep(out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
+                            plan.algorithm_seeds, "arith", plan.arith_model,
+                            {"steps": plan.arith_steps, "objective": obj,
+                             **_token_clip(obj, eps_arith)}, workers, progress)
+        phase(f"arith {obj} sweep", t0)
     t0 = time.perf_counter()
     lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
                 "neg-length", plan.sweep_model,
                 {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
     phase("small-lr runs", t0)
 
-    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith)
+    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos)
     seconds = time.perf_counter() - t_start
     result = {"plan": plan.name, "seconds": seconds, "timing": timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
@@ -213,7 +237,8 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
 
 
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
-          eps_run: float, plan: Plan, eps_arith: float | None = None) -> list[C.Claim]:
+          eps_run: float, plan: Plan, eps_arith: float | None = None,
+          algos: dict[str, dict] | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
     the plan did not run (`None`), or a recipe it left out, judges none of its claims."""
     m16, mf16 = a16["metrics"], f16["metrics"]
@@ -251,6 +276,11 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
         out.append(_renamed(C.recompute_family(_groups(arith), "arith"), "5b-arith"))
     if {"fp16", "bf16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
+    if {"bf16-engine", "fp16"} <= ran:
+        out.append(_renamed(C.mismatch_over_training(arith.get("runs", {}), "arith"), "8-arith"))
+    if algos and set(ALGORITHM_RECIPES) <= ran:
+        by = {"ppo-clip (GRPO)": _groups(arith), **{o: _groups(a) for o, a in algos.items()}}
+        out.append(_renamed(C.fp16_across_algorithms(by, "arith"), "9-arith"))
     # A failed run, or one that reported no figure, is missing here, never a 0.
     changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
@@ -265,8 +295,13 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
         sweeps.append(f"neg-length on `{plan.sweep_model}`, {plan.steps} steps, seeds "
                       f"{plan.seeds}")
     if plan.arith_steps:
-        sweeps.append(f"arith on `{testbed.DEFAULT_ARITH}`, {plan.arith_steps} steps, seeds "
+        sweeps.append(f"arith on `{plan.arith_model}`, {plan.arith_steps} steps, seeds "
                       f"{plan.arith_seeds}, recipes {', '.join(plan.arith_recipes)}")
+    if plan.arith_steps and plan.algorithms:
+        recipes = ", ".join(ALGORITHM_RECIPES)
+        sweeps.append(f"arith with objectives {', '.join(plan.algorithms)} ({recipes}; seeds "
+                      f"{plan.algorithm_seeds}; the scaled ε where the objective clips tokens, "
+                      f"its own clip otherwise)")
     eps = []
     for task, c in calibration.items():
         eps.append(f"{task} ε = {c['eps']:g} " + (
@@ -281,6 +316,8 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
     md = C.to_markdown(claims, "Claims of the seeds, measured on the CPU testbed", pre)
     figs = [("sweeps/neg-length/sweep.png", "neg-length: recipes at the scaled ε"),
             ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),
+            *((f"sweeps/arith-{o}/sweep.png", f"arith, objective {o}: fp32, bf16-engine, fp16")
+              for o in plan.algorithms),
             ("scale/scale.png", "mismatch against model size"),
             ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε"),
             ("audits/bf16-arith/phantom_vs_eps.png",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from parity import claims as C
+from parity import claims_real as CR
 from parity.files import ensure_writable, read_json
 from parity.reports import load_metrics
 
@@ -211,17 +212,17 @@ def judge(audits: dict[str, dict], stats: dict[str, list[dict]],
           control: dict[str, list[dict]], ties: float | None, plan: RealPlan) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading what it is given."""
     b, f, h = (audits[k]["metrics"] for k in ("bf16", "fp16", "bf16-fp32-head"))
-    claims = [C.real_gap(b["mismatch/beta_abs_mean"], _phantom(audits["bf16"], 0.2), plan.model),
+    claims = [CR.real_gap(b["mismatch/beta_abs_mean"], _phantom(audits["bf16"], 0.2), plan.model),
               C.fp16_shrinks_gap(_kl(b), _kl(f), b["mismatch/beta_abs_mean"],
                                  f["mismatch/beta_abs_mean"]),
-              C.fp32_head_helps(_kl(b), _kl(h), b["mismatch/beta_abs_mean"],
+              CR.fp32_head_helps(_kl(b), _kl(h), b["mismatch/beta_abs_mean"],
                                 h["mismatch/beta_abs_mean"])]
     claims[1].id = "R2"
     drops = _drops(stats)
-    lag = C.sanity_check(drops, plan.lr, plan.steps)
-    claims += [lag, C.fixes_on_real_model(drops, lag), C.fp16_like_fp32(drops)]
+    lag = CR.sanity_check(drops, plan.lr, plan.steps)
+    claims += [lag, CR.fixes_on_real_model(drops, lag), CR.fp16_like_fp32(drops)]
     bf = stats.get("bf16-engine", [])
-    claims.append(C.gap_grows([s["kl_first"] for s in bf if s["kl_last"] is not None],
+    claims.append(CR.gap_grows([s["kl_first"] for s in bf if s["kl_last"] is not None],
                               [s["kl_last"] for s in bf if s["kl_last"] is not None],
                               "KL(μ‖π) (k3)", "R7"))
 
@@ -233,7 +234,7 @@ def judge(audits: dict[str, dict], stats: dict[str, list[dict]],
         return [s["kl_after_first_sync"] / s["kl_first"] for s in ss
                 if s["kl_first"] and s["kl_after_first_sync"] is not None]
     cb = control.get("bf16-engine", [])
-    claims.append(C.ties_make_the_gap_grow(
+    claims.append(CR.ties_make_the_gap_grow(
         ties, {"dequantised": first_sync(bf), "bf16-rounded": first_sync(cb)},
         {"dequantised": growth(bf), "bf16-rounded": growth(cb)}))
     return claims

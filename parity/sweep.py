@@ -33,6 +33,9 @@ THRESHOLDS: dict[str, tuple[str, str, float]] = {
 }
 WINDOW = 5
 EARLY = 5  # "early in training": the first steps, before the policy has moved far
+# Mismatch figures each run's summary gives over its first and its last EARLY steps.
+MISMATCH_OVER_TRAINING = (("kl_exact", "mismatch/kl_exact"), ("kl_k3", "mismatch/kl_k3"),
+                          ("beta_abs", "mismatch/beta_abs_mean"))
 
 
 @dataclass
@@ -219,6 +222,9 @@ def run_summary(path: Path, task: str) -> dict[str, Any]:
             "beta_abs_mean": mean("mismatch/beta_abs_mean", rows),
             "beta_mean": mean("mismatch/beta_mean", rows),
             "kl_k3": mean("mismatch/kl_k3", rows), "kl_exact": mean("mismatch/kl_exact", rows),
+            # the mismatch at the start and at the end of training (does it grow?)
+            **{f"{name}_{end}": mean(key, part) for name, key in MISMATCH_OVER_TRAINING
+               for end, part in (("first", rows[:EARLY]), ("last", rows[-EARLY:]))},
             "changed_frac": mean("sync/changed_frac", rows[1:] or rows),
             "step_s": mean("time/step_s", rows)}
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from parity import claims as C
+from parity import claims_real as CR
 from parity.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, Plan, calibrated_eps,
                               claims_markdown, eps_at_phantom, judge, phantom_at, reproduce)
 
@@ -181,6 +182,63 @@ def test_quick_plan_judges_the_arith_stall_and_only_what_it_ran():
     assert c.verdict == C.NOT_AT_SCALE and "no-clip" in c.reason
 
 
+def test_full_plan_judges_every_arith_claim_and_the_algorithms():
+    from parity.reproduce import FULL, OTHER_ALGORITHMS
+    audit, f16, sc, g, _, lr = _measured(5.5e-7)
+    arith = {"groups": groups(fp32=267, bf16_engine=(401, 0), bf16_shadow=243, no_clip=264,
+                              wide_eps=(401, 0), recompute=250, tis=240, seq_mis=290, fp16=250,
+                              bf16=(401, 0)),
+             "runs": {f"{r}-s{i}": {"recipe": r, "kl_exact_first": a, "kl_exact_last": b}
+                      for r, (a, b) in (("bf16-engine", (1e-4, 3e-4)), ("fp16", (2e-6, 3e-6)))
+                      for i in range(2)}}
+    algos = {o: {"groups": groups(fp32=200, bf16_engine=(401, 0), fp16=210)}
+             for o in OTHER_ALGORITHMS}
+    by = {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004, FULL, 0.0013, algos)}
+    assert list(by) == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith", "4", "5a", "5a-arith",
+                        "5b", "5b-arith", "7-arith", "8-arith", "9-arith", "6"]
+    for cid in ("3-arith", "7-arith", "8-arith", "9-arith"):
+        assert by[cid].verdict == C.HOLDS, (cid, by[cid].reason)
+    assert set(by["9-arith"].measured) == {"ppo-clip (GRPO)", *OTHER_ALGORITHMS}
+
+
+def test_mismatch_over_training_from_each_runs_first_and_last_steps():
+    from parity.sweep import EARLY
+    assert C.EARLY_STEPS == EARLY
+
+    def runs(bf, fp):
+        out = {}
+        for recipe, pairs in (("bf16-engine", bf), ("fp16", fp)):
+            for seed, (a, b) in enumerate(pairs):
+                out[f"{recipe}-s{seed}"] = {"recipe": recipe, "kl_exact_first": a,
+                                            "kl_exact_last": b}
+        return out
+    grows = C.mismatch_over_training(runs([(1e-4, 3e-4), (1e-4, 2e-4)], [(2e-6, 3e-6)] * 2))
+    assert grows.verdict == C.HOLDS
+    # one bf16 seed grows by only 10%: not every seed
+    flat = C.mismatch_over_training(runs([(1e-4, 3e-4), (1e-4, 1.1e-4)], [(2e-6, 3e-6)] * 2))
+    assert flat.verdict == C.NOT_AT_SCALE and "every seed" in flat.reason
+    # fp16 ends above a bf16 seed
+    high = C.mismatch_over_training(runs([(1e-4, 3e-4)] * 2, [(2e-6, 4e-4), (2e-6, 3e-6)]))
+    assert high.verdict == C.NOT_AT_SCALE and "fp16" in high.reason
+    # a failed fp16 run left no figures
+    missing = runs([(1e-4, 3e-4)], [(None, None)])
+    assert C.mismatch_over_training(missing).verdict == C.NOT_MEASURABLE
+
+
+def test_fp16_across_algorithms_judges_each_lagging_objective():
+    restored = groups(fp32=100, bf16_engine=(401, 0), fp16=120)
+    no_lag = groups(fp32=100, bf16_engine=105, fp16=100)
+    not_restored = groups(fp32=100, bf16_engine=(401, 0), fp16=(300, 1))
+    holds = C.fp16_across_algorithms({"grpo": restored, "gspo": no_lag})
+    assert holds.verdict == C.HOLDS and "gspo: bf16-engine does not lag" in holds.reason
+    fails = C.fp16_across_algorithms({"grpo": restored, "pg-is": not_restored})
+    assert fails.verdict == C.NOT_AT_SCALE and "pg-is: fp16 does not restore" in fails.reason
+    assert C.fp16_across_algorithms({"gspo": no_lag}).verdict == C.NOT_MEASURABLE
+    # an objective whose runs failed: "every algorithm" cannot be judged
+    gone = C.fp16_across_algorithms({"grpo": restored, "dpo": groups(fp32=100)})
+    assert gone.verdict == C.NOT_MEASURABLE and "dpo" in gone.reason
+
+
 def test_eps_calibration_is_reported_when_it_fails(tmp_path):
     reached = {"phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.4},
                                   {"eps": 0.2, "phantom_frac": 0.0}]}
@@ -202,10 +260,20 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     testbed.ensure("text-gpt2-xs", cache, progress=False)
     plan = Plan("tiny", audit_model="text-xs", samples=32, scale_models=["text-xs",
                                                                         "text-gpt2-xs"],
-                sweep_model="text-xs", seeds=[0], steps=3, small_lr_steps=2)
+                sweep_model="text-xs", seeds=[0], steps=3, small_lr_steps=2,
+                arith_steps=2, arith_seeds=[0], arith_recipes=STALL_RECIPES,
+                arith_model="arith-xs")
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
-    assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "4", "5a",
-                                                "5b", "6"]
+    assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith",
+                                                "4", "5a", "5b", "6"]
+    # each sweep at the ε its own model's audit calibrated
+    cal = res["calibration"]
+    assert set(cal) == {"neg-length", "arith"} and "arith-xs" in cal["arith"]["audit"]
+    arith_audit = json.loads((tmp_path / "r" / "audits" / "bf16-arith" / "audit.json").read_text())
+    from parity.reproduce import calibrated_eps
+    assert (cal["arith"]["eps"], cal["arith"]["calibrated"]) == calibrated_eps(arith_audit)
+    by = {c["id"]: c for c in res["claims"]}
+    assert by["3-arith"]["measured"]["eps"] == cal["arith"]["eps"]
     saved = json.loads((tmp_path / "r" / "claims.json").read_text())
     assert saved["claims"] == res["claims"]
     md = (tmp_path / "r" / "claims.md").read_text()
@@ -236,58 +304,58 @@ def test_a_failed_or_missing_run_never_becomes_a_verdict():
 def test_difference_interval_is_students_t_with_the_pooled_sd():
     # Hand computation: means 12 and 10; deviations ±1 on each side, pooled SD = sqrt(4/4) = 1;
     # df = 4, t = 2.78; half-width = 2.78 · 1 · sqrt(1/3 + 1/3).
-    d, hw = C.difference([11.0, 12.0, 13.0], [9.0, 10.0, 11.0])
+    d, hw = CR.difference([11.0, 12.0, 13.0], [9.0, 10.0, 11.0])
     assert d == pytest.approx(2.0)
     assert hw == pytest.approx(2.78 * (2 / 3) ** 0.5)
-    assert C.difference([1.0], [2.0, 3.0]) is None  # one seed has no spread
+    assert CR.difference([1.0], [2.0, 3.0]) is None  # one seed has no spread
 
 
 def test_sanity_check_verdict_follows_the_seed_spread():
-    lags = C.sanity_check({"fp32": [20.0, 22.0, 21.0], "bf16-engine": [5.0, 6.0, 4.0]}, 1e-6, 10)
+    lags = CR.sanity_check({"fp32": [20.0, 22.0, 21.0], "bf16-engine": [5.0, 6.0, 4.0]}, 1e-6, 10)
     assert lags.verdict == C.HOLDS and "lags" in lags.reason
-    faster = C.sanity_check({"fp32": [1.0, 2.0, 0.0], "bf16-engine": [14.0, 13.0, 15.0]}, 1e-6, 10)
+    faster = CR.sanity_check({"fp32": [1.0, 2.0, 0.0], "bf16-engine": [14.0, 13.0, 15.0]}, 1e-6, 10)
     assert faster.verdict == C.NOT_AT_SCALE and "faster" in faster.reason
     # The same means as `faster` but seeds spread widely: no verdict either way.
-    noisy = C.sanity_check({"fp32": [-10.0, 13.0, 0.0], "bf16-engine": [0.0, 28.0, 14.0]}, 1e-6, 10)
+    noisy = CR.sanity_check({"fp32": [-10.0, 13.0, 0.0], "bf16-engine": [0.0, 28.0, 14.0]}, 1e-6, 10)
     assert noisy.verdict == C.NOT_MEASURABLE
-    assert C.sanity_check({"fp32": [1.0]}, 1e-6, 10).verdict == C.NOT_MEASURABLE
+    assert CR.sanity_check({"fp32": [1.0]}, 1e-6, 10).verdict == C.NOT_MEASURABLE
 
 
 def test_fixes_and_fp16_claims_need_a_lag_to_judge():
     drops = {"fp32": [20.0, 22.0, 21.0], "bf16-engine": [5.0, 6.0, 4.0], "fp16": [21.0, 19.0, 20.0],
              "bf16-shadow": [20.0], "no-clip": [22.0], "recompute": [19.0]}
-    lag = C.sanity_check(drops, 1e-6, 10)
-    assert C.fixes_on_real_model(drops, lag).verdict == C.HOLDS
-    assert C.fp16_like_fp32(drops).verdict == C.HOLDS
+    lag = CR.sanity_check(drops, 1e-6, 10)
+    assert CR.fixes_on_real_model(drops, lag).verdict == C.HOLDS
+    assert CR.fp16_like_fp32(drops).verdict == C.HOLDS
     half = dict(drops, **{"no-clip": [6.0]})          # no-clip moves like bf16-engine
-    r5 = C.fixes_on_real_model(half, lag)
+    r5 = CR.fixes_on_real_model(half, lag)
     assert r5.verdict == C.NOT_AT_SCALE and r5.measured["sides"]["no-clip"] == "like bf16-engine"
     # Without a lag there is nothing to restore, whatever the fixes did.
     same = dict(drops, **{"bf16-engine": [20.0, 21.0, 22.0]})
-    assert C.fixes_on_real_model(same, C.sanity_check(same, 1e-6, 10)).verdict == C.NOT_MEASURABLE
-    assert C.fp16_like_fp32(same).verdict == C.NOT_MEASURABLE
-    assert C.fixes_on_real_model({"fp32": [1.0]}, lag).verdict == C.NOT_MEASURABLE
+    assert CR.fixes_on_real_model(same, CR.sanity_check(same, 1e-6, 10)).verdict == C.NOT_MEASURABLE
+    assert CR.fp16_like_fp32(same).verdict == C.NOT_MEASURABLE
+    assert CR.fixes_on_real_model({"fp32": [1.0]}, lag).verdict == C.NOT_MEASURABLE
 
 
 def test_real_gap_head_growth_and_ties_verdicts():
-    assert C.real_gap(0.04, 0.10, "m").verdict == C.HOLDS
-    assert C.real_gap(0.04, 0.004, "m").verdict == C.NOT_AT_SCALE   # 18% / 45
-    assert C.real_gap(0.005, 0.10, "m").verdict == C.NOT_AT_SCALE
-    assert C.fp32_head_helps(2e-3, 5e-4, 0.04, 0.02).verdict == C.HOLDS
-    assert C.fp32_head_helps(2e-3, 1.5e-3, 0.04, 0.035).verdict == C.NOT_AT_SCALE
-    assert C.gap_grows([1e-3, 2e-3], [3e-3, 5e-3], "KL", "R7").verdict == C.HOLDS
-    assert C.gap_grows([1e-3, 2e-3], [3e-3, 2e-3], "KL", "R7").verdict == C.NOT_AT_SCALE
-    assert C.gap_grows([], [], "KL", "R7").verdict == C.NOT_MEASURABLE
+    assert CR.real_gap(0.04, 0.10, "m").verdict == C.HOLDS
+    assert CR.real_gap(0.04, 0.004, "m").verdict == C.NOT_AT_SCALE   # 18% / 45
+    assert CR.real_gap(0.005, 0.10, "m").verdict == C.NOT_AT_SCALE
+    assert CR.fp32_head_helps(2e-3, 5e-4, 0.04, 0.02).verdict == C.HOLDS
+    assert CR.fp32_head_helps(2e-3, 1.5e-3, 0.04, 0.035).verdict == C.NOT_AT_SCALE
+    assert CR.gap_grows([1e-3, 2e-3], [3e-3, 5e-3], "KL", "R7").verdict == C.HOLDS
+    assert CR.gap_grows([1e-3, 2e-3], [3e-3, 2e-3], "KL", "R7").verdict == C.NOT_AT_SCALE
+    assert CR.gap_grows([], [], "KL", "R7").verdict == C.NOT_MEASURABLE
     sync = {"dequantised": 0.037, "bf16-rounded": 0.003}
     grows = {"dequantised": [3.5, 2.6], "bf16-rounded": [1.1, 1.2]}
-    assert C.ties_make_the_gap_grow(0.08, sync, grows).verdict == C.HOLDS
+    assert CR.ties_make_the_gap_grow(0.08, sync, grows).verdict == C.HOLDS
     # The rounded copy's mismatch grows too: the ties are not the explanation.
     both = dict(grows, **{"bf16-rounded": [1.1, 2.2]})
-    assert C.ties_make_the_gap_grow(0.08, sync, both).verdict == C.NOT_AT_SCALE
+    assert CR.ties_make_the_gap_grow(0.08, sync, both).verdict == C.NOT_AT_SCALE
     # As many flips on both: the rounded copy is no control for the ties.
     same = {"dequantised": 0.037, "bf16-rounded": 0.02}
-    assert C.ties_make_the_gap_grow(0.08, same, grows).verdict == C.NOT_AT_SCALE
-    assert C.ties_make_the_gap_grow(0.08, sync, dict(grows, **{"bf16-rounded": []})).verdict \
+    assert CR.ties_make_the_gap_grow(0.08, same, grows).verdict == C.NOT_AT_SCALE
+    assert CR.ties_make_the_gap_grow(0.08, sync, dict(grows, **{"bf16-rounded": []})).verdict \
         == C.NOT_MEASURABLE
 
 

@@ -15,7 +15,7 @@ COMPONENTS = {"config", "memory", "pretrained", "objectives", "precision", "engi
               "runs", "tasks", "arith", "testbed", "errors", "files", "ui", "loggers",
               "audit_inputs"}
 COMMANDS = {"cli", "trainer", "sweep", "reproduce", "reproduce_real", "audit", "fp16_check",
-            "reports", "claims"}
+            "reports", "claims", "claims_real"}
 MAX_LINES = 80
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parity.cli import main
-from parity.sweep import steps_to_threshold
+from parity.sweep import EARLY, steps_to_threshold
 
 GRID = ["sweep", "--recipes", "fp32,bf16-engine", "--seeds", "0,1", "--models", "text-xs",
         "--steps", "3", "--max-new-tokens", "8", "--prompts-per-step", "2",
@@ -24,6 +24,13 @@ def test_sweep_runs_the_grid_and_skips_finished_runs(tmp_path, text_model, capsy
     groups = summary["groups"]
     assert groups["neg-length-text-xs-bf16-engine"]["beta_abs_mean"] > 0
     assert groups["neg-length-text-xs-fp32"]["beta_abs_mean"] == 0.0  # fp32 both sides
+    # each run's mismatch over its first and its last steps, from its own metrics.jsonl
+    run = out / "runs" / "neg-length-text-xs-bf16-engine-s0"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    mine = summary["runs"]["neg-length-text-xs-bf16-engine-s0"]
+    for end, part in (("first", rows[:EARLY]), ("last", rows[-EARLY:])):
+        kl = [r["mismatch/kl_k3"] for r in part]
+        assert mine[f"kl_k3_{end}"] == pytest.approx(sum(kl) / len(kl))
     assert (out / "sweep.png").stat().st_size > 5000 and (out / "report.html").is_file()
     capsys.readouterr()
 
