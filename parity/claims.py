@@ -350,6 +350,28 @@ def fp16_across_algorithms(by_objective: dict[str, dict[str, dict]], task: str =
     return Claim("9", s, seeds, m, NOT_AT_SCALE, detail)
 
 
+def what_makes_beta_large(axes: dict[str, dict], temperatures: dict[str, float]) -> Claim:
+    """10. Which of depth, width, vocabulary or position in the completion could bring |β| to
+    the seeds' 1e-2..1e-1 at 0.6B (no seed says): each axis's log-log fit extrapolated to the
+    seeds' model's value of it. Holds when some axis reaches 1e-2 there. Three points an axis
+    give a direction, not an interval; the temperature is reported beside them as sharpness."""
+    m = {"axes": axes, "temperatures": temperatures}
+    s = "depth, width, vocabulary or position brings |β| to 1e-2..1e-1 at 0.6B"
+    seeds = "|β| O(1e-2..1e-1) at 0.6B; no seed says what makes it large"
+    fitted = {a: v for a, v in axes.items() if v.get("at_target") is not None}
+    if not fitted:
+        return Claim("10", s, seeds, m, NOT_MEASURABLE, "no axis has two measured points")
+    detail = ("; ".join(f"{a}: slope {v['slope']:+.2f}, {v['at_target']:.2g} at {v['target']:g}"
+                        for a, v in fitted.items())
+              + "; sharpness: " + ", ".join(f"T = {t}: {b:.2g}" for t, b in temperatures.items()))
+    big = [a for a, v in fitted.items() if v["at_target"] >= 0.01]
+    if big:
+        return Claim("10", s, seeds, m, HOLDS, f"{', '.join(big)} reach 1e-2 (|β| extrapolated "
+                     f"along each axis, the others held): {detail}")
+    return Claim("10", s, seeds, m, NOT_AT_SCALE, f"no axis reaches 1e-2 at the seeds' model's "
+                 f"value (|β| extrapolated along each axis, the others held): {detail}")
+
+
 def bf16_weights_freeze(changed_bf16: float | None, changed_fp16: float | None,
                         changed_fp32: float | None, lr: float) -> Claim:
     """6. At a small learning rate a bf16 engine's weights stop changing at sync while the fp32

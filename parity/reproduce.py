@@ -5,6 +5,7 @@
     sweeps       recipes × seeds on neg-length (full) and arith, each at the ε where its
                  own model's bf16 engine phantom-clips the seeds' 18%  → claims 3, 5a, 5b, 7
     small lr     weight changes at sync per engine dtype           → claim 6
+    drivers      |β| against depth, width, vocabulary, position and temperature → claim 10
     → claims.json, claims.md, the table printed
 
 Every part writes into its own directory and is reused when the command runs again, so an
@@ -52,6 +53,8 @@ class Plan:
     # token PPO-clip comes from the arith sweep itself.
     algorithms: list[str] = field(default_factory=list)
     algorithm_seeds: list[int] = field(default_factory=list)
+    drivers: bool = False     # claim 10: what makes β large
+    long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
     audit_tokens: int = 24    # as neg-length trains (its task default)
@@ -65,7 +68,8 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
              arith_seeds=[0, 1], arith_recipes=STALL_RECIPES)
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
-            arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1])
+            arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1],
+            drivers=True)
 
 
 def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
@@ -96,15 +100,16 @@ KL_ROWS = 8
 
 
 def _audit(plan: Plan, engine: str, out: Path, progress: bool, model: str | None = None,
-           task: str = "neg-length") -> dict[str, Any]:
+           task: str = "neg-length", tokens: int | None = None,
+           temperature: float = 1.0) -> dict[str, Any]:
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
     # neg-length at the length it trains with; a built-in task's own length otherwise
-    length = {"max_new_tokens": plan.audit_tokens} if task == "neg-length" else {}
+    length = ({"max_new_tokens": tokens or plan.audit_tokens} if task == "neg-length" else {})
     return audit(AuditSettings(model=model or plan.audit_model, engine_dtype=engine, task=task,
                                samples=plan.samples, kl_exact_rows=KL_ROWS, progress=progress,
-                               **length), out)
+                               temperature=temperature, **length), out)
 
 
 # Where an audit never phantom-clips 18% (a model whose β is tiny), the sweep runs at this ε and
@@ -145,6 +150,63 @@ def scaled_clip(eps: float) -> dict[str, dict[str, Any]]:
             "wide-eps": {"eps_low": eps, "eps_high": round(1.4 * eps, 6)}}
 
 
+# Claim 10: each axis the testbed varies, extrapolated to the seeds' model's value of it
+# (Qwen3-0.6B: 28 layers, width 1024, vocabulary 151,936; completions of about a thousand tokens)
+# with the others held at the testbed's; and the sharpness of the distribution (temperature).
+SEED_MODEL_AXES = {"depth": 28, "width": 1024, "vocab": 151_936, "position": 1024}
+DRIVER_TEMPERATURES = [0.7, 1.4]        # beside the audits' 1.0
+POSITION_BINS = [0, 8, 32, 96, 192]
+
+
+def beta_by_position(tokens: Path, bins: list[int]) -> list[dict[str, float]]:
+    """Mean |β| = |ℓ_μ − ℓ_π| of an audit's tokens by completion position, in [lo, hi) bins."""
+    import pyarrow.parquet as pq
+    t = pq.read_table(tokens, columns=["position", "engine_logprob", "trainer_logprob"])
+    pos = t["position"].to_pylist()
+    b = [abs(x - y) for x, y in zip(t["engine_logprob"].to_pylist(),
+                                     t["trainer_logprob"].to_pylist())]
+    out = []
+    for lo, hi in zip(bins, bins[1:]):
+        v = [x for p, x in zip(pos, b) if lo <= p < hi]
+        if v:
+            out.append({"lo": lo, "hi": hi, "tokens": len(v), "beta_abs": sum(v) / len(v)})
+    return out
+
+
+def extrapolate(xy: list[tuple[float, float]], target: float) -> dict[str, Any]:
+    """|β| at `target` along the log-log fit of the measured (axis value, |β|) points."""
+    from parity.audit import fit_loglog
+    fit = fit_loglog([x for x, _ in xy], [y for _, y in xy])
+    at = None if fit is None else 10 ** (fit["intercept"] + fit["slope"] * math.log10(target))
+    return {"points": [list(p) for p in xy], "target": target,
+            "slope": fit and fit["slope"], "at_target": at}
+
+
+def beta_drivers(sc: dict[str, Any], positions: list[dict[str, float]]) -> dict[str, dict]:
+    """Each ladder axis (its models' depth, width or vocabulary against their |β|) and the
+    completion position, extrapolated to the seeds' model."""
+    value = {"depth": "n_layer", "width": "d_model", "vocab": "vocab_size"}
+    beta = {p["model"]: p["beta_abs_mean"] for p in sc.get("points", [])}
+    axes = {axis: extrapolate([(getattr(testbed.SPECS[n], value[axis]), beta[n])
+                               for n in names if n in beta], SEED_MODEL_AXES[axis])
+            for axis, names in testbed.LADDER_AXES.items()}
+    axes["position"] = extrapolate([((p["lo"] + p["hi"]) / 2, p["beta_abs"]) for p in positions],
+                                   SEED_MODEL_AXES["position"])
+    return axes
+
+
+def _drivers(plan: Plan, a16: dict, sc: dict, out: Path, progress: bool) -> dict[str, Any]:
+    temps = {1.0: a16["metrics"]["mismatch/beta_abs_mean"]}
+    for t in DRIVER_TEMPERATURES:
+        a = _audit(plan, "bf16", out / "audits" / f"bf16-T{t:g}", progress, temperature=t)
+        temps[t] = a["metrics"]["mismatch/beta_abs_mean"]
+    _audit(plan, "bf16", out / "audits" / "bf16-long", progress, tokens=plan.long_tokens)
+    positions = beta_by_position(out / "audits" / "bf16-long" / "tokens.parquet",
+                                 [b for b in POSITION_BINS if b <= plan.long_tokens])
+    return {"axes": beta_drivers(sc, positions), "positions": positions,
+            "temperatures": {f"{t:g}": v for t, v in sorted(temps.items())}}
+
+
 def _token_clip(objective: str, eps: float) -> dict[str, float]:
     """The scaled ε for an objective that clips tokens; the others keep their own clip (GSPO's
     sequence range is already of the order of a sequence's mean β) or have none."""
@@ -152,15 +214,29 @@ def _token_clip(objective: str, eps: float) -> dict[str, float]:
     return {"eps_low": eps, "eps_high": eps} if OBJECTIVES[objective].clip == "token" else {}
 
 
+def _earlier_timing(out: Path) -> dict[str, float]:
+    """Each stage's time as earlier invocations into `out` measured it."""
+    found: dict[str, float] = {}
+    for name in ("claims.json", "timing.json"):
+        if (out / name).is_file():
+            d = read_json(out / name, "earlier reproduction")
+            found.update(d.get("timing", {}) if name == "claims.json" else d)
+    return found
+
+
 def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
     t_start = time.perf_counter()
     for sub in (out, out / "audits", out / "scale", out / "sweeps"):  # every stage's, at once
         ensure_writable(sub, "reproduce --out")
     out.mkdir(parents=True, exist_ok=True)
+    # A stage an earlier, interrupted or shorter, invocation finished is reused in seconds: its
+    # own time is the one to report. Each stage's time is written as soon as it ends.
+    done = _earlier_timing(out)
     timing: dict[str, float] = {}
 
     def phase(name: str, t0: float) -> None:
-        timing[name] = time.perf_counter() - t0
+        timing[name] = max(time.perf_counter() - t0, done.get(name, 0.0))
+        (out / "timing.json").write_text(json.dumps(timing, indent=1))
         if progress:
             print(f"[reproduce] {name}: {timing[name] / 60:.1f} min", flush=True)
 
@@ -175,10 +251,11 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     # The scaled experiment: each sweep at the ε where its own model's bf16 engine phantom-clips
     # the seeds' 18% of tokens, at the start of training on its own task.
     eps_run, ok = calibrated_eps(a16)
-    calibration = {"neg-length": {"eps": eps_run, "calibrated": ok,
-                                  "audit": f"audits/bf16-vs-fp32 ({plan.audit_model})"}}
+    calibration: dict[str, dict[str, Any]] = {}
     main = None
     if plan.steps:
+        calibration["neg-length"] = {"eps": eps_run, "calibrated": ok,
+                                     "audit": f"audits/bf16-vs-fp32 ({plan.audit_model})"}
         t0 = time.perf_counter()
         common = {"steps": plan.steps, "eps_low": eps_run, "eps_high": eps_run}
         main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
@@ -213,8 +290,15 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
                 {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
     phase("small-lr runs", t0)
 
-    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos)
-    seconds = time.perf_counter() - t_start
+    drivers = None
+    if plan.drivers:
+        t0 = time.perf_counter()
+        drivers = _drivers(plan, a16, sc, out, progress)
+        (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
+        phase("what makes β large", t0)
+
+    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers)
+    seconds = max(time.perf_counter() - t_start, sum(timing.values()))
     result = {"plan": plan.name, "seconds": seconds, "timing": timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
     (out / "claims.json").write_text(json.dumps(result, indent=1))
@@ -238,7 +322,7 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
 
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
           eps_run: float, plan: Plan, eps_arith: float | None = None,
-          algos: dict[str, dict] | None = None) -> list[C.Claim]:
+          algos: dict[str, dict] | None = None, drivers: dict | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
     the plan did not run (`None`), or a recipe it left out, judges none of its claims."""
     m16, mf16 = a16["metrics"], f16["metrics"]
@@ -281,6 +365,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     if algos and set(ALGORITHM_RECIPES) <= ran:
         by = {"ppo-clip (GRPO)": _groups(arith), **{o: _groups(a) for o, a in algos.items()}}
         out.append(_renamed(C.fp16_across_algorithms(by, "arith"), "9-arith"))
+    if drivers is not None:
+        out.append(C.what_makes_beta_large(drivers["axes"], drivers["temperatures"]))
     # A failed run, or one that reported no figure, is missing here, never a 0.
     changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
