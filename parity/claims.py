@@ -206,6 +206,37 @@ def stall_and_fixes(task: str, groups: dict[str, dict], eps: float) -> Claim:
                  f"({'only ' if fixed else ''}of bf16-shadow, no-clip): {detail}")
 
 
+def async_stall_and_fixes(groups: dict[str, dict], eps: float, setting: str) -> Claim:
+    """3-async. The stall and its fixes in the seeds' asynchronous regime (a stale engine and
+    several minibatches per rollout: α ≠ 0, so real clipping competes with phantom clipping and
+    the recompute family's ratios clip too). Lags and restores as in claim 3."""
+    fixes = tuple(r for r in ("bf16-shadow", "recompute", "tis") if _group(groups, r))
+    st, m = _steps_reached(groups, ("fp32", "bf16-engine", *fixes))
+    for r in ("fp32", "bf16-engine"):
+        g = _group(groups, r) or {}
+        m[f"early_clip_{r}"], m[f"early_phantom_{r}"] = (g.get("early_clip_frac"),
+                                                         g.get("early_phantom_frac"))
+    m = {"eps": eps, "setting": setting, **m}
+    s = f"arith, {setting}: bf16-engine lags; removing β restores it"
+    seeds = "the stall was reported with an asynchronous engine (off-policy by design)"
+    if not fixes or any(v is None for v in st.values()):
+        return Claim("3-async", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+    clip = ", ".join(f"{r} {m[f'early_clip_{r}']:.0%} clipped ({m[f'early_phantom_{r}']:.0%} "
+                     f"phantom)" for r in ("fp32", "bf16-engine")
+                     if m[f"early_clip_{r}"] is not None and m[f"early_phantom_{r}"] is not None)
+    detail = (f"at ε = {eps:.3g}: steps to threshold (median; seeds reaching it): "
+              + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in st)
+              + (f"; early in training {clip}" if clip else ""))
+    if not _lags(st["bf16-engine"], st["fp32"]):
+        return Claim("3-async", s, seeds, m, NOT_MEASURABLE,
+                     f"bf16-engine does not lag fp32 here: {detail}")
+    fixed = [r for r in fixes if _converges(groups, r, st["bf16-engine"])]
+    if len(fixed) == len(fixes):
+        return Claim("3-async", s, seeds, m, HOLDS, detail)
+    return Claim("3-async", s, seeds, m, NOT_AT_SCALE,
+                 f"restored by {', '.join(fixed) or 'none'} of {', '.join(fixes)}: {detail}")
+
+
 def fp16_shrinks_gap(kl_bf16: float, kl_fp16: float, beta_bf16: float, beta_fp16: float,
                      min_ratio: float = 5.0) -> Claim:
     """4. FP16 shrinks |β| and KL(μ‖π) against BF16 (about 24× lower KL in the paper)."""

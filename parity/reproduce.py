@@ -34,6 +34,11 @@ STALL_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip"]
 # Claim 9: the FP16 paper's algorithms besides GRPO, and the precisions it compares them in.
 OTHER_ALGORITHMS = ["gspo", "pg-is", "ppo-value", "online-dpo"]
 ALGORITHM_RECIPES = ["fp32", "bf16-engine", "fp16"]
+# Claim 3-async: the seeds' asynchronous regime, an engine one optimizer step stale and two
+# minibatches per rollout, so the policy has moved when most tokens are scored (α ≠ 0).
+ASYNC = {"async_engine": True, "max_staleness": 1, "minibatches": 2}
+ASYNC_SETTING = "engine 1 step stale, 2 minibatches"
+ASYNC_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "recompute", "tis"]
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Plan:
     # token PPO-clip comes from the arith sweep itself.
     algorithms: list[str] = field(default_factory=list)
     algorithm_seeds: list[int] = field(default_factory=list)
+    async_seeds: list[int] = field(default_factory=list)   # claim 3-async; [] skips it
     drivers: bool = False     # claim 10: what makes β large
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
@@ -69,7 +75,7 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
             arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1],
-            drivers=True)
+            async_seeds=[0, 1], drivers=True)
 
 
 def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
@@ -284,6 +290,13 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
                             {"steps": plan.arith_steps, "objective": obj,
                              **_token_clip(obj, eps_arith)}, workers, progress)
         phase(f"arith {obj} sweep", t0)
+    asy = None
+    if plan.async_seeds and arith is not None:
+        t0 = time.perf_counter()
+        asy = _sweep(out / "sweeps" / "arith-async", ASYNC_RECIPES, plan.async_seeds, "arith",
+                     plan.arith_model, {"steps": plan.arith_steps, "eps_low": eps_arith,
+                                        "eps_high": eps_arith, **ASYNC}, workers, progress)
+        phase("arith async sweep", t0)
     t0 = time.perf_counter()
     lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
                 "neg-length", plan.sweep_model,
@@ -297,7 +310,7 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
         (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
         phase("what makes β large", t0)
 
-    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers)
+    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers, asy)
     seconds = max(time.perf_counter() - t_start, sum(timing.values()))
     result = {"plan": plan.name, "seconds": seconds, "timing": timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
@@ -322,7 +335,8 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
 
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
           eps_run: float, plan: Plan, eps_arith: float | None = None,
-          algos: dict[str, dict] | None = None, drivers: dict | None = None) -> list[C.Claim]:
+          algos: dict[str, dict] | None = None, drivers: dict | None = None,
+          asy: dict | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
     the plan did not run (`None`), or a recipe it left out, judges none of its claims."""
     m16, mf16 = a16["metrics"], f16["metrics"]
@@ -347,6 +361,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
         out.append(C.stall_and_fixes("neg-length", _groups(main), eps_run))
     if arith is not None:
         out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_arith), "3-arith"))
+    if asy is not None:
+        out.append(C.async_stall_and_fixes(_groups(asy), eps_arith, ASYNC_SETTING))
     out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), beta_abs, mf16["mismatch/beta_abs_mean"]))
     if main is not None:
         out.append(C.wide_eps_helps(_groups(main), eps_run, round(1.4 * eps_run, 6),
@@ -383,6 +399,9 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
     if plan.arith_steps:
         sweeps.append(f"arith on `{plan.arith_model}`, {plan.arith_steps} steps, seeds "
                       f"{plan.arith_seeds}, recipes {', '.join(plan.arith_recipes)}")
+    if plan.arith_steps and plan.async_seeds:
+        sweeps.append(f"arith asynchronous ({ASYNC_SETTING}; {', '.join(ASYNC_RECIPES)}; seeds "
+                      f"{plan.async_seeds})")
     if plan.arith_steps and plan.algorithms:
         recipes = ", ".join(ALGORITHM_RECIPES)
         sweeps.append(f"arith with objectives {', '.join(plan.algorithms)} ({recipes}; seeds "
@@ -404,6 +423,7 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
             ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),
             *((f"sweeps/arith-{o}/sweep.png", f"arith, objective {o}: fp32, bf16-engine, fp16")
               for o in plan.algorithms),
+            ("sweeps/arith-async/sweep.png", f"arith, {ASYNC_SETTING}"),
             ("scale/scale.png", "mismatch against model size"),
             ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε"),
             ("audits/bf16-arith/phantom_vs_eps.png",

@@ -193,9 +193,16 @@ def test_full_plan_judges_every_arith_claim_and_the_algorithms():
                       for i in range(2)}}
     algos = {o: {"groups": groups(fp32=200, bf16_engine=(401, 0), fp16=210)}
              for o in OTHER_ALGORITHMS}
-    by = {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004, FULL, 0.0013, algos)}
-    assert list(by) == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith", "4", "5a", "5a-arith",
-                        "5b", "5b-arith", "7-arith", "8-arith", "9-arith", "6"]
+    asy = {"groups": groups(fp32=300, bf16_engine=(401, 0), bf16_shadow=290, recompute=280,
+                            tis=(401, 0))}
+    by = {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004, FULL, 0.0013, algos,
+                                 None, asy)}
+    assert list(by) == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith", "3-async", "4", "5a",
+                        "5a-arith", "5b", "5b-arith", "7-arith", "8-arith", "9-arith", "6"]
+    # tis never reaches the threshold in the asynchronous regime: not every fix restores
+    assert by["3-async"].verdict == C.NOT_AT_SCALE
+    assert "restored by bf16-shadow, recompute of bf16-shadow, recompute, tis" in \
+        by["3-async"].reason
     for cid in ("3-arith", "7-arith", "8-arith", "9-arith"):
         assert by[cid].verdict == C.HOLDS, (cid, by[cid].reason)
     assert set(by["9-arith"].measured) == {"ppo-clip (GRPO)", *OTHER_ALGORITHMS}
@@ -265,6 +272,20 @@ def test_what_makes_beta_large_from_hand_made_points(tmp_path):
         == C.NOT_MEASURABLE
 
 
+def test_async_claim_needs_a_lag_and_names_the_clipping():
+    g = groups(fp32=250, bf16_engine=(401, 0), bf16_shadow=240, recompute=260, tis=255)
+    for name, clip, phantom in (("fp32", 0.2, 0.0), ("bf16-engine", 0.25, 0.1)):
+        key = f"neg-length-text-{name.replace('-', '_')}"
+        g[key].update(early_clip_frac=clip, early_phantom_frac=phantom)
+    c = C.async_stall_and_fixes(g, 0.0013, "stale")
+    assert c.verdict == C.HOLDS and "fp32 20% clipped (0% phantom)" in c.reason
+    both_stall = groups(fp32=(401, 0), bf16_engine=(401, 0), bf16_shadow=240, recompute=260,
+                        tis=255)
+    assert C.async_stall_and_fixes(both_stall, 0.0013, "stale").verdict == C.NOT_MEASURABLE
+    assert C.async_stall_and_fixes(groups(fp32=250), 0.0013, "stale").verdict == \
+        C.NOT_MEASURABLE
+
+
 def test_eps_calibration_is_reported_when_it_fails(tmp_path):
     reached = {"phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.4},
                                   {"eps": 0.2, "phantom_frac": 0.0}]}
@@ -288,10 +309,12 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
                                                                         "text-gpt2-xs"],
                 sweep_model="text-xs", seeds=[0], steps=3, small_lr_steps=2,
                 arith_steps=2, arith_seeds=[0], arith_recipes=STALL_RECIPES,
-                arith_model="arith-xs", drivers=True, long_tokens=32)
+                arith_model="arith-xs", async_seeds=[0], drivers=True, long_tokens=32)
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith",
-                                                "4", "5a", "5b", "10", "6"]
+                                                "3-async", "4", "5a", "5b", "10", "6"]
+    asy = json.loads((tmp_path / "r" / "sweeps" / "arith-async" / "summary.json").read_text())
+    assert all(r["ok"] for r in asy["runs"].values())   # the asynchronous engine really ran
     # claim 10's position axis from the long audit's own tokens
     drivers = json.loads((tmp_path / "r" / "drivers.json").read_text())
     from parity.reproduce import beta_by_position
