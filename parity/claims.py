@@ -143,8 +143,16 @@ def phantom_at_matched_eps(eps: float, phantom: float, eps_18: float | None) -> 
                  f"has lighter tails than a 0.6B model's{where}")
 
 
-def _lags(x: float | None, ref: float | None) -> bool:
-    return x is not None and ref is not None and x > LAG * ref + 1
+def difference(a: list[float], b: list[float]) -> tuple[float, float] | None:
+    """mean(a) − mean(b) and the half-width of its 95% interval (pooled SD, Student's t);
+    None with fewer than two values on either side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    ss = sum((x - ma) ** 2 for x in a) + sum((x - mb) ** 2 for x in b)
+    df = len(a) + len(b) - 2
+    sd = math.sqrt(ss / df)
+    return ma - mb, T975.get(df, 2.0) * sd * math.sqrt(1 / len(a) + 1 / len(b))
 
 
 def _group(groups: dict[str, dict], recipe: str) -> dict | None:
@@ -156,13 +164,47 @@ def _steps(groups: dict[str, dict], recipe: str) -> float | None:
     return None if g is None else g.get("steps_to_threshold_median")
 
 
-def _converges(groups: dict[str, dict], recipe: str, than: float | None) -> bool:
-    """Every seed reached the threshold, sooner (median) than the lagging recipe."""
+def _seed_values(groups: dict[str, dict], recipe: str, key: str) -> list[float]:
+    return list((_group(groups, recipe) or {}).get(key, []))
+
+
+def _seed_steps(groups: dict[str, dict], recipe: str) -> list[float]:
+    """Each seed's steps to the threshold (its budget + 1 where it never got there)."""
+    return _seed_values(groups, recipe, "steps_to_threshold_runs")
+
+
+def _beyond_noise(a: list[float], b: list[float]) -> bool:
+    """mean(a) > mean(b) with the 95% interval of the difference above zero (pooled SD,
+    Student's t; at least two seeds a side)."""
+    d = difference(a, b)
+    return d is not None and d[0] - d[1] > 0
+
+
+def _slower(groups: dict[str, dict], a: str, b: str) -> bool:
+    """`a` trains slower than `b` beyond the seed-to-seed spread: more steps to the threshold,
+    or a lower reward over the last steps, by more than the seeds' spread allows for. Steps of
+    a run that never got there are censored at the budget, which makes them look alike; the
+    final reward still tells such runs apart."""
+    return (_beyond_noise(_seed_steps(groups, a), _seed_steps(groups, b))
+            or _beyond_noise(_seed_values(groups, b, "final_reward_runs"),
+                             _seed_values(groups, a, "final_reward_runs")))
+
+
+def _lags(groups: dict[str, dict], recipe: str, ref: str) -> bool:
+    """`recipe` needs 20% more steps (plus one) than `ref`, median against median, and more
+    than the seeds' spread allows for."""
+    x, r = _steps(groups, recipe), _steps(groups, ref)
+    return x is not None and r is not None and x > LAG * r + 1 and _slower(groups, recipe, ref)
+
+
+def _converges(groups: dict[str, dict], recipe: str, than: str | None) -> bool:
+    """Every seed reached the threshold and, against a lagging recipe `than`, sooner than it
+    beyond the seeds' spread."""
     g = _group(groups, recipe)
     if g is None or g.get("steps_to_threshold_median") is None:
         return False
     all_seeds = g.get("reached", 0) == g.get("runs", 0) - g.get("failed", 0)
-    return all_seeds and (than is None or g["steps_to_threshold_median"] < than)
+    return all_seeds and (than is None or _slower(groups, than, recipe))
 
 
 def _reached(groups: dict[str, dict], recipe: str) -> str:
@@ -176,7 +218,8 @@ def _steps_reached(groups: dict[str, dict], names: tuple[str, ...]
     steps and how many seeds reached it."""
     st = {r: _steps(groups, r) for r in names}
     return st, {**{f"steps_{r}": v for r, v in st.items()},
-                **{f"reached_{r}": _reached(groups, r) for r in names}}
+                **{f"reached_{r}": _reached(groups, r) for r in names},
+                **{f"seeds_{r}": _seed_steps(groups, r) for r in names}}
 
 
 def stall_and_fixes(task: str, groups: dict[str, dict], eps: float) -> Claim:
@@ -195,10 +238,10 @@ def stall_and_fixes(task: str, groups: dict[str, dict], eps: float) -> Claim:
               f"({m['reached_fp32']}), bf16-engine {st['bf16-engine']:g} "
               f"({m['reached_bf16-engine']}), bf16-shadow {st['bf16-shadow']:g} "
               f"({m['reached_bf16-shadow']}), no-clip {st['no-clip']:g} ({m['reached_no-clip']})")
-    if not _lags(st["bf16-engine"], ref):
+    if not _lags(groups, "bf16-engine", "fp32"):
         return Claim("3", s, seeds, m, NOT_AT_SCALE,
                      f"no lag at ε = {eps:.3g}: {detail}")
-    fixed = [r for r in ("bf16-shadow", "no-clip") if _converges(groups, r, st["bf16-engine"])]
+    fixed = [r for r in ("bf16-shadow", "no-clip") if _converges(groups, r, "bf16-engine")]
     if len(fixed) == 2:
         return Claim("3", s, seeds, m, HOLDS, f"at ε = {eps:.3g}: {detail}")
     return Claim("3", s, seeds, m, NOT_AT_SCALE,
@@ -227,10 +270,10 @@ def async_stall_and_fixes(groups: dict[str, dict], eps: float, setting: str) -> 
     detail = (f"at ε = {eps:.3g}: steps to threshold (median; seeds reaching it): "
               + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in st)
               + (f"; early in training {clip}" if clip else ""))
-    if not _lags(st["bf16-engine"], st["fp32"]):
+    if not _lags(groups, "bf16-engine", "fp32"):
         return Claim("3-async", s, seeds, m, NOT_MEASURABLE,
                      f"bf16-engine does not lag fp32 here: {detail}")
-    fixed = [r for r in fixes if _converges(groups, r, st["bf16-engine"])]
+    fixed = [r for r in fixes if _converges(groups, r, "bf16-engine")]
     if len(fixed) == len(fixes):
         return Claim("3-async", s, seeds, m, HOLDS, detail)
     return Claim("3-async", s, seeds, m, NOT_AT_SCALE,
@@ -263,11 +306,11 @@ def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str =
     detail = (f"wide-eps (ε_high {wide:g}) {st['wide-eps']:g} steps ({m['reached_wide-eps']}), "
               f"bf16-engine {st['bf16-engine']:g} ({m['reached_bf16-engine']}), fp32 "
               f"{st['fp32']:g}")
-    if not _lags(st["bf16-engine"], st["fp32"]):
+    if not _lags(groups, "bf16-engine", "fp32"):
         return Claim("5a", s, seeds, m, NOT_MEASURABLE,
                      f"bf16-engine does not lag here, so there is nothing for a wider ε to "
                      f"recover: {detail}")
-    if st["wide-eps"] < st["bf16-engine"]:
+    if _slower(groups, "bf16-engine", "wide-eps"):
         return Claim("5a", s, seeds, m, HOLDS, detail)
     return Claim("5a", s, seeds, m, NOT_AT_SCALE, f"no faster than bf16-engine: {detail}")
 
@@ -284,7 +327,7 @@ def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
     if any(v is None for v in st.values()):
         return Claim("5b", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
     detail = ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names)
-    if not _lags(st["bf16-engine"], st["fp32"]):
+    if not _lags(groups, "bf16-engine", "fp32"):
         return Claim("5b", s, seeds, m, NOT_MEASURABLE,
                      f"bf16-engine does not lag here, so there is nothing for them to restore: "
                      f"{detail}")
@@ -309,12 +352,12 @@ def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
         return Claim("7", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
     detail = ("steps to threshold (median; seeds reaching it): "
               + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names))
-    if not _lags(st["bf16-engine"], st["fp32"]):
+    if not _lags(groups, "bf16-engine", "fp32"):
         return Claim("7", s, seeds, m, NOT_MEASURABLE,
                      f"bf16-engine does not lag here, so there is nothing to restore: {detail}")
-    both = ("bf16 on both sides lags too" if _lags(st["bf16"], st["fp32"])
+    both = ("bf16 on both sides lags too" if _lags(groups, "bf16", "fp32")
             else "bf16 on both sides does not lag either")
-    if _converges(groups, "fp16", st["bf16-engine"]):
+    if _converges(groups, "fp16", "bf16-engine"):
         return Claim("7", s, seeds, m, HOLDS, f"{detail}; {both}")
     return Claim("7", s, seeds, m, NOT_AT_SCALE, f"fp16 does not restore it: {detail}; {both}")
 
@@ -357,10 +400,10 @@ def fp16_across_algorithms(by_objective: dict[str, dict[str, dict]], task: str =
         st, m[obj] = _steps_reached(groups, names)
         if any(v is None for v in st.values()):
             status[obj] = "runs missing"
-        elif not _lags(st["bf16-engine"], st["fp32"]):
+        elif not _lags(groups, "bf16-engine", "fp32"):
             status[obj] = "bf16-engine does not lag"
         else:
-            status[obj] = ("fp16 restores" if _converges(groups, "fp16", st["bf16-engine"])
+            status[obj] = ("fp16 restores" if _converges(groups, "fp16", "bf16-engine")
                            else "fp16 does not restore")
         m[obj]["status"] = status[obj]
     s = f"{task + ': ' if task else ''}FP16 on both sides helps every algorithm"

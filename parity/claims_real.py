@@ -9,19 +9,7 @@ from __future__ import annotations
 
 import math
 
-from parity.claims import HOLDS, NOT_AT_SCALE, NOT_MEASURABLE, SEED_PHANTOM, T975, Claim
-
-
-def difference(a: list[float], b: list[float]) -> tuple[float, float] | None:
-    """mean(a) − mean(b) and the half-width of its 95% interval (pooled SD, Student's t);
-    None with fewer than two values on either side."""
-    if len(a) < 2 or len(b) < 2:
-        return None
-    ma, mb = sum(a) / len(a), sum(b) / len(b)
-    ss = sum((x - ma) ** 2 for x in a) + sum((x - mb) ** 2 for x in b)
-    df = len(a) + len(b) - 2
-    sd = math.sqrt(ss / df)
-    return ma - mb, T975.get(df, 2.0) * sd * math.sqrt(1 / len(a) + 1 / len(b))
+from parity.claims import HOLDS, NOT_AT_SCALE, NOT_MEASURABLE, SEED_PHANTOM, Claim, difference
 
 
 def _fmt(v: list[float]) -> str:

@@ -330,7 +330,18 @@ def _kl(m: dict[str, float]) -> float:
 
 
 def _groups(summary: dict[str, Any]) -> dict[str, dict]:
-    return summary["groups"]
+    """A sweep's groups, each with its seeds' steps to the threshold and final rewards (taken
+    from its runs where a summary written before the groups kept them does not have them)."""
+    runs = summary.get("runs", {}).values()
+    out = {}
+    for name, g in summary["groups"].items():
+        mine = [r for r in runs if r.get("group") == name and "steps" in r]
+        per_seed = {"steps_to_threshold_runs": [
+            r["steps_to_threshold"] if r.get("steps_to_threshold") is not None
+            else r["steps"] + 1 for r in mine],
+            "final_reward_runs": [r["final_reward"] for r in mine]}
+        out[name] = {**per_seed, **g}
+    return out
 
 
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,

@@ -254,6 +254,8 @@ def summarize(runs: list[RunSpec], status: dict[str, dict], seconds: float) -> d
         # Runs that never reached the threshold count as their step budget: a lower bound.
         budget = [s if s is not None else e["steps"] + 1 for s, e in zip(reached, ok)]
         agg["steps_to_threshold_median"] = statistics.median(budget) if budget else None
+        agg["steps_to_threshold_runs"] = budget   # per seed: claims weigh the spread
+        agg["final_reward_runs"] = [e["final_reward"] for e in ok]
         per_group[g] = agg
     return {"seconds": seconds, "thresholds": {k: list(v) for k, v in THRESHOLDS.items()},
             "window": WINDOW, "runs": per_run, "groups": per_group}

@@ -14,14 +14,50 @@ from parity.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, Plan, calibrat
 
 def groups(**steps):
     """A sweep summary's groups: median steps to threshold per recipe, each seed of 2 reaching
-    it, or (steps, seeds reaching it)."""
+    it (one step either side of the median), or (steps, seeds reaching it: 0 is two runs out of
+    budget at `steps`), or a list of each seed's steps, all reaching it."""
     out = {}
     for r, v in steps.items():
-        s, reached = v if isinstance(v, tuple) else (v, 2)
+        if isinstance(v, list):
+            s, reached, runs = sorted(v)[len(v) // 2] if len(v) % 2 else sum(v) / len(v), len(v), v
+        else:
+            s, reached = v if isinstance(v, tuple) else (v, 2)
+            runs = [s, s] if reached == 0 else [s - 1, s + 1]
         out[f"neg-length-text-{r}"] = {"recipe": r.replace("_", "-"),
                                        "steps_to_threshold_median": s, "reached": reached,
-                                       "runs": 2, "failed": 0}
+                                       "runs": len(runs), "failed": 0,
+                                       "steps_to_threshold_runs": runs}
     return out
+
+
+def test_restores_and_lags_only_beyond_the_seed_spread():
+    """Lags: medians 20% (plus one step) apart and the 95% interval of the difference of means
+    above zero. Hand computation for fp32 [100, 110] against bf16-engine [140, 160]: d = 45,
+    pooled SD sqrt((50 + 200) / 2) = 11.18, t(2 dof) 4.30, half-width 4.30 · 11.18 = 48.1 > 45:
+    inside the noise, no lag. Tighter seeds [148, 152]: half-width 4.30 · 5.39 = 23.2, a lag."""
+    noisy = groups(fp32=[100, 110], bf16_engine=[140, 160], bf16_shadow=[100, 104],
+                   no_clip=[101, 103])
+    assert C.stall_and_fixes("t", noisy, 0.01).verdict == C.NOT_AT_SCALE
+    assert "no lag" in C.stall_and_fixes("t", noisy, 0.01).reason
+    tight = dict(noisy, **groups(bf16_engine=[148, 152]))
+    assert C.stall_and_fixes("t", tight, 0.01).verdict == C.HOLDS
+    # a fix whose seeds straddle the lagging recipe's does not restore it
+    straddle = dict(tight, **groups(no_clip=[100, 200]))
+    c = C.stall_and_fixes("t", straddle, 0.01)
+    assert c.verdict == C.NOT_AT_SCALE and "bf16-shadow" in c.reason
+    # The quick run's arith seeds: fp32 [288, 204] against bf16-engine censored at [401, 401]
+    # steps: d = 155, half-width 4.30 · 42 = 180.6, inside the noise. Their final rewards
+    # [0.84, 0.87] against [0.68, 0.63]: d = 0.20, half-width 4.30 · 0.029 = 0.125, a lag.
+    censored = groups(fp32=[288, 204], bf16_engine=[401, 401], bf16_shadow=[276, 250],
+                      no_clip=[267, 216])
+    assert "no lag" in C.stall_and_fixes("t", censored, 0.01).reason
+    for name, rewards in (("fp32", [0.84, 0.87]), ("bf16_engine", [0.68, 0.63]),
+                          ("bf16_shadow", [0.92, 0.89]), ("no_clip", [0.90, 0.91])):
+        censored[f"neg-length-text-{name}"]["final_reward_runs"] = rewards
+    assert C.stall_and_fixes("t", censored, 0.01).verdict == C.HOLDS
+    # one seed a side: no spread, no verdict of a lag
+    one = groups(fp32=[100], bf16_engine=[160], bf16_shadow=[100], no_clip=[100])
+    assert C.stall_and_fixes("t", one, 0.01).verdict == C.NOT_AT_SCALE
 
 
 def test_beta_bias_verdicts_follow_the_numbers():
@@ -92,9 +128,12 @@ def test_stall_verdict_flips_with_the_steps():
 
 
 def test_fixes_fp16_and_small_lr_verdicts():
-    assert C.wide_eps_helps(groups(fp32=10, bf16_engine=20, wide_eps=14), 0.005, 0.007
+    assert C.wide_eps_helps(groups(fp32=10, bf16_engine=20, wide_eps=12), 0.005, 0.007
                             ).verdict == C.HOLDS
     assert C.wide_eps_helps(groups(fp32=10, bf16_engine=20, wide_eps=21), 0.005, 0.007
+                            ).verdict == C.NOT_AT_SCALE
+    # 6 steps faster, but seeds ±1 step give a half-width of 4.30 · 1.41 = 6.08: noise
+    assert C.wide_eps_helps(groups(fp32=10, bf16_engine=20, wide_eps=14), 0.005, 0.007
                             ).verdict == C.NOT_AT_SCALE
     assert C.wide_eps_helps(groups(fp32=10, bf16_engine=10, wide_eps=10), 0.005, 0.007
                             ).verdict == C.NOT_MEASURABLE
