@@ -339,7 +339,9 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
         per_seed = {"steps_to_threshold_runs": [
             r["steps_to_threshold"] if r.get("steps_to_threshold") is not None
             else r["steps"] + 1 for r in mine],
-            "final_reward_runs": [r["final_reward"] for r in mine]}
+            "final_reward_runs": [r["final_reward"] for r in mine],
+            "reward_drop_runs": [r["peak_reward"] - r["final_reward"] for r in mine
+                                 if r.get("peak_reward") is not None]}
         out[name] = {**per_seed, **g}
     return out
 

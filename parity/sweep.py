@@ -205,6 +205,15 @@ def steps_to_threshold(rows: list[dict[str, Any]], task: str) -> int | None:
     return None
 
 
+def peak_reward(rows: list[dict[str, Any]]) -> float | None:
+    """The best trailing WINDOW-step mean of the reward: a peak that one lucky step cannot make,
+    to set the last steps' mean against (has training degraded since?)."""
+    vals = [float(r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), (int, float))]
+    if len(vals) < WINDOW:
+        return None
+    return max(statistics.fmean(vals[i - WINDOW:i]) for i in range(WINDOW, len(vals) + 1))
+
+
 def run_summary(path: Path, task: str) -> dict[str, Any]:
     from parity.reports import load_metrics
     rows = load_metrics(path / "metrics.jsonl")
@@ -217,6 +226,7 @@ def run_summary(path: Path, task: str) -> dict[str, Any]:
             "final_reward": mean("reward/mean", last),
             "final_len": mean("completion/len_mean", last),
             "best_reward": max(r["reward/mean"] for r in rows),
+            "peak_reward": peak_reward(rows),
             "early_clip_frac": mean("clip/frac", rows[:EARLY]),
             "early_phantom_frac": mean("clip/phantom_frac", rows[:EARLY]),
             "beta_abs_mean": mean("mismatch/beta_abs_mean", rows),
@@ -256,6 +266,8 @@ def summarize(runs: list[RunSpec], status: dict[str, dict], seconds: float) -> d
         agg["steps_to_threshold_median"] = statistics.median(budget) if budget else None
         agg["steps_to_threshold_runs"] = budget   # per seed: claims weigh the spread
         agg["final_reward_runs"] = [e["final_reward"] for e in ok]
+        agg["reward_drop_runs"] = [e["peak_reward"] - e["final_reward"] for e in ok
+                                   if e.get("peak_reward") is not None]
         per_group[g] = agg
     return {"seconds": seconds, "thresholds": {k: list(v) for k, v in THRESHOLDS.items()},
             "window": WINDOW, "runs": per_run, "groups": per_group}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parity.cli import main
-from parity.sweep import EARLY, steps_to_threshold
+from parity.sweep import EARLY, WINDOW, peak_reward, steps_to_threshold
 
 GRID = ["sweep", "--recipes", "fp32,bf16-engine", "--seeds", "0,1", "--models", "text-xs",
         "--steps", "3", "--max-new-tokens", "8", "--prompts-per-step", "2",
@@ -80,3 +80,11 @@ def test_steps_to_threshold_uses_a_trailing_window():
     assert steps_to_threshold(rows[:6], "neg-length") is None
     assert steps_to_threshold([{"step": 1, "reward/mean": 1.0}] * 5, "arith") == 1
     assert steps_to_threshold(rows, "my-data.jsonl") is None  # no threshold for a dataset
+
+
+def test_peak_reward_is_the_best_trailing_window_mean():
+    assert WINDOW == 5
+    rows = [{"reward/mean": r} for r in (0.1, 0.5, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2)]
+    # window means 0.38, 0.40, 0.34, 0.20: one lucky step (0.9) alone is not the peak
+    assert peak_reward(rows) == pytest.approx(0.40)
+    assert peak_reward(rows[:4]) is None
