@@ -367,25 +367,37 @@ def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
     return Claim("7", s, seeds, m, NOT_AT_SCALE, f"fp16 does not restore it: {detail}; {both}")
 
 
-def mismatch_over_training(runs: dict[str, dict], task: str = "") -> Claim:
+def mismatch_over_training(runs: dict[str, dict], task: str = "",
+                           seq_slopes: dict[str, float | None] | None = None) -> Claim:
     """8. The bf16 engine's KL(μ‖π) grows during training while fp16's stays far below it.
     `runs`: a sweep summary's runs. Grows: every bf16-engine seed's exact KL over its last
     steps exceeds its first steps' by more than 20%; below: every fp16 seed ends under every
-    bf16-engine seed's end."""
-    def ends(recipe: str) -> list[tuple[float, float]]:
-        return [(r["kl_exact_first"], r["kl_exact_last"]) for r in runs.values()
-                if r["recipe"] == recipe and r.get("kl_exact_first") is not None
-                and r.get("kl_exact_last") is not None]
-    bf, fp = ends("bf16-engine"), ends("fp16")
-    m = {"bf16_first_last": bf, "fp16_first_last": fp}
+    bf16-engine seed's end. |β| at both ends and the audits' slope of the sequence log-ratio
+    against length (`seq_slopes`, per token, by engine dtype) are reported beside it."""
+    def ends(recipe: str, key: str) -> list[tuple[float, float]]:
+        return [(r[f"{key}_first"], r[f"{key}_last"]) for r in runs.values()
+                if r["recipe"] == recipe and r.get(f"{key}_first") is not None
+                and r.get(f"{key}_last") is not None]
+    bf, fp = ends("bf16-engine", "kl_exact"), ends("fp16", "kl_exact")
+    m = {"bf16_first_last": bf, "fp16_first_last": fp,
+         "beta_abs_bf16_first_last": ends("bf16-engine", "beta_abs"),
+         "beta_abs_fp16_first_last": ends("fp16", "beta_abs"),
+         "seq_log_ratio_slope_per_token": seq_slopes or {}}
     s = f"{task + ': ' if task else ''}the bf16 engine's KL(μ‖π) grows in training; fp16's " \
         f"stays far below"
     seeds = "the FP16 paper: BF16's mismatch grows as training goes on, FP16's stays low"
     if not bf or not fp:
         return Claim("8", s, seeds, m, NOT_MEASURABLE, "no finished bf16-engine or fp16 run")
-    pairs = "; ".join(f"{name} " + ", ".join(f"{a:.2g} → {b:.2g}" for a, b in v)
-                      for name, v in (("bf16-engine", bf), ("fp16", fp)))
-    detail = f"exact KL, first → last {EARLY_STEPS} steps per seed: {pairs}"
+
+    def pairs(v: list[tuple[float, float]]) -> str:
+        return ", ".join(f"{a:.2g} → {b:.2g}" for a, b in v)
+    detail = (f"exact KL, first → last {EARLY_STEPS} steps per seed: bf16-engine {pairs(bf)}; "
+              f"fp16 {pairs(fp)}. |β|: bf16-engine {pairs(m['beta_abs_bf16_first_last'])}; "
+              f"fp16 {pairs(m['beta_abs_fp16_first_last'])}")
+    slopes = {k: v for k, v in (seq_slopes or {}).items() if v is not None}
+    if slopes:
+        detail += ". Sequence log-ratio against length (audit, per 1k tokens): " + ", ".join(
+            f"{k} {1000 * v:+.2g}" for k, v in slopes.items())
     grows = all(b > 1.2 * a for a, b in bf)
     below = max(b for _, b in fp) < min(b for _, b in bf)
     if grows and below:

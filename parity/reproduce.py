@@ -390,7 +390,10 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     if {"fp16", "bf16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
     if {"bf16-engine", "fp16"} <= ran:
-        out.append(_renamed(C.mismatch_over_training(arith.get("runs", {}), "arith"), "8-arith"))
+        slopes = {"bf16": m16.get("mismatch/seq_log_ratio_slope"),
+                  "fp16": mf16.get("mismatch/seq_log_ratio_slope")}
+        out.append(_renamed(C.mismatch_over_training(arith.get("runs", {}), "arith", slopes),
+                            "8-arith"))
     if algos and set(ALGORITHM_RECIPES) <= ran:
         by = {"ppo-clip (GRPO)": _groups(arith), **{o: _groups(a) for o, a in algos.items()}}
         out.append(_renamed(C.fp16_across_algorithms(by, "arith"), "9-arith"))

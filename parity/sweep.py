@@ -138,10 +138,14 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
     for path in (out, out / "runs"):  # the directory given, then where the runs go
         ensure_writable(path, "sweep --out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    # A run finished by an earlier invocation keeps the figures that one recorded (its time).
+    earlier = _earlier_summary(out)
     todo, status = [], {}
     for r in runs:
         if finished(r):
-            status[r.name] = {"ok": True, "skipped": True}
+            before = earlier.get("runs", {}).get(r.name, {})
+            status[r.name] = {**({"seconds": before["seconds"]} if "seconds" in before else {}),
+                              "ok": True, "skipped": True}
             continue
         if r.path.exists():
             status[r.name] = {"set_aside": str(_set_aside(r.path))}
@@ -162,7 +166,9 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
                     r = futures[f]
                     status[r.name] = {**status.get(r.name, {}), **f.result()}
                     bar.advance()
-    summary = summarize(runs, status, time.perf_counter() - t0)
+    # the wall time of every invocation that ran this grid's runs, this one included
+    summary = summarize(runs, status, time.perf_counter() - t0
+                        + (earlier.get("seconds") or 0.0 if len(todo) < len(runs) else 0.0))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if report:
         from parity.reports import sweep_report
@@ -173,6 +179,13 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
         if groups:
             sweep_report(groups, out)
     return summary
+
+
+def _earlier_summary(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _prebuild(todo: list[RunSpec]) -> None:

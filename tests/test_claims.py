@@ -265,8 +265,10 @@ def test_mismatch_over_training_from_each_runs_first_and_last_steps():
                 out[f"{recipe}-s{seed}"] = {"recipe": recipe, "kl_exact_first": a,
                                             "kl_exact_last": b}
         return out
-    grows = C.mismatch_over_training(runs([(1e-4, 3e-4), (1e-4, 2e-4)], [(2e-6, 3e-6)] * 2))
+    grows = C.mismatch_over_training(runs([(1e-4, 3e-4), (1e-4, 2e-4)], [(2e-6, 3e-6)] * 2),
+                                     seq_slopes={"bf16": -2.6e-4, "fp16": None})
     assert grows.verdict == C.HOLDS
+    assert grows.reason.endswith("(audit, per 1k tokens): bf16 -0.26")  # fp16's slope missing
     # one bf16 seed grows by only 10%: not every seed
     flat = C.mismatch_over_training(runs([(1e-4, 3e-4), (1e-4, 1.1e-4)], [(2e-6, 3e-6)] * 2))
     assert flat.verdict == C.NOT_AT_SCALE and "every seed" in flat.reason

@@ -40,8 +40,13 @@ def test_sweep_runs_the_grid_and_skips_finished_runs(tmp_path, text_model, capsy
     import shutil
     shutil.rmtree(crashed / "checkpoints")
     assert main([*GRID, "--out", str(out)]) == 0
-    again = json.loads((out / "summary.json").read_text())["runs"]
+    rerun = json.loads((out / "summary.json").read_text())
+    again = rerun["runs"]
     assert again["neg-length-text-xs-fp32-s0"].get("skipped") is True
+    # a skipped run keeps the time its own invocation measured; the sweep's time adds up both
+    first = summary["runs"]["neg-length-text-xs-fp32-s0"]["seconds"]
+    assert first > 0 and again["neg-length-text-xs-fp32-s0"]["seconds"] == first
+    assert rerun["seconds"] > summary["seconds"]
     assert "skipped" not in again["neg-length-text-xs-fp32-s1"]
     assert again["neg-length-text-xs-fp32-s1"]["set_aside"].endswith(".incomplete-1")
     assert (out / "runs" / "neg-length-text-xs-fp32-s1.incomplete-1" / "metrics.jsonl").is_file()
