@@ -14,12 +14,13 @@ interrupted reproduction continues where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from parity import claims as C
 from parity import testbed, ui
@@ -230,29 +231,68 @@ def _earlier_timing(out: Path) -> dict[str, float]:
     return found
 
 
+class _Stages:
+    """Times each stage of a reproduction. A stage an earlier, interrupted or shorter,
+    invocation finished is reused in seconds: its own time is the one to report. Each stage's
+    time is written as soon as it ends."""
+
+    def __init__(self, out: Path, progress: bool):
+        self.out, self.progress = out, progress
+        self.done, self.timing = _earlier_timing(out), {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.timing[name] = max(time.perf_counter() - t0, self.done.get(name, 0.0))
+        (self.out / "timing.json").write_text(json.dumps(self.timing, indent=1))
+        if self.progress:
+            print(f"[reproduce] {name}: {self.timing[name] / 60:.1f} min", flush=True)
+
+
+def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
+           calibration: dict[str, dict[str, Any]]) -> tuple[dict | None, float | None, dict,
+                                                             dict | None]:
+    """The arith sweeps at arith's own calibrated ε: the recipes, the other objectives, the
+    asynchronous regime."""
+    if not plan.arith_steps:
+        return None, None, {}, None
+    with stage("arith calibration"):
+        aa = _audit(plan, "bf16", out / "audits" / "bf16-arith", progress,
+                    model=plan.arith_model, task="arith")
+        eps, ok = calibrated_eps(aa)
+        calibration["arith"] = {"eps": eps, "calibrated": ok,
+                                "audit": f"audits/bf16-arith ({plan.arith_model})"}
+    clip = {"steps": plan.arith_steps, "eps_low": eps, "eps_high": eps}
+    with stage("arith sweep"):
+        arith = _sweep(out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
+                       plan.arith_model, clip, workers, progress, scaled_clip(eps))
+    algos = {}
+    for obj in plan.algorithms:
+        with stage(f"arith {obj} sweep"):
+            algos[obj] = _sweep(out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
+                                plan.algorithm_seeds, "arith", plan.arith_model,
+                                {"steps": plan.arith_steps, "objective": obj,
+                                 **_token_clip(obj, eps)}, workers, progress)
+    asy = None
+    if plan.async_seeds:
+        with stage("arith async sweep"):
+            asy = _sweep(out / "sweeps" / "arith-async", ASYNC_RECIPES, plan.async_seeds,
+                         "arith", plan.arith_model, {**clip, **ASYNC}, workers, progress)
+    return arith, eps, algos, asy
+
+
 def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
     t_start = time.perf_counter()
     for sub in (out, out / "audits", out / "scale", out / "sweeps"):  # every stage's, at once
         ensure_writable(sub, "reproduce --out")
     out.mkdir(parents=True, exist_ok=True)
-    # A stage an earlier, interrupted or shorter, invocation finished is reused in seconds: its
-    # own time is the one to report. Each stage's time is written as soon as it ends.
-    done = _earlier_timing(out)
-    timing: dict[str, float] = {}
-
-    def phase(name: str, t0: float) -> None:
-        timing[name] = max(time.perf_counter() - t0, done.get(name, 0.0))
-        (out / "timing.json").write_text(json.dumps(timing, indent=1))
-        if progress:
-            print(f"[reproduce] {name}: {timing[name] / 60:.1f} min", flush=True)
-
-    t0 = time.perf_counter()
-    a16 = _audit(plan, "bf16", out / "audits" / "bf16-vs-fp32", progress)
-    f16 = _audit(plan, "fp16", out / "audits" / "fp16-vs-fp32", progress)
-    phase("audits", t0)
-    t0 = time.perf_counter()
-    sc = _scale(plan, out / "scale", progress, {plan.audit_model: a16})  # not audited twice
-    phase("scale", t0)
+    stage = _Stages(out, progress)
+    with stage("audits"):
+        a16 = _audit(plan, "bf16", out / "audits" / "bf16-vs-fp32", progress)
+        f16 = _audit(plan, "fp16", out / "audits" / "fp16-vs-fp32", progress)
+    with stage("scale"):
+        sc = _scale(plan, out / "scale", progress, {plan.audit_model: a16})  # not audited twice
 
     # The scaled experiment: each sweep at the ε where its own model's bf16 engine phantom-clips
     # the seeds' 18% of tokens, at the start of training on its own task.
@@ -260,59 +300,33 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     calibration: dict[str, dict[str, Any]] = {}
     main = None
     if plan.steps:
-        calibration["neg-length"] = {"eps": eps_run, "calibrated": ok,
-                                     "audit": f"audits/bf16-vs-fp32 ({plan.audit_model})"}
-        t0 = time.perf_counter()
-        common = {"steps": plan.steps, "eps_low": eps_run, "eps_high": eps_run}
-        main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
-                      plan.sweep_model, common, workers, progress, scaled_clip(eps_run))
-        phase("neg-length sweep", t0)
-    arith, eps_arith = None, None
-    if plan.arith_steps:
-        t0 = time.perf_counter()
-        aa = _audit(plan, "bf16", out / "audits" / "bf16-arith", progress,
-                    model=plan.arith_model, task="arith")
-        eps_arith, ok = calibrated_eps(aa)
-        calibration["arith"] = {"eps": eps_arith, "calibrated": ok,
-                                "audit": f"audits/bf16-arith ({plan.arith_model})"}
-        phase("arith calibration", t0)
-        t0 = time.perf_counter()
-        arith = _sweep(out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
-                       plan.arith_model, {"steps": plan.arith_steps, "eps_low": eps_arith,
-                                               "eps_high": eps_arith}, workers, progress,
-                       scaled_clip(eps_arith))
-        phase("arith sweep", t0)
-    algos = {}
-    for obj in plan.algorithms if arith is not None else []:
-        t0 = time.perf_counter()
-        algos[obj] = _sweep(out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
-                            plan.algorithm_seeds, "arith", plan.arith_model,
-                            {"steps": plan.arith_steps, "objective": obj,
-                             **_token_clip(obj, eps_arith)}, workers, progress)
-        phase(f"arith {obj} sweep", t0)
-    asy = None
-    if plan.async_seeds and arith is not None:
-        t0 = time.perf_counter()
-        asy = _sweep(out / "sweeps" / "arith-async", ASYNC_RECIPES, plan.async_seeds, "arith",
-                     plan.arith_model, {"steps": plan.arith_steps, "eps_low": eps_arith,
-                                        "eps_high": eps_arith, **ASYNC}, workers, progress)
-        phase("arith async sweep", t0)
-    t0 = time.perf_counter()
-    lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
-                "neg-length", plan.sweep_model,
-                {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
-    phase("small-lr runs", t0)
-
+        with stage("neg-length calibration"):
+            where = f"audits/bf16-vs-fp32 ({plan.audit_model})"
+            if plan.sweep_model != plan.audit_model:   # its own model, not the audits' larger one
+                where = f"audits/bf16-neg-length ({plan.sweep_model})"
+                eps_run, ok = calibrated_eps(_audit(plan, "bf16",
+                                                    out / "audits" / "bf16-neg-length",
+                                                    progress, model=plan.sweep_model))
+            calibration["neg-length"] = {"eps": eps_run, "calibrated": ok, "audit": where}
+        with stage("neg-length sweep"):
+            main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
+                          plan.sweep_model, {"steps": plan.steps, "eps_low": eps_run,
+                                             "eps_high": eps_run},
+                          workers, progress, scaled_clip(eps_run))
+    arith, eps_arith, algos, asy = _arith(plan, out, workers, progress, stage, calibration)
+    with stage("small-lr runs"):
+        lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
+                    "neg-length", plan.sweep_model,
+                    {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
     drivers = None
     if plan.drivers:
-        t0 = time.perf_counter()
-        drivers = _drivers(plan, a16, sc, out, progress)
-        (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
-        phase("what makes β large", t0)
+        with stage("what makes β large"):
+            drivers = _drivers(plan, a16, sc, out, progress)
+            (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
 
     claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers, asy)
-    seconds = max(time.perf_counter() - t_start, sum(timing.values()))
-    result = {"plan": plan.name, "seconds": seconds, "timing": timing, "eps_run": eps_run,
+    seconds = max(time.perf_counter() - t_start, sum(stage.timing.values()))
+    result = {"plan": plan.name, "seconds": seconds, "timing": stage.timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
     (out / "claims.json").write_text(json.dumps(result, indent=1))
     (out / "claims.md").write_text(claims_markdown(claims, plan, seconds, calibration, out))

@@ -355,7 +355,7 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     testbed.ensure("text-gpt2-xs", cache, progress=False)
     plan = Plan("tiny", audit_model="text-xs", samples=32, scale_models=["text-xs",
                                                                         "text-gpt2-xs"],
-                sweep_model="text-xs", seeds=[0], steps=3, small_lr_steps=2,
+                sweep_model="text-gpt2-xs", seeds=[0], steps=3, small_lr_steps=2,
                 arith_steps=2, arith_seeds=[0], arith_recipes=STALL_RECIPES,
                 arith_model="arith-xs", async_seeds=[0], drivers=True, long_tokens=32)
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
@@ -372,6 +372,8 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     # each sweep at the ε its own model's audit calibrated
     cal = res["calibration"]
     assert set(cal) == {"neg-length", "arith"} and "arith-xs" in cal["arith"]["audit"]
+    # neg-length trains another model than the audits': calibrated on its own
+    assert cal["neg-length"]["audit"] == "audits/bf16-neg-length (text-gpt2-xs)"
     arith_audit = json.loads((tmp_path / "r" / "audits" / "bf16-arith" / "audit.json").read_text())
     from parity.reproduce import calibrated_eps
     assert (cal["arith"]["eps"], cal["arith"]["calibrated"]) == calibrated_eps(arith_audit)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +28,25 @@ def parity(args: list[str], launcher: list[str] | None = None, timeout: int = 60
     cmd = (launcher + ["-m", "parity"] if launcher else [sys.executable, "-m", "parity"])
     return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+# FSDP2 on gloo: under a loaded CPU, about one launch in six ends with one rank aborting
+# ("terminate called without an active exception", SIGABRT, no Python traceback), at start-up
+# or in a resumed run. The cause has not been found (docs/scaling.md). A launch that dies of
+# exactly that is retried from scratch, at most twice; any other failure fails the test.
+TORN = "terminate called without an active exception"
+
+
+def launch_fsdp(args: list[str], fresh: Path | None) -> subprocess.CompletedProcess:
+    """A torchrun launch of `parity args`, retried only after the abort above; `fresh` is the
+    run directory a retry must start without (None: a resume, which continues as it is)."""
+    for _ in range(3):
+        r = parity(args, TORCHRUN)
+        if r.returncode == 0 or TORN not in r.stderr:
+            return r
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+    return r
 
 
 def metrics(run: Path) -> list[dict]:
@@ -58,8 +78,10 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
                     "--dump-rollouts", "--save-every", "2"]
     one = parity(["train", *cfg, "--steps", "4", "--out", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = parity(["train", *cfg, "--parallel", parallel, "--steps", "3",
-                  "--out", str(tmp_path / "two")], TORCHRUN)
+    two_args = ["train", *cfg, "--parallel", parallel, "--steps", "3",
+                "--out", str(tmp_path / "two")]
+    two = (launch_fsdp(two_args, tmp_path / "two") if parallel == "fsdp"
+           else parity(two_args, TORCHRUN))
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert len(b) == 3  # rank 0 alone writes: one line per step
@@ -80,8 +102,9 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
               for run in ("one", "two"))
     assert w1.keys() == w2.keys()
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
-    resumed = parity(["train", "--resume", str(tmp_path / "two"), "--steps", "4",
-                      "--no-progress"], TORCHRUN)
+    resume_args = ["train", "--resume", str(tmp_path / "two"), "--steps", "4", "--no-progress"]
+    resumed = (launch_fsdp(resume_args, None) if parallel == "fsdp"
+               else parity(resume_args, TORCHRUN))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_metrics(a, metrics(tmp_path / "two"), 1e-5)
 
