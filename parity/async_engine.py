@@ -56,12 +56,16 @@ class Delivered:
 
 def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, cpu_fp16: str,
            s: Sampling, max_new_tokens: int, threads: int, gen_state: torch.Tensor,
-           inbox: Any, outbox: Any, parent: int) -> None:
+           inbox: Any, outbox: Any, parent: int, device: str) -> None:
     """The engine process: load pushed weights, answer requests in order, until told to stop
-    or the trainer is gone."""
+    or the trainer is gone. Weights arrive and rollouts leave on the CPU (a CUDA tensor sent
+    between processes lives only as long as its sender keeps it); it samples on `device`."""
     try:
         torch.set_num_threads(threads)
-        engine = HFEngine.of_copy(model, dtype, eos_ids, pad_id, cpu_fp16)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        engine = HFEngine.of_copy(model.to(dev), dtype, eos_ids, pad_id, cpu_fp16)
         gen = torch.Generator()
         gen.set_state(gen_state)
         weights: dict[int, dict[str, torch.Tensor]] = {}
@@ -87,7 +91,8 @@ def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, 
             t0 = time.perf_counter()
             r = engine.generate(req.prompts, max_new_tokens, s, gen, req.record_rows, req.shard,
                                 req.max_batch)
-            outbox.put(("rollout", req.step, Delivered(r, req.version, time.perf_counter() - t0,
+            outbox.put(("rollout", req.step, Delivered(r.to(torch.device("cpu")), req.version,
+                                                       time.perf_counter() - t0,
                                                        gen.get_state())))
     except Exception:
         outbox.put(("error", traceback.format_exc()))
@@ -112,9 +117,9 @@ class AsyncEngine:
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_serve, daemon=True, args=(
-            copy.deepcopy(mirror.model), mirror.dtype, mirror.eos_ids.tolist(), mirror.pad_id,
-            mirror.cpu_fp16, s, max_new_tokens, threads, gen.get_state(), self.inbox,
-            self.outbox, os.getpid()))
+            copy.deepcopy(mirror.model).cpu(), mirror.dtype, mirror.eos_ids.tolist(),
+            mirror.pad_id, mirror.cpu_fp16, s, max_new_tokens, threads, gen.get_state(),
+            self.inbox, self.outbox, os.getpid(), str(mirror.device)))
         self.proc.start()
         for v in sorted(self.pushed):
             self.inbox.put(("weights", v, self.pushed[v]))
@@ -136,8 +141,10 @@ class AsyncEngine:
             del self.pushed[v], self.changed[v]  # no later step can use it
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        # A copy of its own: the mirror is cast into again while the engine still reads this.
-        return {k: v.detach().clone() for k, v in self.mirror.model.state_dict().items()}
+        # A copy of its own on the CPU: the mirror is cast into again while the engine still
+        # reads this, and a checkpoint writes it.
+        return {k: v.detach().to("cpu", copy=True) for k, v in
+                self.mirror.model.state_dict().items()}
 
     def submit(self, request: Request) -> None:
         self.inbox.put(("generate", request))
@@ -161,7 +168,9 @@ class AsyncEngine:
                 last = msg[1].strip().splitlines()[-1]
                 raise ParityError(f"the engine process failed at step {step}: {last}")
             self.ready[msg[1]] = msg[2]
-        return self.ready.pop(step)
+        d = self.ready.pop(step)
+        d.rollout = d.rollout.to(self.mirror.device)
+        return d
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"pushed": sorted(self.pushed), "changed": {str(k): v for k, v in

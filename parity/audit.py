@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from parity import testbed, ui
+from parity import devices, lora, testbed, ui
 from parity.ui import progress
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
                                 dump_table, exact_kl_of_rows, exact_kl_rows, kept_rows,
@@ -41,8 +41,8 @@ from parity.runs import check_run_dir, free_dir, load_policy, max_positions
 class Measurement:
     """Accumulates α/β, clip attribution, KLs and per-token columns over the audit's batches."""
 
-    def __init__(self, a: AuditSettings):
-        self.a, self.diag, self.tables = a, StepDiagnostics(), []
+    def __init__(self, a: AuditSettings, device: torch.device):
+        self.a, self.device, self.diag, self.tables = a, device, StepDiagnostics(), []
         self.adv: list[torch.Tensor] = []
         self.has_adv = True
         self.cols: dict[str, list[torch.Tensor]] = {k: [] for k in (
@@ -53,28 +53,29 @@ class Measurement:
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, adv: torch.Tensor | None,
             s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
-        a = self.a
-        with autocast(a.trainer_dtype, torch.device("cpu"), a.cpu_fp16):
+        a, dev = self.a, self.device
+        r, prompt_ids = r.to(dev), prompt_ids.to(dev)
+        with autocast(a.trainer_dtype, dev, a.cpu_fp16):
             rows = kept_rows(r, slice(0, len(r.completion_ids)))
             sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
         logp_s = shadow.logprobs(model, r, s, logp_pi)
         self.has_adv &= adv is not None
-        adv_t = adv if adv is not None else torch.zeros(len(r.completion_ids))
+        adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
         mask = r.completion_mask
         att = attribute(logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
         self.diag.add(att, logp_pi, r.engine_logprobs, adv_t, mask, first=True)
         if r.dists is not None:
             self.diag.add_exact_kl(exact_kl_of_rows(r, logits, rows, mask[rows], s))
         m = mask > 0
-        self.adv.append(adv_t[:, None].expand_as(mask)[m])
+        self.adv.append(adv_t[:, None].expand_as(mask)[m].cpu())
         for k, v in (("engine_logprob", r.engine_logprobs), ("trainer_logprob", logp_pi),
                      ("shadow_logprob", logp_s),
-                     ("position", torch.arange(mask.shape[1]).expand_as(mask))):
-            self.cols[k].append(v[m].float())
-        self.seq_len.append(mask.sum(-1))
-        self.seq_lr.append(((logp_pi - r.engine_logprobs) * mask).sum(-1))
-        sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids))
+                     ("position", torch.arange(mask.shape[1], device=dev).expand_as(mask))):
+            self.cols[k].append(v[m].float().cpu())
+        self.seq_len.append(mask.sum(-1).cpu())
+        self.seq_lr.append(((logp_pi - r.engine_logprobs) * mask).sum(-1).cpu())
+        sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids), device=dev)
         self.tables.append(dump_table(0, len(self.tables), 0, sample_ids, prompt_ids, r, adv_t,
                                       logp_pi, logp_s, att, a.eps, a.eps))
 
@@ -144,9 +145,9 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
             comp = r.completions()
             texts = tok.batch_decode(comp, skip_special_tokens=True)
             rewards = torch.tensor(task.rewards([i for i in rows for _ in range(a.group)],
-                                                texts, comp))
+                                                texts, comp), device="cpu")
             adv = grpo_advantages(rewards, a.group)
-        pids = torch.tensor([i for i in rows for _ in range(a.group)])
+        pids = torch.tensor([i for i in rows for _ in range(a.group)], device="cpu")
         meas.add(model, shadow, r, adv, s, pids, done)
         done += len(batch)
         bar.completed(min(done, a.samples))
@@ -156,7 +157,7 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
 def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
             bar: ui.Bar) -> str:
     vocab = model.get_output_embeddings().weight.shape[0]
-    rows = read_rollouts(a.rollouts, vocab)
+    rows = read_rollouts(a.rollouts, vocab, tok)
     limit = max_positions(model)
     for i, r in enumerate(rows):
         n = len(r["prompt_token_ids"]) + len(r["completion_token_ids"])
@@ -166,7 +167,7 @@ def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: 
     adv = rollout_advantages(rows)
     keys = {}
     prompt_index = torch.tensor([keys.setdefault(tuple(r["prompt_token_ids"]), len(keys))
-                                 for r in rows])
+                                 for r in rows], device="cpu")
     for start in range(0, len(rows), a.batch_size):
         chunk = rows[start:start + a.batch_size]
         r = to_rollout(chunk, tok.pad_token_id, tok.eos_token_id)
@@ -185,20 +186,23 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     """Run one audit; returns audit.json's content. Input is checked before `out` is written."""
     t0 = time.perf_counter()
     a.validate()
+    device = devices.resolve(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
     out = out or default_out(a)
     check_run_dir(out)
     model_dir = testbed.resolve_model(a.model)
     model, tok = load_policy(model_dir)
-    model.eval()
+    if a.adapter:
+        model = lora.from_adapter(model, a.adapter, a.lora_merge)
+    model.eval().to(device)  # before the engine's and the shadow's copies are made from it
     torch.manual_seed(a.seed)
     s = Sampling(a.temperature, a.top_p, a.top_k)
     if a.lm_head_fp32:
         fp32_head(model)
     shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, a.lm_head_fp32,
                     chunk=a.logprob_chunk, kernels=a.shadow_kernels)
-    meas = Measurement(a)
+    meas = Measurement(a, device)
     total = None if a.rollouts else a.samples
     with progress("audit", total, a.progress, transient=True) as bar:
         if a.rollouts:
@@ -210,7 +214,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
               "n_params": sum(p.numel() for p in model.parameters()),
               "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
               "lm_head_fp32": a.lm_head_fp32, "input": source, "eps": a.eps, "max_new_tokens": a.max_new_tokens,
-              "seed": a.seed,
+              "seed": a.seed, "device": devices.describe(device),
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
               **res, "seconds": time.perf_counter() - t0}
     result["verdict"] = verdict(result)

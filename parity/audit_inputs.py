@@ -2,7 +2,9 @@
 
 The audit input schema (docs/design.md), JSONL or parquet, one row per completion: `prompt_token_ids`,
 `completion_token_ids`, `engine_logprobs` (one per completion token), optional `advantage` or
-`reward`. Every problem is refused with the file, row (and line), column and what is wrong.
+`reward`. A JSONL file may instead hold a serving engine's saved responses, which
+`server_rollouts` turns into such rows. Every problem is refused with the file, row (and line),
+column and what is wrong.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import torch
 from parity.engines import Rollout, left_pad
 from parity.errors import ParityError
 from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
+from parity.server_rollouts import is_server_line, server_rows
 from parity.tasks import REWARD_LIMIT
 
 REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def read_rollouts(path: str | Path, vocab_size: int) -> list[dict[str, Any]]:
-    """Read and check an audit input file; every problem names its row and column."""
+def read_rollouts(path: str | Path, vocab_size: int, tok: Any = None) -> list[dict[str, Any]]:
+    """Read and check an audit input file; every problem names its row and column. `tok`
+    tokenizes where a server's saved response gives text only (server_rollouts)."""
     p = Path(path)
     if p.suffix == ".parquet":
         table = read_parquet(p, "rollouts file")
@@ -37,6 +41,11 @@ def read_rollouts(path: str | Path, vocab_size: int) -> list[dict[str, Any]]:
         for n, row in json_lines(p, "rollouts file"):
             if not isinstance(row, dict):
                 raise ParityError(f"{p} line {n}: a row must be a JSON object")
+            if is_server_line(row):
+                for k, r in enumerate(server_rows(row, f"{p} line {n}", tok)):
+                    rows.append(r)
+                    where.append(f"{p} line {n}, choice {k}")
+                continue
             rows.append(row)
             where.append(f"{p} row {len(rows) - 1} (line {n})")
     else:
@@ -109,16 +118,17 @@ def rollout_advantages(rows: list[dict[str, Any]]) -> torch.Tensor | None:
     """`advantage` as given; else `reward` centred and scaled within each group of identical
     prompts (GRPO); else None (no advantages: clip fractions count both signs)."""
     if all(r.get("advantage") is not None for r in rows):
-        return torch.tensor([float(r["advantage"]) for r in rows])
+        return torch.tensor([float(r["advantage"]) for r in rows], device="cpu")
     if not all(r.get("reward") is not None for r in rows):
         return None
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(tuple(r["prompt_token_ids"]), []).append(i)
-    adv = torch.zeros(len(rows))
+    adv = torch.zeros(len(rows), device="cpu")
     for idx in groups.values():
         if len(idx) > 1:
-            rw = torch.tensor([float(rows[i]["reward"]) for i in idx], dtype=torch.float64)
+            rw = torch.tensor([float(rows[i]["reward"]) for i in idx], dtype=torch.float64,
+                              device="cpu")
             adv[idx] = ((rw - rw.mean()) / (rw.std() + 1e-4)).float()
     return adv
 
@@ -126,15 +136,16 @@ def rollout_advantages(rows: list[dict[str, Any]]) -> torch.Tensor | None:
 def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
     ids, mask = left_pad([r["prompt_token_ids"] for r in rows], pad_id)
     T = max(len(r["completion_token_ids"]) for r in rows)
-    comp = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    cmask = torch.zeros((len(rows), T))
-    lp = torch.zeros((len(rows), T))
+    comp = torch.full((len(rows), T), pad_id, dtype=torch.long, device="cpu")
+    cmask = torch.zeros((len(rows), T), device="cpu")
+    lp = torch.zeros((len(rows), T), device="cpu")
     for i, r in enumerate(rows):
         n = len(r["completion_token_ids"])
-        comp[i, :n] = torch.tensor(r["completion_token_ids"])
+        comp[i, :n] = torch.tensor(r["completion_token_ids"], device="cpu")
         cmask[i, :n] = 1
-        lp[i, :n] = torch.tensor(r["engine_logprobs"], dtype=torch.float32)
-    finished = torch.tensor([r["completion_token_ids"][-1] == eos_id for r in rows])
+        lp[i, :n] = torch.tensor(r["engine_logprobs"], dtype=torch.float32, device="cpu")
+    finished = torch.tensor([r["completion_token_ids"][-1] == eos_id for r in rows],
+                            device="cpu")
     return Rollout(ids, mask, comp, cmask, lp, finished)
 
 

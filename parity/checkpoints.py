@@ -2,6 +2,8 @@
 
     checkpoints/step-N/   model.safetensors + tokenizer (an ordinary HF directory, fp32)
                           engine.safetensors      the engine's own low-precision copy
+                          (LoRA: adapter_model.safetensors + adapter_config.json instead of the
+                          model, engine_adapters.safetensors instead of the engine's copy)
                           value_head.safetensors  (ppo-value)
                           engine-vN.safetensors   (async engine) pushed versions still in use
                           train.pt                optimizer and loss-scaler state
@@ -30,9 +32,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from parity import lora
 from parity.errors import ParityError, one_line
 
 MANIFEST = "manifest.json"
+ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)
+ENGINE_ADAPTERS = "engine_adapters.safetensors"  # the adapters the engine was last cast from
 # What a resumed run reads from state.json; a checkpoint without one of them is not valid.
 STATE_KEYS = ("step", "engine_version", "prompts")
 
@@ -91,16 +96,22 @@ def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: 
     model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     tok.save_pretrained(tmp)
     # The engine's copy is not a cast of the final weights (it was cast at the step's start).
-    # save_model, not save_file: a tied head (GPT-2) shares its tensor with the embedding.
-    save_model(engine_model, str(tmp / "engine.safetensors"))
+    # save_model, not save_file: a tied head (GPT-2) shares its tensor with the embedding. A LoRA
+    # run keeps the adapters the engine was cast from instead (parity/lora.py).
+    if lora.is_lora(model):
+        save_file(engine_model.parity_synced, str(tmp / ENGINE_ADAPTERS))
+    else:
+        save_model(engine_model, str(tmp / "engine.safetensors"))
     if value_head is not None:
         save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
     for v, weights in (engine_versions or {}).items():
         save_file(weights, str(tmp / f"engine-v{v}.safetensors"))
     torch.save({"optimizer": opt_state if opt_state is not None else opt.state_dict(),
                 "scaler": scaler_state}, tmp / "train.pt")
+    # The CUDA stream draws only dropout kept on (`keep_dropout`) on a GPU; kept all the same.
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     torch.save({"torch": torch.get_rng_state(), "sampling": gen.get_state(),
-                "python": random.getstate()}, tmp / "rng.pt")
+                "python": random.getstate(), "cuda": cuda_rng}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "engine_version": engine_version,
                                                 "prompts": prompts_state,
                                                 **({"async": async_state} if async_state
@@ -192,19 +203,29 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
               gen: torch.Generator, value_head: torch.nn.Module | None) -> dict:
     """Restore weights and RNGs in place; returns train.pt's {"optimizer", "scaler"} states,
     which the caller loads once its optimizer exists (under FSDP, on the shards)."""
-    weights = load_file(str(r.path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if k not in _tied(model)]:
-        raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    load_model(engine_model, str(r.path / "engine.safetensors"))
+    if lora.is_lora(model):
+        if not (r.path / ADAPTERS).is_file():
+            raise ParityError(f"{r.path} holds no LoRA adapters: it was written by a run "
+                              f"without --lora-rank")
+        lora.restore_engine(model, engine_model, load_file(str(r.path / ENGINE_ADAPTERS)))
+        lora.load_adapter_state(model, load_file(str(r.path / ADAPTERS)))
+    else:
+        weights = load_file(str(r.path / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if k not in _tied(model)]:
+            raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        load_model(engine_model, str(r.path / "engine.safetensors"))
     if value_head is not None:
         value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
     rng = torch.load(r.path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
     gen.set_state(rng["sampling"])
     random.setstate(_as_tuple(rng["python"]))
-    return torch.load(r.path / "train.pt", weights_only=True)
+    # On the CPU whatever device wrote it: the optimizer moves its state to its parameters'.
+    return torch.load(r.path / "train.pt", weights_only=True, map_location="cpu")
 
 
 def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:

@@ -441,6 +441,33 @@ def fp16_across_algorithms(by_objective: dict[str, dict[str, dict]], task: str =
     return Claim("9", s, seeds, m, NOT_AT_SCALE, detail)
 
 
+def fp16_helps_with_lora(groups: dict[str, dict], eps: float, setting: str) -> Claim:
+    """11. FP16 helps LoRA training too (the FP16 paper reports it for LoRA as well): with
+    adapters on a frozen base, where a bf16 engine lags fp32, fp16 on both sides restores it
+    (every seed at the threshold, sooner than bf16-engine). Each recipe's mean |β| is reported
+    beside it: the precision gap the adapters are trained through."""
+    names = ("fp32", "bf16-engine", "fp16")
+    st, m = _steps_reached(groups, names)
+    m = {"eps": eps, **m, **{f"beta_abs_{r}": (_group(groups, r) or {}).get("beta_abs_mean")
+                             for r in names}}
+    s = "arith with LoRA: FP16 on both sides helps, as for a full fine-tune"
+    seeds = "FP16 paper: the gain holds for LoRA fine-tuning too"
+    if any(v is None for v in st.values()):
+        return Claim("11", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+    beta = ", ".join(f"{r} {m['beta_abs_' + r]:.2g}" for r in names
+                     if m["beta_abs_" + r] is not None)
+    detail = (f"{setting}, ε = {eps:.3g}; steps to threshold (median; seeds reaching it): "
+              + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names)
+              + f"; mean |β|: {beta}")
+    if not _lags(groups, "bf16-engine", "fp32"):
+        return Claim("11", s, seeds, m, NOT_MEASURABLE,
+                     f"bf16-engine does not lag with LoRA, so there is nothing to restore: "
+                     f"{detail}")
+    if _converges(groups, "fp16", "bf16-engine"):
+        return Claim("11", s, seeds, m, HOLDS, detail)
+    return Claim("11", s, seeds, m, NOT_AT_SCALE, f"fp16 does not restore it: {detail}")
+
+
 def what_makes_beta_large(axes: dict[str, dict], temperatures: dict[str, float]) -> Claim:
     """10. Which of depth, width, vocabulary or position in the completion could bring |β| to
     the seeds' 1e-2..1e-1 at 0.6B (no seed says): each axis's log-log fit extrapolated to the

@@ -73,8 +73,9 @@ def config_from_args(args: argparse.Namespace):
     return make_config(explicit_from_args(args))
 
 
+# `device` too: a run started on a GPU may continue on the CPU, and the other way round.
 RESUME_MAY_CHANGE = ("steps", "progress", "threads", "save_every", "keep_checkpoints",
-                     "dump_rollouts", "report_to", "engine_threads", "dist_timeout_s")
+                     "dump_rollouts", "report_to", "engine_threads", "dist_timeout_s", "device")
 
 
 def resume_config(args: argparse.Namespace):
@@ -107,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     console = Console(stderr=True)
     console.print(f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} "
                   f"engine={cfg.engine_dtype} trainer={cfg.trainer_dtype} "
-                  f"ratio={cfg.ratio_source} steps={cfg.steps}")
+                  f"ratio={cfg.ratio_source} steps={cfg.steps} device={cfg.device}")
     t0 = time.perf_counter()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _stop_on_sigterm()
@@ -213,6 +214,9 @@ def cmd_recipes(args: argparse.Namespace) -> None:
         if f.name in ("objective", "loss_agg", "ratio_source", "correction"):
             o.add_row(f.name, f.metadata["help"])
     console.print(o)
+    console.print("LoRA: add --lora-rank R to any recipe and objective; nothing else changes. "
+                  "The engine and the shadow see the adapted weights in the recipe's engine "
+                  "dtype (--lora-merge / --no-lora-merge), docs/lora.md.")
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
@@ -263,6 +267,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         if k in overrides:  # from --config: the grid sets these
             raise ParityError(f"sweep: {k!r} in the config file is set by the grid; use "
                               f"--recipes, --seeds, --tasks, --models, --out, --threads")
+    _check_device(str(overrides.get("device", "auto")))
     spec = SweepSpec(recipes=_csv(args.recipes), seeds=_csv(args.seeds, int),
                      tasks=_csv(args.tasks), models=_csv(args.models) if args.models else [None],
                      overrides=overrides, workers=args.workers, threads=args.threads)
@@ -276,6 +281,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
     from parity.reproduce import FULL, QUICK, print_claims, reproduce
+    _check_device(args.device)
     if args.model:
         from parity import pretrained
         from parity.reproduce_real import RealPlan, reproduce_real
@@ -286,7 +292,8 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
             names = [n for n in pretrained.SOURCES if f"{n}-bf16" in pretrained.SOURCES]
             raise ParityError(f"reproduce --model {args.model}: the real-model reproduction "
                               f"runs on a built-in pretrained model: {', '.join(names)}")
-        plan = RealPlan(model=args.model, **({"steps": args.steps} if args.steps else {}))
+        plan = RealPlan(model=args.model, device=args.device,
+                        **({"steps": args.steps} if args.steps else {}))
         out = Path(args.out or f"reproduce-{args.model}")
         result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
         print_claims({**result, "plan": args.model})
@@ -294,7 +301,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
         return
     if args.steps:
         raise ParityError("reproduce: --steps applies to the real-model reproduction (--model)")
-    plan = QUICK if args.quick else FULL
+    plan = dataclasses.replace(QUICK if args.quick else FULL, device=args.device)
     out = Path(args.out or ("reproduce-quick" if args.quick else "reproduce"))
     result = reproduce(plan, out, workers=args.workers, progress=args.progress)
     print_claims(result)
@@ -321,10 +328,24 @@ def cmd_fp16_check(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     result = fc.check(args.model, args.prompts, max_prompts=args.max_prompts,
-                      out=Path(args.out) if args.out else None, progress=args.progress)
+                      out=Path(args.out) if args.out else None, progress=args.progress,
+                      device=args.device)
     fc.print_check(result, top=args.top)
     print(f"wrote {result['out']}/fp16_check.json")
     return 0 if set(result["verdict"].values()) == {"OK"} else 1
+
+
+def _add_device_flag(p: argparse.ArgumentParser) -> None:
+    from parity.config import FIELDS
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help=FIELDS["device"].metadata["help"] + " (auto)")
+
+
+def _check_device(setting: str) -> None:
+    """A device this machine lacks is refused before any run starts (a sweep would otherwise
+    record every run as failed and go on)."""
+    from parity import devices
+    devices.resolve(setting)
 
 
 def _add_pool_flags(p: argparse.ArgumentParser, workers_help: str) -> None:
@@ -376,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "
                     "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")
+    _add_device_flag(rq)
     rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
                         "directories, overlaid.")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
@@ -415,6 +437,7 @@ def _add_fp16_check_parser(sub) -> None:
     fc.add_argument("--top", type=int, default=10, help="rows per table (10)")
     fc.add_argument("--out", default=None, help="output directory (default: "
                     "audits/<model>-fp16-check[-N])")
+    _add_device_flag(fc)
     fc.add_argument("--threads", type=int, default=0)
     fc.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     fc.set_defaults(func=cmd_fp16_check)

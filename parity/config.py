@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ DPO_REFS = typing.get_args(DpoRef)
 OPTIMIZERS = typing.get_args(OptimizerName)
 ENGINES = typing.get_args(EngineName)
 PARALLEL = typing.get_args(Parallel)
+# A device setting: `auto`, `cpu`, `cuda` or `cuda:N` (parity/devices.py resolves it).
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 # report_to is a comma-separated list of these, so no Literal can say it.
 REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
@@ -141,6 +144,20 @@ class Config:
     seq_eps_low: float | None = _f(3e-4, "GSPO's own lower clip range on the sequence's "
                                    "geometric-mean ratio (None: no clip).", ge=0, lt=1)
     seq_eps_high: float | None = _f(4e-4, "GSPO's own upper clip range (None: no clip).", ge=0)
+    # -- LoRA (parity/lora.py; docs/lora.md)
+    lora_rank: int = _f(0, "Train LoRA adapters of this rank on a frozen base (peft); 0: train "
+                        "every weight.", ge=0)
+    lora_alpha: float | None = _f(None, "LoRA's alpha: the adapters' product is scaled by "
+                                  "alpha / rank (None: twice the rank).", gt=0)
+    lora_targets: str = _f("all-linear", "Modules that get adapters: comma-separated names "
+                           "(q_proj,v_proj), or `all-linear`: every linear layer but the output "
+                           "head, the attention and MLP projections.")
+    lora_merge: bool = _f(True, "How the engine and the shadow apply the adapters: merged (W + "
+                          "(alpha/r) B A summed in fp32, cast once, as TRL loads vLLM) or, with "
+                          "--no-lora-merge, unmerged (base and adapters cast apart, applied as "
+                          "their own products, as vLLM serves a LoRA request).")
+    base_dtype: Dtype = _f("fp32", "LoRA: the frozen base's dtype in the trainer (bf16 halves its "
+                           "memory and computes the base in bf16); the adapters stay fp32.")
     keep_dropout: bool = _f(False, "Keep the model's dropout in the trainer's forwards (l_pi, "
                             "l_old). Off by default: dropout noise would be reported as precision "
                             "gap beta (docs/design.md).")
@@ -262,6 +279,10 @@ class Config:
     save_every: int = _f(100, "Save a checkpoint every N steps (0: only at the end); "
                          "`parity train --resume RUN` continues from the newest.", ge=0)
     keep_checkpoints: int = _f(3, "Keep the newest K checkpoints (0: all).", ge=0)
+    device: str = _f("auto", "Where the trainer, engine, shadow and reference compute: `auto` "
+                     "(the rank's CUDA device when torch sees one, else the CPU), `cpu`, `cuda`, "
+                     "`cuda:N`.", pattern=DEVICE_PATTERN,
+                     pattern_text="auto, cpu, cuda or cuda:N", metavar="DEVICE")
     threads: int = _f(0, "torch CPU threads (0: torch's default).", ge=0)
     progress: bool = _f(True, "Show a progress bar.")
     report_to: str = _f("auto", "Metric backends besides metrics.jsonl (always written), "
@@ -288,6 +309,17 @@ class Config:
         if self.parallel == "fsdp" and objective.value_head:
             raise ParityError(f"objective={self.objective} keeps its value head outside the "
                               f"FSDP-sharded model: use parallel=ddp")
+        if self.lora_rank and (self.async_engine or self.parallel == "fsdp"
+                               or self.engine == "vllm"):
+            what = ("--async-engine" if self.async_engine else "--parallel fsdp"
+                    if self.parallel == "fsdp" else "--engine vllm")
+            raise ParityError(f"lora_rank={self.lora_rank}: LoRA runs do not support {what} yet "
+                              f"(docs/lora.md); use the in-process hf engine with ddp")
+        if self.base_dtype != "fp32" and not self.lora_rank:
+            raise ParityError(f"base_dtype={self.base_dtype} applies to LoRA's frozen base: add "
+                              f"--lora-rank R (a full fine-tune keeps fp32 master weights)")
+        if self.base_dtype == "fp16":
+            raise ParityError("base_dtype=fp16: the base is held in fp32 or bf16")
         if self.engine == "vllm" and (self.async_engine or self.lm_head_fp32):
             raise ParityError("engine=vllm samples in the trainer's process: it takes neither "
                               "--async-engine nor --lm-head-fp32")
@@ -446,6 +478,8 @@ def check_fields(obj: Any) -> None:
             if must is not None:
                 null = " (or null)" if sp.optional else ""
                 raise ParityError(f"{name}={v} must be {must}{null}")
+        elif (pattern := sp.field.metadata.get("pattern")) and not re.fullmatch(pattern, str(v)):
+            raise ParityError(f"{name}={v!r} must be {sp.field.metadata['pattern_text']}")
 
 
 def coerce(name: str, value: Any, cls: type | None = None) -> Any:
@@ -558,7 +592,11 @@ AuditSettings = derive("AuditSettings", [
     shared("cpu_fp16"),
     shared("lm_head_fp32"),
     shared("shadow_kernels"),
+    own("adapter", str | None, None, "A LoRA adapter directory (peft's save_pretrained, or a "
+        "LoRA run's checkpoint) to apply to --model.", metavar="DIR"),
+    shared("lora_merge"),
     shared("seed"),
+    shared("device"),
     shared("threads"),
     shared("progress"),
 ], _AuditChecks, __name__, "What `parity audit` measures, on which input, and how it samples.")

@@ -163,7 +163,7 @@ def exact_kl_of_rows(r: Rollout, logits: torch.Tensor, rows: list[int], mask: to
     for i, row in enumerate(rows):
         n = int(mask[i].sum())
         kls.append(exact_kl(r.dists[where[row], :n], logits[i, :n], s))
-    return torch.cat(kls) if kls else torch.empty(0)
+    return torch.cat(kls) if kls else torch.empty(0, device=mask.device)
 
 
 def clip_fractions(alpha: torch.Tensor, beta: torch.Tensor, adv: torch.Tensor | None,
@@ -187,7 +187,7 @@ def _cluster_se(x: torch.Tensor, u: torch.Tensor, cluster: torch.Tensor) -> floa
     tokens share its advantage and its prompt, so they are not independent draws; summing
     within a completion before squaring lets them count as one. With x = 1 it is the standard
     error of a mean."""
-    score = torch.zeros(int(cluster.max()) + 1, dtype=torch.float64).index_add_(
+    score = torch.zeros(int(cluster.max()) + 1, dtype=torch.float64, device=x.device).index_add_(
         0, cluster, (x * u).double())
     return float(score.square().sum().sqrt()) / float(x.double().square().sum())
 
@@ -260,9 +260,9 @@ class StepDiagnostics:
     def add(self, att: Attribution, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
             adv: torch.Tensor, mask: torch.Tensor, first: bool) -> None:
         m = mask > 0
-        pos = torch.arange(mask.shape[1]).expand_as(mask)
+        pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
         a = (adv[:, None] if adv.dim() == 1 else adv).expand_as(mask)
-        seq = (self.n_seq + torch.arange(mask.shape[0]))[:, None].expand_as(mask)
+        seq = (self.n_seq + torch.arange(mask.shape[0], device=mask.device))[:, None].expand_as(mask)
         self.n_seq += mask.shape[0]
         for k, v in (("alpha", att.alpha), ("beta", att.beta), ("adv", a),
                      ("prob", logp_pi.detach().exp()), ("pos", pos), ("clipped", att.clipped),
@@ -281,7 +281,8 @@ class StepDiagnostics:
         self.kl_exact.append(kl.detach().cpu())
 
     def metrics(self) -> dict[str, float]:
-        t = {k: torch.cat(v) if v else torch.empty(0) for k, v in self.tok.items()}
+        t = {k: torch.cat(v) if v else torch.empty(0, device="cpu")
+             for k, v in self.tok.items()}
         out: dict[str, float] = {}
         n = t["beta"].numel()
         if n:
@@ -320,7 +321,8 @@ class StepDiagnostics:
 
     def tokens(self) -> dict[str, torch.Tensor]:
         """Flat per-token tensors over every update (for plots)."""
-        return {k: torch.cat(v) if v else torch.empty(0) for k, v in self.tok.items()}
+        return {k: torch.cat(v) if v else torch.empty(0, device="cpu")
+             for k, v in self.tok.items()}
 
 
 def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -369,8 +371,8 @@ def dump_table(step: int, update: int, epoch: int, sample_ids: torch.Tensor,
     return pa.table({
         "step": const(step, pa.int32()), "update": const(update, pa.int32()),
         "epoch": const(epoch, pa.int32()),
-        "sample_id": sample_ids[rows].numpy(), "prompt_id": prompt_ids[rows].numpy(),
-        "position": pos.numpy().astype("int32"), "token_id": col(mb.completion_ids),
+        "sample_id": sample_ids[rows].cpu().numpy(), "prompt_id": prompt_ids[rows].cpu().numpy(),
+        "position": pos.cpu().numpy().astype("int32"), "token_id": col(mb.completion_ids),
         "advantage": (adv[rows] if adv.dim() == 1 else adv[m]).detach().cpu().numpy(),
         "engine_logprob": col(mb.engine_logprobs), "trainer_logprob": col(logp_pi),
         "shadow_logprob": col(logp_s),

@@ -1,5 +1,5 @@
 """Multi-process training on torch.distributed: one process per rank, started by `torchrun` or
-`accelerate launch`, gloo on CPU.
+`accelerate launch`: gloo on CPU, NCCL with one GPU per rank (LOCAL_RANK: parity/devices.py).
 
 Every rank holds the whole model (DDP) and samples its shard of each step's prompts. The shards
 are cut so that a rank's part of every minibatch is a slice of the one-process minibatch, each
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -35,6 +35,8 @@ class RankFailure(ParityError):
 class Dist:
     rank: int = 0
     world: int = 1
+    # The rank's device: NCCL reduces tensors on the GPU, gloo on the CPU.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def main(self) -> bool:
@@ -63,14 +65,14 @@ class Dist:
     def sum(self, x: float) -> float:
         if not self.on:
             return float(x)
-        t = torch.tensor([float(x)], dtype=torch.float64)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
         self._call(lambda: td.all_reduce(t))
         return float(t)
 
     def max(self, x: float) -> float:
         if not self.on:
             return float(x)
-        t = torch.tensor([float(x)], dtype=torch.float64)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
         self._call(lambda: td.all_reduce(t, op=td.ReduceOp.MAX))
         return float(t)
 
@@ -101,7 +103,8 @@ class Dist:
         gradient of the mean over all N_total items, as one forward in one process computes it."""
         units = list(totals)
         if self.on:
-            t = torch.tensor([float(totals[u]) for u in units], dtype=torch.float64)
+            t = torch.tensor([float(totals[u]) for u in units], dtype=torch.float64,
+                             device=self.device)
             self._call(lambda: td.all_reduce(t))
             total = dict(zip(units, t.tolist()))
         else:
@@ -134,7 +137,9 @@ class Dist:
         if module is None or not self.on:
             return module
         # Buffers (rotary tables) never change: no broadcast before each forward.
-        return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
+        ids = [self.device] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids,
+                                                         broadcast_buffers=False)
 
     def fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2: each transformer block (the model's `_no_split_modules`) and then the rest is
@@ -169,7 +174,7 @@ def is_comm_failure(e: BaseException) -> bool:
     """A failed collective raised outside `Dist`'s own calls (DDP's and FSDP's gradient
     reductions inside backward)."""
     return isinstance(e, td.DistError) or any(
-        w in str(e) for w in ("Gloo", "gloo", "Connection closed", "Connection reset"))
+        w in str(e) for w in ("Gloo", "gloo", "NCCL", "Connection closed", "Connection reset"))
 
 
 def failure_message(e: BaseException) -> str:
@@ -179,12 +184,15 @@ def failure_message(e: BaseException) -> str:
             f"RUN` continues it from its newest checkpoint")
 
 
-def init(timeout_s: float) -> Dist:
+def init(timeout_s: float, device: torch.device | None = None) -> Dist:
     """The launcher's rank and world size (RANK, WORLD_SIZE, MASTER_ADDR/PORT, as torchrun and
-    accelerate launch set them); one process without them."""
+    accelerate launch set them), computing on `device` (the CPU when None); one process
+    without them."""
+    from parity.devices import backend
+    device = device or torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Dist()
+        return Dist(device=device)
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ParityError(f"WORLD_SIZE={world} but {', '.join(missing)} "
@@ -193,7 +201,8 @@ def init(timeout_s: float) -> Dist:
                           f"...` or `accelerate launch`")
     if not td.is_initialized():
         try:
-            td.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            td.init_process_group(backend(device), timeout=datetime.timedelta(seconds=timeout_s),
+                                  **({"device_id": device} if device.type == "cuda" else {}))
         except (RuntimeError, ValueError) as e:
             raise ParityError(f"cannot join the process group: {one_line(e)}") from None
-    return Dist(td.get_rank(), td.get_world_size())
+    return Dist(td.get_rank(), td.get_world_size(), device)

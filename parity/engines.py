@@ -144,20 +144,29 @@ class Rollout:
                        pad(self.completion_mask, (0, n)), pad(self.engine_logprobs, (0, n)),
                        self.finished, self.dist_rows, self.dists)
 
+    def to(self, device: torch.device) -> "Rollout":
+        """The rollout on `device` (one from another process, or from vLLM, arrives on the CPU)."""
+        move = lambda x: x.to(device) if x is not None else None  # noqa: E731
+        return Rollout(*(move(getattr(self, f)) for f in self._BATCHED), move(self.dist_rows),
+                       move(self.dists))
+
     def completions(self) -> list[list[int]]:
         lens = self.completion_mask.sum(-1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lens)]
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, width: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], pad_id: int, width: int = 0,
+             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask, [len(prompts), width], on `device`: built row by row on
+    the host, then copied once."""
     width = max(width, max(len(p) for p in prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    cpu = torch.device("cpu")
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=cpu)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=cpu)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=cpu)
         mask[i, width - len(p):] = 1
-    return ids, mask
+    return (ids.to(device), mask.to(device)) if device is not None else (ids, mask)
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -166,22 +175,26 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def keep_last(length: int, n: int) -> torch.Tensor:
+def keep_last(length: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """`logits_to_keep` as an index tensor rather than an int. transformers slices the hidden
     states with an int, and for a head weight that does not require grad (the engine's and the
     shadow's copies) a strided [B, n, d] slice sends the LM head down torch's batched path, which
     copies the head's weight once per row. Indexing with a tensor gives a contiguous copy
     instead, and the head runs as one product (figures: docs/performance.md)."""
-    return torch.arange(length - n, length)
+    return torch.arange(length - n, length, device=device)
 
 
-def uniforms(generator: torch.Generator, batch: int, rows: torch.Tensor | None = None
-             ) -> torch.Tensor:
-    """One float64 uniform per row of a `batch` for one sampled position, [len(rows), 1]. A
-    rank that samples only `rows` of the batch still draws all `batch` numbers, so its rows get
-    the numbers a one-process run gives them and the generators of all ranks stay equal."""
-    u = torch.rand((batch, 1), generator=generator, dtype=torch.float64)
-    return u if rows is None else u[rows]
+def uniforms(generator: torch.Generator, batch: int, rows: torch.Tensor | None = None,
+             device: torch.device | None = None) -> torch.Tensor:
+    """One float64 uniform per row of a `batch` for one sampled position, [len(rows), 1], on
+    `device`. A rank that samples only `rows` of the batch still draws all `batch` numbers, so
+    its rows get the numbers a one-process run gives them and the generators of all ranks stay
+    equal. The generator is a CPU one on every device (parity/devices.py): a seed samples from
+    the same numbers on a GPU as on the CPU."""
+    u = torch.rand((batch, 1), generator=generator, dtype=torch.float64, device=generator.device)
+    u = u if rows is None else u[rows]
+    # A small copy without waiting for the device's queue (the host buffer is staged at once).
+    return u.to(device) if device is not None else u
 
 
 def sample_rows(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -244,12 +257,18 @@ class HFEngine:
         self.model.set_attn_implementation(ENGINE_ATTENTION)
         # transformers renamed the forward's `past_key_values` to `cache` (5.24), and warns at
         # every decode step when given the old name.
-        params = inspect.signature(self.model.forward).parameters
+        inner = getattr(self.model, "get_base_model", lambda: self.model)()  # an unmerged LoRA copy
+        params = inspect.signature(inner.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         # Chat models end a turn with their own token (<|im_end|>) besides the tokenizer's EOS.
-        self.eos_ids = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
+        self.eos_ids = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id),
+                                    device=self.device)
         self.pad_id = pad_id
         self.version = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def sync(self, master: torch.nn.Module) -> float:
         """Cast the fp32 master weights into the engine; returns `sync/changed_frac`."""
@@ -265,9 +284,8 @@ class HFEngine:
         `shard` the prompts are some rows of a batch sampled across ranks. `max_batch` > 0
         decodes at most that many prompts at a time (the KV cache and the logits scale with
         it), with the same results."""
-        device = next(self.model.parameters()).device
         shard = shard or Shard(list(range(len(prompts))), len(prompts))
-        with fp16_kernels(self.dtype, device, self.cpu_fp16):
+        with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
             if not max_batch or max_batch >= len(prompts):
                 return self._generate(prompts, max_new_tokens, s, generator, record_rows or [],
                                       shard)[0]
@@ -316,20 +334,24 @@ class HFEngine:
                   generator: torch.Generator, record_rows: list[int], shard: Shard
                   ) -> tuple[Rollout, int]:
         """The rollout, and how many positions were decoded (draws taken per row)."""
-        ids, mask = left_pad(prompts, self.pad_id, shard.width)
+        dev = self.device
+        ids, mask = left_pad(prompts, self.pad_id, shard.width, dev)
         B = ids.shape[0]
         rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
         # Preallocated: a growing cache copies every layer's keys and values at every token
         # (what that costs an fp32 decode step: docs/performance.md).
-        cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+        with dev:  # the cache's bookkeeping tensors too, not only the keys and values
+            cache = StaticCache(config=self.model.config,
+                                max_cache_len=ids.shape[1] + max_new_tokens)
         pos = positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          **{self.cache_kw: cache}, use_cache=True,
-                         logits_to_keep=keep_last(ids.shape[1], 1), parity_kv_len=ids.shape[1])
-        tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long)
-        logps = torch.zeros((B, max_new_tokens), dtype=torch.float32)
-        valid = torch.zeros((B, max_new_tokens), dtype=torch.float32)
-        done = torch.zeros(B, dtype=torch.bool)
+                         logits_to_keep=keep_last(ids.shape[1], 1, dev),
+                         parity_kv_len=ids.shape[1])
+        tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+        valid = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
         attn, last_pos = mask, pos[:, -1:]
         recorded = []
         for t in range(max_new_tokens):
@@ -337,7 +359,7 @@ class HFEngine:
             logp = torch.log_softmax(x, dim=-1)
             if record_rows:
                 recorded.append(logp[record_rows])
-            tok = sample_rows(logp, uniforms(generator, shard.batch, rows))
+            tok = sample_rows(logp, uniforms(generator, shard.batch, rows, dev))
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
@@ -345,8 +367,9 @@ class HFEngine:
             done |= alive & torch.isin(tok, self.eos_ids)
             if shard.all_done(bool(done.all())) or t == max_new_tokens - 1:
                 break
-            # Finished rows keep decoding a pad token; their output is discarded above.
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
+            # Finished rows keep decoding a pad token; their output is discarded above. Stopping
+            # is the decode loop's one wait for the device (`done.all()` above).
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
                              position_ids=last_pos, **{self.cache_kw: cache}, use_cache=True,
@@ -357,6 +380,6 @@ class HFEngine:
         T = int(valid.sum(0).nonzero().max()) + 1
         r = Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
         if record_rows:
-            r.dist_rows = torch.tensor(record_rows, dtype=torch.long)
+            r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
             r.dists = torch.stack(recorded[:T], dim=1)
         return r, t + 1

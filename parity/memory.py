@@ -35,8 +35,12 @@ class Estimate:
         return self.weights + self.forward
 
 
-def available() -> float | None:
-    """MemAvailable from /proc/meminfo, bytes (Linux); None where the system does not say."""
+def available(device: Any = None) -> float | None:
+    """Bytes free on the run's device: the GPU's free memory on CUDA, MemAvailable from
+    /proc/meminfo on the CPU (Linux); None where the system does not say."""
+    if device is not None and device.type == "cuda":
+        import torch
+        return float(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -51,12 +55,14 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
              micro_batch: int | None = None) -> Estimate:
     c = model.config
     n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)  # LoRA: adapters
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 1)
     width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 1)
     vocab = c.vocab_size
     engine = _BYTES[cfg.engine_dtype] * n_params
     adam = 8 if cfg.optimizer in ("adam", "adamw") else 0  # two fp32 moments
-    weights = _RUNTIME + n_params * (4 + 4 + adam) + engine
+    weights = _RUNTIME + stored + n_train * (4 + adam) + engine  # + gradients, optimizer state
     if cfg.diagnostics or cfg.ratio_source == "shadow":
         weights += engine  # the shadow's own copy
     rows = cfg.prompts_per_step * cfg.samples_per_prompt // cfg.minibatches // world
@@ -86,17 +92,20 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     return Estimate(weights + dists, max(rows * length * act + logits, kv), rows)
 
 
-def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1) -> str | None:
-    """None when the run fits the memory available now; else a warning naming the setting to
-    change. A run whose weights and optimizer alone exceed it is refused."""
-    free = available()
+def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
+          device: Any = None) -> str | None:
+    """None when the run fits the memory available now on `device` (the CPU when None); else a
+    warning naming the setting to change. A run whose weights and optimizer alone exceed it is
+    refused."""
+    free = available(device)
+    where = " on the GPU" if device is not None and device.type == "cuda" else ""
     if free is None:
         return None
     e = estimate(cfg, model, longest_prompt, world)
     gb = 2 ** 30
     if e.weights > free:
         raise ParityError(f"this run's weights, gradients and optimizer state need "
-                          f"{e.weights / gb:.1f} GB and {free / gb:.1f} GB is available: a "
+                          f"{e.weights / gb:.1f} GB and {free / gb:.1f} GB is available{where}: a "
                           f"smaller model, or more ranks under FSDP")
     if e.total <= free:
         return None
@@ -107,4 +116,4 @@ def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1) -> str | No
               "--max-new-tokens")
     return (f"this run may need about {e.total / gb:.1f} GB (its largest forward holds {e.rows} "
             f"completions of up to {longest_prompt + cfg.max_new_tokens} tokens) and "
-            f"{free / gb:.1f} GB is available; if it is killed, use {advice}")
+            f"{free / gb:.1f} GB is available{where}; if it is killed, use {advice}")

@@ -64,7 +64,7 @@ class StepPart:
 
 
 def step_metrics(parts: list[StepPart], cfg: Config) -> dict[str, Any]:
-    rewards = torch.tensor([x for p in parts for x in p.rewards])
+    rewards = torch.tensor([x for p in parts for x in p.rewards], device="cpu")
     names = list(parts[0].parts)
     n_tok = sum(p.n_tok for p in parts)
     tok_w = [p.n_tok for p in parts]

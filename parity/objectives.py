@@ -35,14 +35,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     last valid token:  δ_t = r_t + γ V_{t+1} − V_t,  A_t = δ_t + γλ A_{t+1},  V after the end = 0.
     Returns (advantages, returns = A + V), both [B, T], 0 on padding."""
     B, T = mask.shape
+    f64 = dict(dtype=torch.float64, device=mask.device)
     last = (mask.sum(-1).long() - 1).clamp(min=0)
-    r = torch.zeros(B, T, dtype=torch.float64)
-    r[torch.arange(B), last] = rewards.double()
+    r = torch.zeros(B, T, **f64)
+    r[torch.arange(B, device=mask.device), last] = rewards.double()
     v = values.double() * mask
-    adv = torch.zeros(B, T, dtype=torch.float64)
-    running = torch.zeros(B, dtype=torch.float64)
+    adv = torch.zeros(B, T, **f64)
+    running = torch.zeros(B, **f64)
     for t in reversed(range(T)):
-        v_next = v[:, t + 1] if t + 1 < T else torch.zeros(B, dtype=torch.float64)
+        v_next = v[:, t + 1] if t + 1 < T else torch.zeros(B, **f64)
         delta = r[:, t] + gamma * v_next - v[:, t]
         running = (delta + gamma * lam * running) * mask[:, t]
         adv[:, t] = running
@@ -238,11 +239,14 @@ class ValueHead(torch.nn.Module):
     """V(s_t) = w · h_t + b on the policy's last hidden state (a shared trunk), in fp32.
     Zero-initialised, so GAE starts as Monte-Carlo returns."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, device: torch.device | None = None):
         super().__init__()
-        self.v = torch.nn.Linear(width, 1)
+        # Built on the CPU and then moved: Linear's initial draw (zeroed, but drawn) comes from
+        # the CPU's random stream on every device, so later draws are the same everywhere.
+        self.v = torch.nn.Linear(width, 1, device="cpu")
         torch.nn.init.zeros_(self.v.weight)
         torch.nn.init.zeros_(self.v.bias)
+        self.to(device or "cpu")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
@@ -266,7 +270,7 @@ def dpo_pairs(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     r = rewards.view(-1, group_size)
     best, worst = r.argmax(-1), r.argmin(-1)
     keep = r.max(-1).values > r.min(-1).values
-    base = torch.arange(r.shape[0]) * group_size
+    base = torch.arange(r.shape[0], device=r.device) * group_size
     return (base + best)[keep], (base + worst)[keep]
 
 

@@ -167,7 +167,10 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
                       ) -> float:
     """Copy fp32 master weights into `target` in its own dtype; return the fraction of target
     values that changed (`sync/changed_frac`; 0.0 when not `count`ed). Small updates can leave a
-    bf16 cast unchanged."""
+    bf16 cast unchanged. A LoRA master casts its adapted weights (parity/lora.py)."""
+    from parity import lora
+    if lora.is_lora(master):
+        return lora.cast_into(master, target, count)
     src = master.state_dict()
     changed = total = 0
     for name, t in target.state_dict().items():
@@ -175,10 +178,10 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
         # points of the step, in the same order).
         new = full_tensor(src[name]).to(t.dtype)
         if count and t.is_floating_point():
-            changed += int((new != t).sum())
+            changed += (new != t).sum()  # summed on the device: one wait, at the end
             total += t.numel()
         t.copy_(new)
-    return changed / max(total, 1)
+    return int(changed) / max(total, 1)
 
 
 def _fp32_head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -202,8 +205,13 @@ def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
 
 def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool = False
                        ) -> torch.nn.Module:
-    """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's)."""
-    copy_ = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
+    """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's); of
+    a LoRA master, the adapted weights as the master's `lora_merge` says (parity/lora.py)."""
+    from parity import lora
+    if lora.is_lora(master):
+        copy_ = lora.engine_copy(master, torch_dtype(dtype))
+    else:
+        copy_ = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
     for p in copy_.parameters():
         p.requires_grad_(False)
     if lm_head_fp32:

@@ -40,6 +40,11 @@ ALGORITHM_RECIPES = ["fp32", "bf16-engine", "fp16"]
 ASYNC = {"async_engine": True, "max_staleness": 1, "minibatches": 2}
 ASYNC_SETTING = "engine 1 step stale, 2 minibatches"
 ASYNC_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "recompute", "tis"]
+# Claim 11: LoRA adapters of rank 8 (alpha 16) at ten times the learning rate a LoRA run needs
+# to learn arith as fast as a full fine-tune (docs/lora.md), the engine seeing them merged.
+LORA = {"lora_rank": 8, "lr": 1e-3}
+LORA_SETTING = "LoRA rank 8, alpha 16, lr 1e-3, merged into the engine's weights"
+LORA_RECIPES = ["fp32", "bf16-engine", "fp16"]
 
 
 @dataclass
@@ -60,11 +65,13 @@ class Plan:
     algorithms: list[str] = field(default_factory=list)
     algorithm_seeds: list[int] = field(default_factory=list)
     async_seeds: list[int] = field(default_factory=list)   # claim 3-async; [] skips it
+    lora_seeds: list[int] = field(default_factory=list)    # claim 11 (LoRA); [] skips it
     drivers: bool = False     # claim 10: what makes β large
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
     audit_tokens: int = 24    # as neg-length trains (its task default)
+    device: str = "auto"      # every audit and run computes there (parity/devices.py)
 
 
 # The quick run spends its minutes on the headline, the arith stall and two fixes, rather than
@@ -76,7 +83,7 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
             arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1],
-            async_seeds=[0, 1], drivers=True)
+            async_seeds=[0, 1], drivers=True, lora_seeds=[0, 1, 2])
 
 
 def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
@@ -116,7 +123,7 @@ def _audit(plan: Plan, engine: str, out: Path, progress: bool, model: str | None
     length = ({"max_new_tokens": tokens or plan.audit_tokens} if task == "neg-length" else {})
     return audit(AuditSettings(model=model or plan.audit_model, engine_dtype=engine, task=task,
                                samples=plan.samples, kl_exact_rows=KL_ROWS, progress=progress,
-                               temperature=temperature, **length), out)
+                               temperature=temperature, device=plan.device, **length), out)
 
 
 # Where an audit never phantom-clips 18% (a model whose β is tiny), the sweep runs at this ε and
@@ -137,16 +144,16 @@ def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict
         return read_json(out / "scale.json", "earlier scale audit")
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
                                max_new_tokens=plan.audit_tokens, kl_exact_rows=KL_ROWS,
-                               progress=progress), out,
+                               progress=progress, device=plan.device), out,
                  plan.scale_models, done)
 
 
-def _sweep(out: Path, recipes: list[str], seeds: list[int], task: str, model: str,
+def _sweep(plan: Plan, out: Path, recipes: list[str], seeds: list[int], task: str, model: str,
            overrides: dict[str, Any], workers: int, progress: bool,
            per_recipe: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     from parity.sweep import SweepSpec, run_sweep
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[task], models=[model],
-                     overrides=overrides, per_recipe=per_recipe or {}, workers=workers)
+                     overrides={**overrides, "device": plan.device}, per_recipe=per_recipe or {}, workers=workers)
     return run_sweep(spec, out, progress=progress)
 
 
@@ -252,11 +259,11 @@ class _Stages:
 
 def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
            calibration: dict[str, dict[str, Any]]) -> tuple[dict | None, float | None, dict,
-                                                             dict | None]:
+                                                             dict | None, dict | None]:
     """The arith sweeps at arith's own calibrated ε: the recipes, the other objectives, the
-    asynchronous regime."""
+    asynchronous regime, LoRA."""
     if not plan.arith_steps:
-        return None, None, {}, None
+        return None, None, {}, None, None
     with stage("arith calibration"):
         aa = _audit(plan, "bf16", out / "audits" / "bf16-arith", progress,
                     model=plan.arith_model, task="arith")
@@ -265,21 +272,27 @@ def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
                                 "audit": f"audits/bf16-arith ({plan.arith_model})"}
     clip = {"steps": plan.arith_steps, "eps_low": eps, "eps_high": eps}
     with stage("arith sweep"):
-        arith = _sweep(out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
+        arith = _sweep(plan, out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
                        plan.arith_model, clip, workers, progress, scaled_clip(eps))
     algos = {}
     for obj in plan.algorithms:
         with stage(f"arith {obj} sweep"):
-            algos[obj] = _sweep(out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
+            algos[obj] = _sweep(plan, out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
                                 plan.algorithm_seeds, "arith", plan.arith_model,
                                 {"steps": plan.arith_steps, "objective": obj,
                                  **_token_clip(obj, eps)}, workers, progress)
     asy = None
     if plan.async_seeds:
         with stage("arith async sweep"):
-            asy = _sweep(out / "sweeps" / "arith-async", ASYNC_RECIPES, plan.async_seeds,
+            asy = _sweep(plan, out / "sweeps" / "arith-async", ASYNC_RECIPES, plan.async_seeds,
                          "arith", plan.arith_model, {**clip, **ASYNC}, workers, progress)
-    return arith, eps, algos, asy
+    lora_sweep = None
+    if plan.lora_seeds:
+        with stage("arith LoRA sweep"):
+            lora_sweep = _sweep(plan, out / "sweeps" / "arith-lora", LORA_RECIPES,
+                                plan.lora_seeds, "arith", plan.arith_model, {**clip, **LORA},
+                                workers, progress)
+    return arith, eps, algos, asy, lora_sweep
 
 
 def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
@@ -309,13 +322,14 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
                                                     progress, model=plan.sweep_model))
             calibration["neg-length"] = {"eps": eps_run, "calibrated": ok, "audit": where}
         with stage("neg-length sweep"):
-            main = _sweep(out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
+            main = _sweep(plan, out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
                           plan.sweep_model, {"steps": plan.steps, "eps_low": eps_run,
                                              "eps_high": eps_run},
                           workers, progress, scaled_clip(eps_run))
-    arith, eps_arith, algos, asy = _arith(plan, out, workers, progress, stage, calibration)
+    arith, eps_arith, algos, asy, lora_sweep = _arith(plan, out, workers, progress, stage,
+                                                      calibration)
     with stage("small-lr runs"):
-        lr = _sweep(out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
+        lr = _sweep(plan, out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
                     "neg-length", plan.sweep_model,
                     {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
     drivers = None
@@ -324,7 +338,8 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
             drivers = _drivers(plan, a16, sc, out, progress)
             (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
 
-    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers, asy)
+    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers, asy,
+                   lora_sweep)
     seconds = max(time.perf_counter() - t_start, sum(stage.timing.values()))
     result = {"plan": plan.name, "seconds": seconds, "timing": stage.timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
@@ -363,7 +378,7 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
           eps_run: float, plan: Plan, eps_arith: float | None = None,
           algos: dict[str, dict] | None = None, drivers: dict | None = None,
-          asy: dict | None = None) -> list[C.Claim]:
+          asy: dict | None = None, lora_sweep: dict | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
     the plan did not run (`None`), or a recipe it left out, judges none of its claims."""
     m16, mf16 = a16["metrics"], f16["metrics"]
@@ -413,6 +428,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
         out.append(_renamed(C.fp16_across_algorithms(by, "arith"), "9-arith"))
     if drivers is not None:
         out.append(C.what_makes_beta_large(drivers["axes"], drivers["temperatures"]))
+    if lora_sweep is not None:
+        out.append(C.fp16_helps_with_lora(_groups(lora_sweep), eps_arith, LORA_SETTING))
     # A failed run, or one that reported no figure, is missing here, never a 0.
     changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
@@ -432,6 +449,9 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
     if plan.arith_steps and plan.async_seeds:
         sweeps.append(f"arith asynchronous ({ASYNC_SETTING}; {', '.join(ASYNC_RECIPES)}; seeds "
                       f"{plan.async_seeds})")
+    if plan.arith_steps and plan.lora_seeds:
+        sweeps.append(f"arith with {LORA_SETTING} ({', '.join(LORA_RECIPES)}; seeds "
+                      f"{plan.lora_seeds})")
     if plan.arith_steps and plan.algorithms:
         recipes = ", ".join(ALGORITHM_RECIPES)
         sweeps.append(f"arith with objectives {', '.join(plan.algorithms)} ({recipes}; seeds "
@@ -454,6 +474,7 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
             *((f"sweeps/arith-{o}/sweep.png", f"arith, objective {o}: fp32, bf16-engine, fp16")
               for o in plan.algorithms),
             ("sweeps/arith-async/sweep.png", f"arith, {ASYNC_SETTING}"),
+            ("sweeps/arith-lora/sweep.png", f"arith, {LORA_SETTING}"),
             ("scale/scale.png", "mismatch against model size"),
             ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε"),
             ("audits/bf16-arith/phantom_vs_eps.png",

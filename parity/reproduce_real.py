@@ -50,6 +50,7 @@ class RealPlan:
     control_seeds: list[int] = field(default_factory=lambda: [0, 1])
     main: tuple[str, ...] = ("fp32", "bf16-engine", "fp16")
     fixes: tuple[str, ...] = ("bf16", "bf16-shadow", "no-clip", "recompute")
+    device: str = "auto"            # every audit and run computes there (parity/devices.py)
 
     @property
     def control_model(self) -> str:
@@ -63,7 +64,8 @@ def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -
     return audit(AuditSettings(model=plan.model, engine_dtype=engine, task="neg-length",
                                chat_template=True, samples=plan.audit_samples,
                                group=plan.group, max_new_tokens=plan.max_new_tokens,
-                               kl_exact_rows=8, lm_head_fp32=head, progress=progress), out)
+                               kl_exact_rows=8, lm_head_fp32=head, progress=progress,
+                               device=plan.device), out)
 
 
 def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], model: str,
@@ -71,7 +73,8 @@ def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], mode
     from parity.sweep import SweepSpec, run_sweep
     common = {"steps": plan.steps, "lr": lr, "chat_template": True,
               "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
-              "max_new_tokens": plan.max_new_tokens, "eps_low": 0.2, "eps_high": 0.2}
+              "max_new_tokens": plan.max_new_tokens, "eps_low": 0.2, "eps_high": 0.2,
+              "device": plan.device}
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=["neg-length"], models=[model],
                      overrides=common, per_recipe={"no-clip": {"eps_low": None,
                                                                "eps_high": None}},

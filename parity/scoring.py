@@ -67,7 +67,7 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     if not chunk:
         # logits at position t predict token t+1: keep only those that predict completion tokens.
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                    use_cache=False, logits_to_keep=keep_last(L, T + 1),
+                    use_cache=False, logits_to_keep=keep_last(L, T + 1, ids.device),
                     output_hidden_states=hidden)
         logits = out.logits[:, :T]
         logp = logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask

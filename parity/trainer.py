@@ -32,7 +32,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from parity import checkpoints, distributed, memory, vllm_engine
+from parity import checkpoints, devices, distributed, lora, memory, vllm_engine
 from parity.config import Config, dump_yaml
 from parity.diagnostics import (Shadow, StepDiagnostics, attribute, dump_table, exact_kl_of_rows,
                                 exact_kl_rows, kept_rows, write_dump)
@@ -145,8 +145,9 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module, st
 
 def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] | None,
               resume: bool) -> Run:
-    """Everything a run needs before its first step. The order of construction is the order
-    the random streams are drawn in: a resumed or repeated run depends on it."""
+    """Everything a run needs before its first step, on the rank's device (`dist.device`).
+    The order of construction is the order the random streams are drawn in: a resumed or
+    repeated run depends on it."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.prompts_per_step % (cfg.minibatches * dist.world):
@@ -156,11 +157,16 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run, restored, backends, (model, tok, model_dir, task) = _check_and_load(cfg, dist, resume)
+    if cfg.lora_rank:
+        model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge,
+                          cfg.base_dtype)
     if dist.main and not resume:
         _start_run_dir(cfg, run, model_dir, task)
+    device = dist.device
     if dist.main and (warning := memory.check(cfg, model, max(map(len, task.prompt_ids)),
-                                              dist.world)):
+                                              dist.world, device)):
         print(f"parity: warning: {warning}", file=sys.stderr)
+    model.to(device)  # before the copies: the engine, shadow and reference are made from it
     obj = OBJECTIVES[cfg.objective]
     if cfg.lm_head_fp32:
         fp32_head(model)
@@ -170,14 +176,13 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     model.train()
     if not cfg.keep_dropout:
         disable_dropout(model)
-    value_head = ValueHead(model.config.hidden_size) if obj.value_head else None
+    value_head = ValueHead(model.config.hidden_size, device) if obj.value_head else None
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
                  if obj.reference and cfg.dpo_ref == "initial" else None)
-    device = torch.device("cpu")
     scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
                         cfg.loss_scale_growth_interval)
     prompts = PromptSampler(len(task.rows), cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)  # on the CPU on every device: devices.py
     # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
     needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
     shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
@@ -392,16 +397,19 @@ def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
     comp_ids = r.completions()
     texts = run.tok.batch_decode(comp_ids, skip_special_tokens=True)
     total, parts = run.task.reward_parts(p.rows, texts, comp_ids)
-    rewards = torch.tensor(total)
+    rewards = torch.tensor(total, device=run.device)
     prep = prepare(run, r, rewards)
+    devices.synchronize(run.device)  # the stage times are the device's work, not its queueing
     t1 = time.perf_counter()
     u, skipped_before = Updates(), run.scaler.skipped
     if cfg.dump_rollouts and step % cfg.dump_rollouts == 0:
-        u.dump_ids = torch.tensor(p.sample_ids), torch.tensor(p.rows)
+        u.dump_ids = (torch.tensor(p.sample_ids, device=run.device),
+                      torch.tensor(p.rows, device=run.device))
     for epoch in range(cfg.epochs):
         for start in range(0, len(p.rows), len(p.rows) // cfg.minibatches):
             update(run, step, epoch, start, r, p, prep, rewards, u)
     run.rollouts.after_update(step, run.model)
+    devices.synchronize(run.device)
     t2 = time.perf_counter()
     times = {"time/rollout_s": d.rollout_s if d.rollout_s is not None else t1 - t0,
              "time/train_s": t2 - t1, "time/step_s": t2 - t0}
@@ -447,7 +455,7 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     master model before the engine and shadow copies are made (instrumentation, fault
     injection in tests). Under torchrun / accelerate launch every rank calls this; rank 0 alone
     writes the run directory."""
-    dist = distributed.init(cfg.dist_timeout_s)
+    dist = distributed.init(cfg.dist_timeout_s, devices.resolve(cfg.device))
     finished = False
     try:
         out = _train(build_run(cfg, dist, on_model, resume), resume)

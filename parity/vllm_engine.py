@@ -99,6 +99,10 @@ class VLLMEngine:
         except Exception as e:
             raise ParityError(f"vLLM could not start on {model_dir}: {one_line(e)}") from None
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def _vllm_model(self) -> Any:
         return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
 
@@ -134,5 +138,6 @@ class VLLMEngine:
             comps.append(ids)
             lps.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids)])
             done.append(c.finish_reason == "stop")
+        # Built on the host from vLLM's lists; the trainer's tensors live on its device.
         return rollout_from_outputs(prompts, comps, lps, done, self.pad_id,
-                                    shard.width if shard else 0)
+                                    shard.width if shard else 0).to(self.device)

@@ -13,12 +13,14 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="long end-to-end run: pass --runslow")
+    import torch
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device: torch sees none here")
+    slow = pytest.mark.skip(reason="long end-to-end run: pass --runslow")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(slow)
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,15 @@ def test_fixes_fp16_and_small_lr_verdicts():
     assert C.fp16_restores(groups(fp32=260, bf16_engine=250, fp16=270, bf16=250)
                            ).verdict == C.NOT_MEASURABLE
     assert C.fp16_restores(groups(fp32=260, bf16_engine=(401, 0))).verdict == C.NOT_MEASURABLE
+    # 11: the same with LoRA adapters, no bf16 on both sides in that sweep
+    c = C.fp16_helps_with_lora(groups(fp32=260, bf16_engine=(401, 0), fp16=270), 0.002, "LoRA")
+    assert c.verdict == C.HOLDS and c.id == "11"
+    assert C.fp16_helps_with_lora(groups(fp32=260, bf16_engine=(401, 0), fp16=(401, 1)), 0.002,
+                                  "LoRA").verdict == C.NOT_AT_SCALE
+    c = C.fp16_helps_with_lora(groups(fp32=260, bf16_engine=262, fp16=270), 0.002, "LoRA")
+    assert c.verdict == C.NOT_MEASURABLE and "does not lag" in c.reason
+    assert C.fp16_helps_with_lora(groups(fp32=260, fp16=270), 0.002, "LoRA"
+                                  ).verdict == C.NOT_MEASURABLE
     assert C.fp16_shrinks_gap(4e-5, 6e-7, 6e-3, 8e-4).verdict == C.HOLDS
     assert C.fp16_shrinks_gap(4e-5, 2e-5, 6e-3, 5e-3).verdict == C.NOT_AT_SCALE
     assert C.bf16_weights_freeze(0.01, 0.3, 1.0, 1e-5).verdict == C.HOLDS

@@ -26,7 +26,7 @@ def neg_length(prompts, completions, completion_ids, **_):
 
 
 def _trainer(model_dir, tmp_path, recipe="bf16-engine", steps=3, eps=0.2, lr=1e-4, parity=None,
-             **cfg):
+             peft_config=None, **cfg):
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -41,7 +41,7 @@ def _trainer(model_dir, tmp_path, recipe="bf16-engine", steps=3, eps=0.2, lr=1e-
                 bf16=False, disable_tqdm=True)
     args = GRPOConfig(**{**base, **cfg})
     return ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=neg_length,
-                             args=args, train_dataset=ds,
+                             args=args, train_dataset=ds, peft_config=peft_config,
                              parity=parity or ParityOptions.from_recipe(recipe))
 
 
@@ -186,3 +186,23 @@ def test_bad_setups_are_refused(text_model, tmp_path):
         _trainer(text_model, tmp_path, recipe="fp16")
     with pytest.raises(ParityError, match="gradient_checkpointing=False"):
         _trainer(text_model, tmp_path, recipe="fp16", fp16=True)
+
+
+def test_trl_peft_config_trains_adapters_that_the_engine_samples_from(text_model, tmp_path):
+    """TRL wraps the model in peft from `peft_config`; parity's engine then samples from the
+    adapted weights, merged into one bf16 weight per layer, and its diagnostics reach TRL's
+    log."""
+    from peft import LoraConfig
+
+    from parity import lora
+    trainer = _trainer(text_model, tmp_path, steps=2, lr=1e-2,
+                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    master = trainer.accelerator.unwrap_model(trainer.model)
+    assert lora.is_lora(master)
+    assert not lora.is_lora(trainer.engine.model)  # merged
+    trainer.train()
+    steps = _steps(trainer)
+    assert len(steps) == 2
+    assert all(s["mismatch/beta_abs_mean"] > 0 for s in steps)
+    assert steps[-1]["sync/changed_frac"] > 0  # the adapters moved and the engine followed
+    assert all("lora_" in n for n, p in master.named_parameters() if p.requires_grad)

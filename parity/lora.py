@@ -1,0 +1,143 @@
+"""LoRA: fp32 adapters trained on a frozen base, and how the engine and the shadow see them.
+
+The trainer holds a peft model: the base's weights frozen, in fp32 or in bf16 (`base_dtype`),
+and on each targeted linear layer the adapters A (r × in) and B (out × r) in fp32, so that the
+layer computes W x + (α/r) B A x. The engine serves W' = W + (α/r) B A in engine precision, in
+one of two ways (`lora_merge`):
+
+    merged     W' summed in fp32 from the base and the adapters, then cast once to the engine's
+               dtype: one weight per layer, as TRL merges adapters before loading vLLM's weights
+    unmerged   the base and the adapters each cast to the engine's dtype and applied as their
+               own products, W x + (α/r) B (A x), as vLLM serves a LoRA request
+
+The two differ by rounding only; docs/lora.md measures how much. The shadow uses the engine's
+choice, so the shadow ratio sees the engine's arithmetic. An engine's copy remembers the
+adapters it was last cast from: a checkpoint keeps those (a few MB) instead of the engine's whole
+weights, and a resumed run rebuilds the engine from them.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+
+from parity.errors import ParityError
+
+ADAPTER = "default"
+# peft's name for every linear layer but the output head: the attention and MLP projections.
+ALL_LINEAR = "all-linear"
+
+
+def is_lora(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, merge: bool,
+         base_dtype: str) -> torch.nn.Module:
+    """`model` with fresh LoRA adapters (B = 0: the adapted model starts as the base), its base
+    frozen in `base_dtype`."""
+    from peft import LoraConfig, get_peft_model
+    from parity.precision import torch_dtype
+    model.to(torch_dtype(base_dtype))
+    names = ALL_LINEAR if targets == ALL_LINEAR else [t.strip() for t in targets.split(",")]
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                        target_modules=names, lora_dropout=0.0, bias="none")
+    try:
+        with warnings.catch_warnings():
+            # peft asks transformers 5 a deprecated name (is_gradient_checkpointing) on every
+            # wrap; the warning is theirs to fix and says nothing about this run.
+            warnings.simplefilter("ignore", FutureWarning)
+            # autocast_adapter_dtype: the adapters in fp32 whatever the base's dtype
+            peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as e:
+        raise ParityError(f"lora_targets={targets!r}: {e}") from None
+    peft_model.parity_merge = merge
+    return peft_model
+
+
+def from_adapter(model: torch.nn.Module, adapter_dir: str, merge: bool) -> torch.nn.Module:
+    """`model` with the adapters saved in `adapter_dir` (peft's save_pretrained), frozen."""
+    from peft import PeftModel
+    try:
+        with warnings.catch_warnings():  # as in `wrap`
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ParityError(f"adapter {adapter_dir}: cannot load it onto the model ({e})") from None
+    peft_model.parity_merge = merge
+    return peft_model
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' weights (peft's names), detached copies."""
+    from peft import get_peft_model_state_dict
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+    result = set_peft_model_state_dict(model, state)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ParityError(f"the saved adapters do not fit the run's model (unexpected "
+                          f"{unexpected[:3]})")
+
+
+def _merged_source(master: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state, names without peft's, each adapted layer's weight summed with
+    its adapters in fp32."""
+    from peft.tuners.lora import LoraLayer
+    base = master.get_base_model()
+    src = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items()
+           if "lora_" not in k}
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer) and ADAPTER in mod.lora_A:
+            w = mod.get_base_layer().weight
+            src[f"{name}.weight"] = w.float() + mod.get_delta_weight(ADAPTER).float()
+    return src
+
+
+def engine_copy(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The engine's (or the shadow's) copy of a LoRA master in `dtype`, merged or not as the
+    master says, eval mode, without gradients."""
+    if getattr(master, "parity_merge", True):
+        plain = copy.deepcopy(master).merge_and_unload()
+        plain.to(dtype)
+        cast_into(master, plain, count=False)
+    else:
+        plain = copy.deepcopy(master).to(dtype)
+    plain.eval().requires_grad_(False)
+    plain.parity_synced = adapter_state(master)
+    return plain
+
+
+@torch.no_grad()
+def cast_into(master: torch.nn.Module, target: torch.nn.Module, count: bool = True) -> float:
+    """What `precision.cast_weights_into` does for a LoRA master: `target`'s weights become the
+    master's adapted weights in `target`'s dtypes; returns the share of values that changed."""
+    merged = not is_lora(target)
+    src = _merged_source(master) if merged else master.state_dict()
+    changed = total = 0
+    for name, t in target.state_dict().items():
+        if name not in src:
+            raise ParityError(f"the engine's copy has {name}, which the LoRA model lacks")
+        new = src[name].to(t.dtype)
+        if count and t.is_floating_point():
+            changed += (new != t).sum()
+            total += t.numel()
+        t.copy_(new)
+    target.parity_synced = adapter_state(master)
+    return int(changed) / max(total, 1)
+
+
+def restore_engine(master: torch.nn.Module, engine_model: torch.nn.Module,
+                   synced: dict[str, torch.Tensor]) -> None:
+    """The engine as it was after casting the adapters `synced`, rebuilt on the master: the
+    master takes them for the cast and gets its own back after."""
+    own = adapter_state(master)
+    load_adapter_state(master, synced)
+    cast_into(master, engine_model, count=False)
+    load_adapter_state(master, own)
