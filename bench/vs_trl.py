@@ -1,10 +1,11 @@
-"""parity against TRL's GRPOTrainer on the same CPU workload, side by side.
+"""parity against TRL's GRPOTrainer on the same workload, side by side, on the CPU or a GPU.
 
     python bench/vs_trl.py                       # arith model and task, 16 prompts x 8, 8 tokens
     python bench/vs_trl.py --steps 40 --repeats 3
     python bench/vs_trl.py --model text --task neg-length --max-new-tokens 24
     python bench/vs_trl.py --model smollm2-135m --task neg-length --prompts 8 --max-new-tokens 64 \
         --lr 1e-6 --steps 4 --repeats 1 --micro-batch 8
+    python bench/vs_trl.py --device cuda --model smollm2-135m --task neg-length --max-new-tokens 128
 
 Both sides train the same testbed model on the same task rows with the same reward function
 (`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with the same prompts per step x completions per prompt, completion
@@ -39,6 +40,14 @@ import time
 from pathlib import Path
 
 
+def _peak_gb(device: str) -> float:
+    """The process's peak memory on the side's device: the GPU's allocator, or resident RAM."""
+    if device == "cuda":
+        import torch
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
 def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     import datasets
     import torch
@@ -63,7 +72,7 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
             gen_at_step.append(gen[0])
 
     args = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=str(out / "trl"), use_cpu=a.device == "cpu", bf16=False, fp16=False,
         gradient_checkpointing=False, max_steps=a.steps, learning_rate=a.lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         per_device_train_batch_size=a.micro_batch or a.prompts * a.group,
@@ -93,7 +102,7 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     return {"step_s": times, "update_s": [t - g for t, g in zip(times, gens)],
             "reward": [h["reward"] for h in steps],
             "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps],
-            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+            "peak_gb": _peak_gb(a.device)}
 
 
 def parity_worker(a: argparse.Namespace, out: Path) -> dict:
@@ -105,12 +114,13 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
                        "max_new_tokens": a.max_new_tokens, "seed": a.seed, "optimizer": "adamw",
                        "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
                        "out": str(out / "parity"), "progress": False, "save_every": 0,
-                       "report_to": "none", "micro_batch": a.micro_batch})
+                       "report_to": "none", "micro_batch": a.micro_batch,
+                       "device": a.device})
     rows = load_metrics(train(cfg) / "metrics.jsonl")
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
             "update_s": [m["time/train_s"] for m in rows],
-            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+            "peak_gb": _peak_gb(a.device)}
 
 
 def run_worker(who: str, a: argparse.Namespace) -> dict:
@@ -149,6 +159,8 @@ def main() -> None:
                     "backward on both sides (TRL: per-device batch with gradient accumulation; "
                     "parity: micro_batch); 0: the whole step at once")
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides on the "
+                    "CPU, or both on the GPU (TRL: use_cpu=False, its own generation, no vLLM)")
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -166,7 +178,8 @@ def main() -> None:
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a))
 
-    print(f"\nworkload: {a.model} on {a.task}, {a.prompts} prompts x {a.group} completions, <= "
+    print(f"\nworkload: {a.model} on {a.task} ({a.device}), {a.prompts} prompts x {a.group} "
+          f"completions, <= "
           f"{a.max_new_tokens} tokens, {a.steps} steps, fp32, one process each, "
           f"{'micro-batches of ' + str(a.micro_batch) + ', ' if a.micro_batch else ''}"
           f"{a.repeats} alternating runs per side (medians over runs)\n")
