@@ -344,6 +344,11 @@ class HFEngine:
             cache = StaticCache(config=self.model.config,
                                 max_cache_len=ids.shape[1] + max_new_tokens)
         pos = positions(mask)
+        # Each position's random numbers are drawn and copied to the device before the forward
+        # that precedes them is queued: a copy from the host waits for the device's queue, which
+        # is empty there (after the stopping check), not in the middle of a forward.
+        u = uniforms(generator, shard.batch, rows, dev)
+        keep = torch.tensor(record_rows, dtype=torch.long, device=dev) if record_rows else None
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          **{self.cache_kw: cache}, use_cache=True,
                          logits_to_keep=keep_last(ids.shape[1], 1, dev),
@@ -357,9 +362,9 @@ class HFEngine:
         for t in range(max_new_tokens):
             x = processed_logits(out.logits[:, -1], s)
             logp = torch.log_softmax(x, dim=-1)
-            if record_rows:
-                recorded.append(logp[record_rows])
-            tok = sample_rows(logp, uniforms(generator, shard.batch, rows, dev))
+            if keep is not None:
+                recorded.append(logp[keep])
+            tok = sample_rows(logp, u)
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
@@ -369,6 +374,7 @@ class HFEngine:
                 break
             # Finished rows keep decoding a pad token; their output is discarded above. Stopping
             # is the decode loop's one wait for the device (`done.all()` above).
+            u = uniforms(generator, shard.batch, rows, dev)
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
