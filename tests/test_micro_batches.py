@@ -180,14 +180,14 @@ def test_a_run_too_big_for_memory_says_which_setting_to_change(text_model, monke
     e = memory.estimate(cfg, model, 20)
     assert e.rows == 128
     free = e.weights + e.forward / 3
-    monkeypatch.setattr(memory, "available", lambda: free)
+    monkeypatch.setattr(memory, "available", lambda device=None: free)
     msg = memory.check(cfg, model, 20)
     n = int(re.search(r"--micro-batch (\d+)", msg).group(1))
     assert memory.estimate(cfg, model, 20, micro_batch=n).total <= free < \
         memory.estimate(cfg, model, 20, micro_batch=2 * n).total / 0.9
-    monkeypatch.setattr(memory, "available", lambda: e.total)
+    monkeypatch.setattr(memory, "available", lambda device=None: e.total)
     assert memory.check(cfg, model, 20) is None
-    monkeypatch.setattr(memory, "available", lambda: e.weights / 2)
+    monkeypatch.setattr(memory, "available", lambda device=None: e.weights / 2)
     with pytest.raises(ParityError, match="weights, gradients and optimizer state need"):
         memory.check(cfg, model, 20)
 
