@@ -19,7 +19,7 @@ from parity.async_engine import AsyncEngine, Request
 from parity.checkpoints import Restored, engine_versions
 from parity.config import Config
 from parity.distributed import Dist
-from parity.engines import HFEngine, Rollout, Sampling, Shard
+from parity.engines import Rollout, Sampling, Shard
 from parity.tasks import PromptSampler, Task
 
 

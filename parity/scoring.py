@@ -140,7 +140,7 @@ def trimmed(r: Rollout) -> Rollout:
     """`r` without the prompt columns that are padding in every row and the completion columns
     past its longest completion: the same tokens at the same positions, in a smaller forward."""
     plen, clen = _lengths(r)
-    P, T = r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    P = r.prompt_ids.shape[1]
     p0, t1 = P - max(plen), max(max(clen), 1)
     return Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.completion_ids[:, :t1],
                    r.completion_mask[:, :t1], r.engine_logprobs[:, :t1], r.finished)

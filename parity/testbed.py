@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sysconfig
 import tempfile
 import time
