@@ -3,6 +3,7 @@ matrix-product rate of this machine measured in the same run.
 
     python bench/mfu.py                          # ladder-w512 (the largest testbed model), batch 256
     python bench/mfu.py --model text --batch 64 --new-tokens 16
+    python bench/mfu.py --device cuda --dtypes fp32,bf16,fp16   # against the GPU's own rate
 
 FLOPs are counted as the model needs them, not as the kernels happen to run them:
 
@@ -12,7 +13,8 @@ FLOPs are counted as the model needs them, not as the kernels happen to run them
 
 The decode context is the prompt plus the tokens decoded so far. The reference rate is the
 best of several square products (2048^3 fp32, 4096^3 bf16), timed in the same process just
-before, so both numbers see the same machine load. MFU = achieved FLOP/s / reference FLOP/s.
+before, so both numbers see the same machine load (on a GPU: 8192^3 in bf16/fp16, TF32 off as
+torch leaves it). MFU = achieved FLOP/s / reference FLOP/s. Times on a GPU wait for its queue.
 """
 
 from __future__ import annotations
@@ -23,20 +25,24 @@ import time
 
 import torch
 
-from parity import testbed
+from parity import devices, testbed
 from parity.engines import HFEngine, Rollout, Sampling
 from parity.scoring import score_full
 from parity.precision import autocast
 from parity.runs import load_policy
 
 
-def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up: thread pool, AMX tiles
+def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5,
+                device: torch.device = torch.device("cpu")) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm-up: thread pool, AMX tiles, CUDA kernels
     best = float("inf")
     for _ in range(reps):
+        devices.synchronize(device)
         t = time.perf_counter()
         a @ b
+        devices.synchronize(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
 
@@ -55,12 +61,14 @@ def attn_flops(model: torch.nn.Module, ctx: float) -> float:
     return 4 * c.num_hidden_layers * c.hidden_size * ctx
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn, reps: int, device: torch.device = torch.device("cpu")) -> float:
     fn()  # warm-up
     ts = []
     for _ in range(reps):
+        devices.synchronize(device)
         t = time.perf_counter()
         fn()
+        devices.synchronize(device)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -80,25 +88,29 @@ def workload_parser(doc: str, dtypes: str) -> argparse.ArgumentParser:
 def main() -> None:
     ap = workload_parser(__doc__, "fp32,bf16")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     a = ap.parse_args()
 
+    dev = devices.resolve(a.device)
     model_dir = testbed.ensure(a.model)
     master, tok = load_policy(model_dir)
+    master.to(dev)
     N = matmul_params(master)
     B, P, T = a.batch, a.prompt_tokens, a.new_tokens
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, len(tok), (B, P), generator=g).tolist()
     print(f"{a.model}: {N / 1e6:.2f}M weights in matrix products, batch {B}, prompt {P} "
-          f"tokens, {T} new tokens, {torch.get_num_threads()} threads\n")
+          f"tokens, {T} new tokens, {devices.describe(dev)}\n")
     rows = []
     for dtype in a.dtypes.split(","):
-        td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        ref = max(matmul_rate(td, 2048 if dtype == "fp32" else 4096) for _ in range(2))
+        td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        n = 8192 if dev.type == "cuda" and dtype != "fp32" else 2048 if dtype == "fp32" else 4096
+        ref = max(matmul_rate(td, n, device=dev) for _ in range(2))
         # No token ends a completion (eos -1): every row decodes T tokens, as the FLOPs assume.
         eng = HFEngine(master, dtype, [-1], tok.pad_token_id)
         s = Sampling()
-        t_pre = timed(lambda: eng.generate(prompts, 1, s, g), a.reps)
-        t_all = timed(lambda: eng.generate(prompts, T + 1, s, g), a.reps)
+        t_pre = timed(lambda: eng.generate(prompts, 1, s, g), a.reps, dev)
+        t_all = timed(lambda: eng.generate(prompts, T + 1, s, g), a.reps, dev)
         t_dec = (t_all - t_pre) / T
         f_pre = B * P * 2 * N + B * sum(attn_flops(master, c) for c in range(1, P + 1))
         f_dec = B * (2 * N + attn_flops(master, P + T / 2))
@@ -106,16 +118,16 @@ def main() -> None:
         rows.append(("decode step", dtype, t_dec, f_dec, ref))
         # the training step: forward with grad over prompt + completion, backward, AdamW
         r = eng.generate(prompts, T, s, g)
-        model = load_policy(model_dir)[0].train()
+        model = load_policy(model_dir)[0].train().to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
         def step(r: Rollout = r) -> None:
-            with autocast(dtype, torch.device("cpu")):
+            with autocast(dtype, dev):
                 logp = score_full(model, r, s).logp
             (-logp.sum() / B).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        t_train = timed(step, a.reps)
+        t_train = timed(step, a.reps, dev)
         L = P + T
         f_train = 3 * (B * L * 2 * N + B * sum(attn_flops(master, c) for c in range(1, L + 1)))
         rows.append(("train step", dtype, t_train, f_train, ref))
