@@ -12,6 +12,13 @@ the sides at each length puts drift of a shared machine on both. `--sides parity
 parity's attention alone (eager needs minutes at 1,024 tokens); `parity_strided` is parity's
 attention reading the cache through a strided view, as it did before it copied the keys
 (`engines.engine_attention`): `--sides parity_strided,parity_eager` times that copy.
+
+What must grow: a decode step reads every weight once for all rows, and every cached key and
+value of each row. With one side the table adds that floor: the bytes a step must read (the
+engine's weights, plus each row's cache at its length), at the copy bandwidth this machine
+measures in the same run (a large tensor copied, read and written), as tokens/s; and the share
+of it the engine reaches. Where the cache outweighs the weights, no decode of this model on
+this machine keeps its short-completion rate.
 """
 
 from __future__ import annotations
@@ -41,6 +48,32 @@ def _register_strided() -> None:
     AttentionMaskInterface.register(STRIDED, eager_mask)
 
 
+def copy_bandwidth(gib: float = 1.0, reps: int = 3) -> float:
+    """Bytes per second moved by copying a large tensor (each byte read once, written once)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def floor_rate(model, dtype_bytes: int, rows: int, prompt_len: float, n: int,
+               bandwidth: float) -> float:
+    """Completion tokens/s if decoding n tokens did nothing but read, at `bandwidth`, the
+    weights once per step and each row's keys and values up to its position."""
+    c = model.config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    weights = sum(p.numel() for p in model.parameters()) * dtype_bytes   # tied: counted once
+    kv_per_position = 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    cache = rows * kv_per_position * (n * prompt_len + n * (n + 1) / 2)   # summed over steps
+    return rows * n * bandwidth / (n * weights + cache)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -66,9 +99,16 @@ def main() -> None:
         ap.error(f"--sides: unknown {', '.join(sorted(unknown))} "
                  f"(eager, {ENGINE_ATTENTION}, {STRIDED})")
     both = len(sides) == 2
+    bandwidth = None if both else copy_bandwidth()
+    if bandwidth:
+        print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s\n")
     print("| new tokens | " + " | ".join(f"{x} tokens/s" for x in sides)
-          + (" | ratio | same tokens |" if both else " |"))
-    print("|---:|" + "---:|" * len(sides) + ("---:|---|" if both else ""))
+          + (" | ratio | same tokens |" if both else
+             " | against the first | memory floor tokens/s | share of the floor |"))
+    print("|---:|" + "---:|" * len(sides) + ("---:|---|" if both else "---:|---:|---:|"))
+    first = None
+    nbytes = torch.finfo({"bf16": torch.bfloat16, "fp16": torch.float16,
+                          "fp32": torch.float32}[a.dtype]).bits // 8
     for n in map(int, a.lengths.split(",")):
         rate, out = {}, {}
         for attn in sides:
@@ -80,6 +120,12 @@ def main() -> None:
         if both:
             same = torch.equal(*(out[x].completion_ids for x in sides))
             line += f" | {rate[sides[1]] / rate[sides[0]]:.2f} | {'yes' if same else 'no'}"
+        else:
+            r = rate[sides[0]]
+            first = first or r
+            floor = floor_rate(engine.model, nbytes, a.rows,
+                               sum(map(len, prompts)) / len(prompts), n, bandwidth)
+            line += f" | {r / first:.2f} | {floor:.0f} | {r / floor:.2f}"
         print(line + " |", flush=True)
 
 

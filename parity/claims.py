@@ -315,24 +315,28 @@ def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str =
     return Claim("5a", s, seeds, m, NOT_AT_SCALE, f"no faster than bf16-engine: {detail}")
 
 
-def recompute_family(groups: dict[str, dict], task: str = "") -> Claim:
+def recompute_family(groups: dict[str, dict], task: str = "", steps: int | None = None) -> Claim:
     """5b. The FP16 paper on the importance-sampling fixes: TIS degrades later in training,
     sequence-level MIS stays stable but learns slower. Degrades: the reward falls from its best
     trailing-window mean to its last steps' by more than fp32's falls, beyond the seeds' spread;
     stable: no such fall; slower: more steps to the threshold (or a lower final reward) than
-    tis, beyond the spread. recompute is reported beside them. Within the sweep's steps only:
-    a degradation that comes later is not seen."""
-    names = ("fp32", "bf16-engine", "recompute", "tis", "seq-mis")
+    tis, beyond the spread. bf16-engine and recompute are reported beside them where `groups`
+    has them. Within the runs' `steps` only: a degradation that comes later is not seen."""
+    needed = ("fp32", "tis", "seq-mis")
+    names = needed + tuple(r for r in ("bf16-engine", "recompute") if _group(groups, r))
     st, m = _steps_reached(groups, names)
     drop = {r: _seed_values(groups, r, "reward_drop_runs") for r in names}
     m.update({f"reward_drop_{r}": v for r, v in drop.items()})
+    if steps is not None:
+        m["steps"] = steps
     s = f"{task + ': ' if task else ''}tis degrades later; seq-mis stays stable but is slower"
     seeds = "TIS degrades later, sequence-MIS stable but slower (FP16 paper, 1.5B)"
-    if any(v is None for v in st.values()) or not all(drop.values()):
+    if any(st[r] is None or not drop[r] for r in needed):
         return Claim("5b", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
-    mean = {r: sum(v) / len(v) for r, v in drop.items()}
-    detail = ("reward drop from its peak to its last steps (mean of seeds): "
-              + ", ".join(f"{r} {mean[r]:.3f}" for r in names)
+    mean = {r: sum(v) / len(v) for r, v in drop.items() if v}
+    detail = ((f"over {steps} steps, " if steps is not None else "")
+              + "reward drop from its peak to its last steps (mean of seeds): "
+              + ", ".join(f"{r} {mean[r]:.3f}" for r in mean)
               + "; steps to threshold (seeds reaching it): "
               + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names))
     fails = [why for why, ok in (

@@ -4,6 +4,7 @@
     scale        the same audit across model sizes                 → claim 1c
     sweeps       recipes × seeds on neg-length (full) and arith, each at the ε where its
                  own model's bf16 engine phantom-clips the seeds' 18%  → claims 3, 5a, 5b, 7
+    long horizon fp32, tis and seq-mis on arith trained on past the sweep      → claim 5b-arith
     small lr     weight changes at sync per engine dtype           → claim 6
     drivers      |β| against depth, width, vocabulary, position and temperature → claim 10
     → claims.json, claims.md, the table printed
@@ -45,6 +46,9 @@ ASYNC_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "recompute", "tis"]
 LORA = {"lora_rank": 8, "lr": 1e-3}
 LORA_SETTING = "LoRA rank 8, alpha 16, lr 1e-3, merged into the engine's weights"
 LORA_RECIPES = ["fp32", "bf16-engine", "fp16"]
+# Claim 5b-arith: the FP16 paper sees TIS degrade late in training, sequence-MIS stay stable;
+# these arith runs go on from the sweep's last step to the plan's horizon.
+HORIZON_RECIPES = ["fp32", "tis", "seq-mis"]
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Plan:
     algorithm_seeds: list[int] = field(default_factory=list)
     async_seeds: list[int] = field(default_factory=list)   # claim 3-async; [] skips it
     lora_seeds: list[int] = field(default_factory=list)    # claim 11 (LoRA); [] skips it
+    horizon_steps: int = 0    # claim 5b-arith's horizon (> arith_steps); 0: the sweep's own
     drivers: bool = False     # claim 10: what makes β large
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
@@ -83,7 +88,7 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1, 2], steps=30, arith_steps=400,
             arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1],
-            async_seeds=[0, 1], drivers=True, lora_seeds=[0, 1, 2])
+            async_seeds=[0, 1], drivers=True, lora_seeds=[0, 1, 2], horizon_steps=1000)
 
 
 def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
@@ -150,10 +155,12 @@ def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict
 
 def _sweep(plan: Plan, out: Path, recipes: list[str], seeds: list[int], task: str, model: str,
            overrides: dict[str, Any], workers: int, progress: bool,
-           per_recipe: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+           per_recipe: dict[str, dict[str, Any]] | None = None,
+           continue_from: Path | None = None) -> dict[str, Any]:
     from parity.sweep import SweepSpec, run_sweep
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[task], models=[model],
-                     overrides={**overrides, "device": plan.device}, per_recipe=per_recipe or {}, workers=workers)
+                     overrides={**overrides, "device": plan.device}, per_recipe=per_recipe or {},
+                     workers=workers, continue_from=continue_from)
     return run_sweep(spec, out, progress=progress)
 
 
@@ -258,12 +265,13 @@ class _Stages:
 
 
 def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
-           calibration: dict[str, dict[str, Any]]) -> tuple[dict | None, float | None, dict,
-                                                             dict | None, dict | None]:
-    """The arith sweeps at arith's own calibrated ε: the recipes, the other objectives, the
-    asynchronous regime, LoRA."""
+           calibration: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], float | None]:
+    """The arith sweeps at arith's own calibrated ε: the recipes, their long horizon, the other
+    objectives, the asynchronous regime, LoRA. Returns the sweeps' summaries by name ("arith",
+    "long", "algos" by objective, "async", "lora"; absent where the plan skips one) and ε."""
+    sw: dict[str, Any] = {}
     if not plan.arith_steps:
-        return None, None, {}, None, None
+        return sw, None
     with stage("arith calibration"):
         aa = _audit(plan, "bf16", out / "audits" / "bf16-arith", progress,
                     model=plan.arith_model, task="arith")
@@ -272,27 +280,32 @@ def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
                                 "audit": f"audits/bf16-arith ({plan.arith_model})"}
     clip = {"steps": plan.arith_steps, "eps_low": eps, "eps_high": eps}
     with stage("arith sweep"):
-        arith = _sweep(plan, out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds, "arith",
-                       plan.arith_model, clip, workers, progress, scaled_clip(eps))
-    algos = {}
+        sw["arith"] = _sweep(plan, out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds,
+                             "arith", plan.arith_model, clip, workers, progress, scaled_clip(eps))
+    horizon = [r for r in HORIZON_RECIPES if r in plan.arith_recipes]
+    if plan.horizon_steps > plan.arith_steps and horizon:
+        with stage("arith long horizon"):
+            sw["long"] = _sweep(plan, out / "sweeps" / "arith-long", horizon, plan.arith_seeds,
+                                "arith", plan.arith_model, {**clip, "steps": plan.horizon_steps},
+                                workers, progress, continue_from=out / "sweeps" / "arith")
+    sw["algos"] = {}
     for obj in plan.algorithms:
         with stage(f"arith {obj} sweep"):
-            algos[obj] = _sweep(plan, out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
-                                plan.algorithm_seeds, "arith", plan.arith_model,
-                                {"steps": plan.arith_steps, "objective": obj,
-                                 **_token_clip(obj, eps)}, workers, progress)
-    asy = None
+            sw["algos"][obj] = _sweep(plan, out / "sweeps" / f"arith-{obj}", ALGORITHM_RECIPES,
+                                      plan.algorithm_seeds, "arith", plan.arith_model,
+                                      {"steps": plan.arith_steps, "objective": obj,
+                                       **_token_clip(obj, eps)}, workers, progress)
     if plan.async_seeds:
         with stage("arith async sweep"):
-            asy = _sweep(plan, out / "sweeps" / "arith-async", ASYNC_RECIPES, plan.async_seeds,
-                         "arith", plan.arith_model, {**clip, **ASYNC}, workers, progress)
-    lora_sweep = None
+            sw["async"] = _sweep(plan, out / "sweeps" / "arith-async", ASYNC_RECIPES,
+                                 plan.async_seeds, "arith", plan.arith_model, {**clip, **ASYNC},
+                                 workers, progress)
     if plan.lora_seeds:
         with stage("arith LoRA sweep"):
-            lora_sweep = _sweep(plan, out / "sweeps" / "arith-lora", LORA_RECIPES,
+            sw["lora"] = _sweep(plan, out / "sweeps" / "arith-lora", LORA_RECIPES,
                                 plan.lora_seeds, "arith", plan.arith_model, {**clip, **LORA},
                                 workers, progress)
-    return arith, eps, algos, asy, lora_sweep
+    return sw, eps
 
 
 def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
@@ -326,8 +339,7 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
                           plan.sweep_model, {"steps": plan.steps, "eps_low": eps_run,
                                              "eps_high": eps_run},
                           workers, progress, scaled_clip(eps_run))
-    arith, eps_arith, algos, asy, lora_sweep = _arith(plan, out, workers, progress, stage,
-                                                      calibration)
+    sw, eps_arith = _arith(plan, out, workers, progress, stage, calibration)
     with stage("small-lr runs"):
         lr = _sweep(plan, out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
                     "neg-length", plan.sweep_model,
@@ -338,8 +350,8 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
             drivers = _drivers(plan, a16, sc, out, progress)
             (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
 
-    claims = judge(a16, f16, sc, main, arith, lr, eps_run, plan, eps_arith, algos, drivers, asy,
-                   lora_sweep)
+    claims = judge(a16, f16, sc, main, sw.get("arith"), lr, eps_run, plan, eps_arith,
+                   sw.get("algos"), drivers, sw.get("async"), sw.get("lora"), sw.get("long"))
     seconds = max(time.perf_counter() - t_start, sum(stage.timing.values()))
     result = {"plan": plan.name, "seconds": seconds, "timing": stage.timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
@@ -378,9 +390,11 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
           eps_run: float, plan: Plan, eps_arith: float | None = None,
           algos: dict[str, dict] | None = None, drivers: dict | None = None,
-          asy: dict | None = None, lora_sweep: dict | None = None) -> list[C.Claim]:
+          asy: dict | None = None, lora_sweep: dict | None = None,
+          long_sweep: dict | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
-    the plan did not run (`None`), or a recipe it left out, judges none of its claims."""
+    the plan did not run (`None`), or a recipe it left out, judges none of its claims. 5b-arith
+    is judged over the long horizon where the plan ran one, else over the sweep's steps."""
     m16, mf16 = a16["metrics"], f16["metrics"]
     fit = sc.get("fits", {}).get("beta_abs_mean")
     beta_abs = m16["mismatch/beta_abs_mean"]
@@ -414,8 +428,12 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
                                              "arith"), "5a-arith"))
     if main is not None:
         out.append(C.recompute_family(_groups(main), "neg-length"))
-    if {"recompute", "tis", "seq-mis"} <= ran:
-        out.append(_renamed(C.recompute_family(_groups(arith), "arith"), "5b-arith"))
+    if long_sweep is not None:
+        out.append(_renamed(C.recompute_family(_groups(long_sweep), "arith", plan.horizon_steps),
+                            "5b-arith"))
+    elif {"recompute", "tis", "seq-mis"} <= ran:
+        out.append(_renamed(C.recompute_family(_groups(arith), "arith", plan.arith_steps),
+                            "5b-arith"))
     if {"fp16", "bf16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
     if {"bf16-engine", "fp16"} <= ran:
@@ -446,6 +464,9 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
     if plan.arith_steps:
         sweeps.append(f"arith on `{plan.arith_model}`, {plan.arith_steps} steps, seeds "
                       f"{plan.arith_seeds}, recipes {', '.join(plan.arith_recipes)}")
+    if plan.arith_steps and plan.horizon_steps > plan.arith_steps:
+        sweeps.append(f"arith {', '.join(HORIZON_RECIPES)} trained on to {plan.horizon_steps} "
+                      f"steps (claim 5b-arith)")
     if plan.arith_steps and plan.async_seeds:
         sweeps.append(f"arith asynchronous ({ASYNC_SETTING}; {', '.join(ASYNC_RECIPES)}; seeds "
                       f"{plan.async_seeds})")
@@ -471,6 +492,8 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
     md = C.to_markdown(claims, "Claims of the seeds, measured on the CPU testbed", pre)
     figs = [("sweeps/neg-length/sweep.png", "neg-length: recipes at the scaled ε"),
             ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),
+            ("sweeps/arith-long/sweep.png", f"arith: {', '.join(HORIZON_RECIPES)} to "
+                                            f"{plan.horizon_steps} steps"),
             *((f"sweeps/arith-{o}/sweep.png", f"arith, objective {o}: fp32, bf16-engine, fp16")
               for o in plan.algorithms),
             ("sweeps/arith-async/sweep.png", f"arith, {ASYNC_SETTING}"),

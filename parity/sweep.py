@@ -7,12 +7,17 @@
 Runs go to worker processes (as many as the cores allow at `threads` each). A finished run is
 skipped when the sweep is run again; an unfinished one (a crash, Ctrl-C) is moved aside to
 `<name>.incomplete-N` and started afresh, so nothing is lost and nothing is mixed.
+
+A sweep may continue another's runs (`continue_from`): each run starts as a copy of the
+same-named run there and trains on, as `parity train --resume RUN --steps N` would, to this
+grid's `steps`. The copy leaves the earlier sweep as it was.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -48,6 +53,7 @@ class SweepSpec:
     per_recipe: dict[str, dict[str, Any]] = field(default_factory=dict)  # ... for one recipe
     workers: int = 0          # 0: as many as the cores allow at `threads` each
     threads: int = 1
+    continue_from: Path | None = None   # a sweep directory whose same-named runs these continue
 
 
 @dataclass
@@ -109,8 +115,23 @@ def _set_aside(path: Path) -> Path:
     return dest
 
 
-def _run_one(explicit: dict[str, Any]) -> dict[str, Any]:
-    """Worker: one training run. Errors come back as text; the sweep goes on."""
+def _copy_earlier(run: RunSpec, earlier: Path) -> bool:
+    """Start `run` as a copy of the same-named run of the sweep in `earlier`, to be resumed;
+    False where that run has no checkpoint to go on from (the run then starts afresh)."""
+    from parity import checkpoints
+    from parity.config import dump_yaml, make_config
+    src = earlier / "runs" / run.name
+    if not src.is_dir() or checkpoints.latest_valid(src) is None:
+        return False
+    shutil.copytree(src, run.path)
+    # The run's config is this grid's (a longer budget), as a resumed run's is
+    dump_yaml(make_config(dict(run.explicit)), run.path / "config.yaml")
+    return True
+
+
+def _run_one(explicit: dict[str, Any], resume: bool = False) -> dict[str, Any]:
+    """Worker: one training run (`resume`: continue the run already in its directory). Errors
+    come back as text; the sweep goes on."""
     import torch
 
     from parity.config import make_config
@@ -119,7 +140,7 @@ def _run_one(explicit: dict[str, Any]) -> dict[str, Any]:
     try:
         cfg = make_config(dict(explicit))
         torch.set_num_threads(max(1, cfg.threads))
-        train(cfg)
+        train(cfg, resume=resume)
         return {"ok": True, "seconds": time.perf_counter() - t0}
     except Exception as e:  # a run's failure is recorded in summary.json, not fatal
         return {"ok": False, "seconds": time.perf_counter() - t0,
@@ -149,6 +170,9 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
             continue
         if r.path.exists():
             status[r.name] = {"set_aside": str(_set_aside(r.path))}
+        if spec.continue_from is not None and _copy_earlier(r, spec.continue_from):
+            status[r.name] = {**status.get(r.name, {}), "continued": str(
+                spec.continue_from / "runs" / r.name)}
         todo.append(r)
     t0 = time.perf_counter()
     # The testbed models and the arith filter are built once here, not raced by the workers.
@@ -156,12 +180,14 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
     with ui.progress("sweep", len(todo), progress) as bar:
         if _workers(spec, len(todo)) == 1 or len(todo) <= 1:
             for r in todo:
-                status[r.name] = {**status.get(r.name, {}), **_run_one(r.explicit)}
+                status[r.name] = {**status.get(r.name, {}),
+                                  **_run_one(r.explicit, "continued" in status.get(r.name, {}))}
                 bar.advance()
         elif todo:
             ctx = get_context("spawn")  # fresh interpreters: no forked torch thread pools
             with ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx) as pool:
-                futures = {pool.submit(_run_one, r.explicit): r for r in todo}
+                futures = {pool.submit(_run_one, r.explicit,
+                                       "continued" in status.get(r.name, {})): r for r in todo}
                 for f in as_completed(futures):
                     r = futures[f]
                     status[r.name] = {**status.get(r.name, {}), **f.result()}

@@ -365,11 +365,17 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     plan = Plan("tiny", audit_model="text-xs", samples=32, scale_models=["text-xs",
                                                                         "text-gpt2-xs"],
                 sweep_model="text-gpt2-xs", seeds=[0], steps=3, small_lr_steps=2,
-                arith_steps=2, arith_seeds=[0], arith_recipes=STALL_RECIPES,
-                arith_model="arith-xs", async_seeds=[0], drivers=True, long_tokens=32)
+                arith_steps=2, arith_seeds=[0], arith_recipes=STALL_RECIPES + ["tis", "seq-mis"],
+                arith_model="arith-xs", async_seeds=[0], drivers=True, long_tokens=32,
+                horizon_steps=3)
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith",
-                                                "3-async", "4", "5a", "5b", "10", "6"]
+                                                "3-async", "4", "5a", "5b", "5b-arith", "10", "6"]
+    # the long horizon went on from the arith sweep's runs, one step further
+    long = json.loads((tmp_path / "r" / "sweeps" / "arith-long" / "summary.json").read_text())
+    assert sorted(r["recipe"] for r in long["runs"].values()) == ["fp32", "seq-mis", "tis"]
+    assert all(r["ok"] and r["steps"] == 3 and r["continued"].endswith(
+        f"sweeps/arith/runs/{name}") for name, r in long["runs"].items())
     asy = json.loads((tmp_path / "r" / "sweeps" / "arith-async" / "summary.json").read_text())
     assert all(r["ok"] for r in asy["runs"].values())   # the asynchronous engine really ran
     # claim 10's position axis from the long audit's own tokens
@@ -495,3 +501,29 @@ def test_real_run_stats_from_a_metrics_file(tmp_path):
     # The first sync is step 2's (step 1 samples with the starting weights).
     assert s["changed_first_sync"] == 0.037
     assert s["changed_later"] == pytest.approx((0.005 + 0.004 + 0.006 + 0.005 + 0.004) / 5)
+
+
+def test_5b_arith_is_judged_over_the_long_horizon_where_the_plan_ran_one():
+    """Over the sweep's 400 steps tis has not fallen; the long horizon's runs (fp32, tis, seq-mis
+    only) show tis falling 0.16 from its peak against fp32's 0.005 and seq-mis stable but 50
+    steps slower (the hand computation of test_fixes_fp16_and_small_lr_verdicts): 5b-arith takes
+    the long runs' verdict and says over how many steps."""
+    from parity.reproduce import FULL
+    audit, f16, sc, g, _, lr = _measured(5.5e-7)
+    arith = {"groups": groups(fp32=267, bf16_engine=(401, 0), bf16_shadow=243, no_clip=264,
+                              wide_eps=(401, 0), recompute=250, tis=240, seq_mis=290, fp16=250,
+                              bf16=(401, 0))}
+    for r in ("fp32", "recompute", "tis", "seq_mis", "bf16_engine"):
+        arith["groups"][f"neg-length-text-{r}"]["reward_drop_runs"] = [0.0, 0.01]
+    long = {"groups": groups(fp32=[100, 102], tis=[100, 104], seq_mis=[150, 154])}
+    for r, v in (("fp32", [0.0, 0.01]), ("tis", [0.15, 0.17]), ("seq_mis", [0.0, 0.01])):
+        long["groups"][f"neg-length-text-{r}"]["reward_drop_runs"] = v
+
+    def claim(long_sweep):
+        return {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004, FULL, 0.0013,
+                                       long_sweep=long_sweep)}["5b-arith"]
+    over_sweep, over_long = claim(None), claim(long)
+    assert over_sweep.verdict == C.NOT_AT_SCALE and "over 400 steps" in over_sweep.reason
+    assert over_long.verdict == C.HOLDS and over_long.measured["steps"] == FULL.horizon_steps
+    assert f"over {FULL.horizon_steps} steps" in over_long.reason
+    assert "recompute" not in over_long.reason   # not in the long runs: not reported from them

@@ -93,3 +93,39 @@ def test_peak_reward_is_the_best_trailing_window_mean():
     # window means 0.38, 0.40, 0.34, 0.20: one lucky step (0.9) alone is not the peak
     assert peak_reward(rows) == pytest.approx(0.40)
     assert peak_reward(rows[:4]) is None
+
+
+def test_a_sweep_continues_another_sweeps_runs_as_one_longer_run(tmp_path, text_model):
+    """`continue_from` (the reproduction's long horizon): each run starts as a copy of the
+    same-named run of the earlier sweep and trains on; its metrics equal a run that had the
+    longer budget from the start, and the earlier sweep is left as it was."""
+    from parity.sweep import SweepSpec, run_sweep
+
+    def spec(steps, **kw):
+        return SweepSpec(recipes=["tis"], seeds=[0], models=["text-xs"], workers=1,
+                         overrides={"steps": steps, "max_new_tokens": 8, "prompts_per_step": 2,
+                                    "samples_per_prompt": 4}, **kw)
+    short, cont, whole = tmp_path / "short", tmp_path / "cont", tmp_path / "whole"
+    run_sweep(spec(2), short, progress=False, report=False)
+    before = (short / "runs" / "neg-length-text-xs-tis-s0" / "metrics.jsonl").read_bytes()
+    summary = run_sweep(spec(4, continue_from=short), cont, progress=False, report=False)
+    run_sweep(spec(4), whole, progress=False, report=False)
+
+    name = "neg-length-text-xs-tis-s0"
+    entry = summary["runs"][name]
+    assert entry["ok"] and entry["steps"] == 4
+    assert entry["continued"] == str(short / "runs" / name)
+    assert _rows(cont / "runs" / name) == _rows(whole / "runs" / name)
+    # steps 1-2 were not trained again: their lines, step times included, are the earlier run's
+    assert (cont / "runs" / name / "metrics.jsonl").read_bytes().startswith(before)
+    assert (short / "runs" / name / "metrics.jsonl").read_bytes() == before
+    assert not (short / "runs" / name / "checkpoints" / "step-4").exists()
+    assert "steps: 4" in (cont / "runs" / name / "config.yaml").read_text()
+    # A second invocation finds it finished and skips it.
+    again = run_sweep(spec(4, continue_from=short), cont, progress=False, report=False)
+    assert again["runs"][name].get("skipped") is True
+
+
+def _rows(run):
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "throughput/"))}
+            for x in (run / "metrics.jsonl").read_text().splitlines()]
