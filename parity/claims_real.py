@@ -57,7 +57,7 @@ def sanity_check(drops: dict[str, list[float]], lr: float, steps: int) -> Claim:
     d = difference(bf16, fp32)
     m = {"lr": lr, "steps": steps, "drop_fp32": fp32, "drop_bf16_engine": bf16,
          "difference": d[0] if d else None, "interval_95": d[1] if d else None}
-    s = f"neg-length at ε = 0.2, lr {lr:g}: bf16-engine stalls or lags against fp32"
+    s = f"neg-length-chat at ε = 0.2, lr {lr:g}: bf16-engine stalls or lags against fp32"
     seeds = "GRPO with a bf16 engine stalls or collapses; fp32/fp16 train"
     if d is None:
         return Claim("R4", s, seeds, m, NOT_MEASURABLE,

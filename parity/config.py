@@ -101,7 +101,8 @@ class Config:
     # -- what to train
     recipe: str = _f("bf16-engine", "Named preset of precision, ratio source, clip and correction "
                      "(`parity recipes` lists them); explicit fields override it.")
-    task: str = _f("neg-length", "Task: `neg-length`, `arith`, or a dataset file (JSONL/parquet "
+    task: str = _f("neg-length", "Task: `neg-length`, `neg-length-chat` (short chat questions, "
+                   "for instruct models), `arith`, or a dataset file (JSONL/parquet "
                    "with a `prompt` column) used with `--reward`.")
     reward: str | None = _f(None, "Reward function `module:function` or `path/file.py:function` "
                             "with TRL's signature reward(prompts, completions, **columns) -> "
@@ -421,9 +422,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
 ]}
 
 # The built-in tasks' own defaults, applied over the recipe and under YAML and flag values. The
-# model names are testbed models (parity/testbed.py SPECS).
+# model names are testbed models (parity/testbed.py SPECS) or built-in pretrained ones
+# (parity/pretrained.py); the chat task's lr is TRL's GRPOConfig default.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "neg-length": dict(model="text", lr=3e-4, steps=30, max_new_tokens=24),
+    "neg-length-chat": dict(model="smollm2-135m", lr=1e-6, steps=20, max_new_tokens=64),
     "arith": dict(model="arith", lr=3e-4, steps=800, prompts_per_step=16, max_new_tokens=8),
 }
 
@@ -568,7 +571,8 @@ AuditSettings = derive("AuditSettings", [
     shared("engine_dtype"),
     shared("trainer_dtype"),
     shared("task", optional=True, default=None,
-           help="Sample prompts of a task: `neg-length`, `arith`, or a dataset file "
+           help="Sample prompts of a task: `neg-length`, `neg-length-chat`, `arith`, or a "
+                "dataset file "
                 "(JSONL/parquet with a `prompt` column) with `--reward` (default: neg-length)."),
     own("prompts", str | None, None, "Sample these prompts: a .txt file, one per line, or "
         "JSONL/parquet with a `prompt` column.", metavar="FILE"),

@@ -1,7 +1,8 @@
 """`parity reproduce --model smollm2-135m`: the seeds' findings on a real pretrained model.
 
     audits     bf16, fp16 and bf16 with an fp32 LM head against an fp32 trainer    → R1, R2, R3
-    sweeps     the seed's sanity check: neg-length on chat prompts, ε = 0.2, lr 1e-6,
+    sweeps     the seed's sanity check: neg-length-chat (reward −length on short chat
+               questions, so that most completions end before the token budget), ε = 0.2, lr 1e-6,
                the engine's log-probs in the ratio (as an asynchronous trainer has them)
                  fp32, bf16-engine, fp16 × 3 seeds; bf16, bf16-shadow, no-clip,
                  recompute × 1 seed                                              → R4–R7
@@ -31,6 +32,7 @@ from parity.reports import load_metrics
 # Completions shorten from the first steps to the last: a run's `drop` is the mean length over
 # its first WINDOW steps minus over its last WINDOW steps.
 WINDOW = 3
+TASK = "neg-length-chat"
 
 
 @dataclass
@@ -43,7 +45,7 @@ class RealPlan:
     prompts_per_step: int = 2
     group: int = 4                  # completions per prompt: 8 per step
     max_new_tokens: int = 64
-    steps: int = 14
+    steps: int = 20
     lr: float = 1e-6                # TRL's GRPOConfig default, the seed's setting
     large_lr: float = 1e-5
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -61,8 +63,8 @@ def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
-    return audit(AuditSettings(model=plan.model, engine_dtype=engine, task="neg-length",
-                               chat_template=True, samples=plan.audit_samples,
+    return audit(AuditSettings(model=plan.model, engine_dtype=engine, task=TASK,
+                               samples=plan.audit_samples,
                                group=plan.group, max_new_tokens=plan.max_new_tokens,
                                kl_exact_rows=8, lm_head_fp32=head, progress=progress,
                                device=plan.device), out)
@@ -71,11 +73,11 @@ def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -
 def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], model: str,
            lr: float, workers: int, progress: bool) -> dict[str, Any]:
     from parity.sweep import SweepSpec, run_sweep
-    common = {"steps": plan.steps, "lr": lr, "chat_template": True,
+    common = {"steps": plan.steps, "lr": lr,
               "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
               "max_new_tokens": plan.max_new_tokens, "eps_low": 0.2, "eps_high": 0.2,
               "device": plan.device}
-    spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=["neg-length"], models=[model],
+    spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[TASK], models=[model],
                      overrides=common, per_recipe={"no-clip": {"eps_low": None,
                                                                "eps_high": None}},
                      workers=workers)
@@ -276,7 +278,8 @@ def _g(v: Any, fmt: str) -> str:
 
 def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out: Path) -> str:
     pre = (f"`parity reproduce --model {plan.model}`: {result['seconds'] / 60:.1f} min on this "
-           f"machine (2 CPU cores). neg-length with the chat template, {plan.prompts_per_step} "
+           f"machine (2 CPU cores). {TASK} (reward −length on short chat questions), "
+           f"{plan.prompts_per_step} "
            f"prompts × {plan.group} completions of at most {plan.max_new_tokens} tokens per "
            f"step, {plan.steps} steps, ε = 0.2, lr {plan.lr:g}, the engine's log-probs in the "
            f"ratio. Seeds {plan.seeds} for {', '.join(plan.main)}; seed {plan.seeds[0]} for "

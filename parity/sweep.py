@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from parity.files import ensure_writable
 # steps so a single lucky batch does not count.
 THRESHOLDS: dict[str, tuple[str, str, float]] = {
     "neg-length": ("completion/len_mean", "<=", 2.0),
+    "neg-length-chat": ("completion/len_mean", "<=", 2.0),
     "arith": ("reward/mean", ">=", 0.9),
 }
 WINDOW = 5
@@ -147,6 +149,37 @@ def _run_one(explicit: dict[str, Any], resume: bool = False) -> dict[str, Any]:
                 "error": f"{type(e).__name__}: {e}"}
 
 
+def _die_with_parent(parent: int) -> None:
+    """A worker ends when the sweep's process does. Killed by a signal (`kill`, a job
+    scheduler's stop), the parent cannot stop its workers itself, and they would go on
+    training for nobody, holding the cores. On Linux the kernel sends them SIGTERM then
+    (prctl PR_SET_PDEATHSIG); the run they leave is set aside when the sweep runs again."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _cost(run: RunSpec) -> float:
+    """A run's expected time relative to its grid's others, to start the longest first: fp16
+    on the CPU is emulated (parity/precision.py) and a step takes ~2.5× an fp32 or bf16 one on
+    SmolLM2-135M (docs/performance.md). With a pool of 2, a long run started last leaves one
+    worker idle for most of its length."""
+    from parity.config import make_config
+    cfg = make_config(dict(run.explicit))
+    fp16 = "fp16" in (cfg.engine_dtype, cfg.trainer_dtype)
+    return 2.5 if fp16 and cfg.device in ("auto", "cpu") and cfg.cpu_fp16 == "emulate" \
+        and not _cuda() else 1.0
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def _workers(spec: SweepSpec, n_runs: int) -> int:
     if spec.workers > 0:
         return min(spec.workers, n_runs)
@@ -174,6 +207,7 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
             status[r.name] = {**status.get(r.name, {}), "continued": str(
                 spec.continue_from / "runs" / r.name)}
         todo.append(r)
+    todo.sort(key=_cost, reverse=True)   # stable: equal costs keep the grid's order
     t0 = time.perf_counter()
     # The testbed models and the arith filter are built once here, not raced by the workers.
     _prebuild(todo)
@@ -185,7 +219,9 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
                 bar.advance()
         elif todo:
             ctx = get_context("spawn")  # fresh interpreters: no forked torch thread pools
-            with ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx) as pool:
+            with ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx,
+                                     initializer=_die_with_parent,
+                                     initargs=(os.getpid(),)) as pool:
                 futures = {pool.submit(_run_one, r.explicit,
                                        "continued" in status.get(r.name, {})): r for r in todo}
                 for f in as_completed(futures):

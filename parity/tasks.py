@@ -6,6 +6,10 @@ where `columns` holds every dataset column for each completion's row, plus `comp
 (token ids, EOS included when sampled), as TRL passes them. Built in:
 
 - `neg-length`: reward = −(completion tokens); the best policy emits EOS at once.
+- `neg-length-chat`: the same reward on short questions asked as a chat (one user message,
+  rendered with the model's chat template), for instruct models: their answers to a text
+  fragment run past any token budget, so most completions would be truncated, every truncated
+  one has the same reward, and the group advantage carries no signal.
 - `arith`: exact-match arithmetic on problems the model solves 20–80% of the time over 40
   samples, measured by really sampling from the model before training (cached).
 - a dataset file (JSONL, parquet, or a `datasets` directory) with a `prompt` column, rewarded by
@@ -35,7 +39,7 @@ from parity.files import (arrow_rows, ensure_writable, exists, json_lines, parse
                           quiet_libraries, read_json, read_parquet, read_python, read_text)
 
 RewardFn = Callable[..., list[float]]
-BUILTIN = ("neg-length", "arith")
+BUILTIN = ("neg-length", "neg-length-chat", "arith")
 
 ARITH_CANDIDATES = 512
 ARITH_SAMPLES = 40
@@ -134,6 +138,37 @@ def load_rewards(specs: list[str], weights: list[float] | None = None) -> list[R
 def neg_length_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                       **_: Any) -> list[float]:
     return [-float(len(ids)) for ids in completion_ids]
+
+
+# Questions with a short answer: with "Answer briefly." 8-42% of SmolLM2-135M-Instruct's first
+# completions run past 64 tokens, against 50-88% on text fragments (docs/reproduce/smollm2-135m).
+_QUESTIONS = ("What is {a} + {b}?", "What is {a} times {b}?", "Is {a} an even number?",
+              "What is the capital of {country}?", "Name a {thing}.",
+              "What color is {obj}?", "Give me a synonym for '{adj}'.",
+              "Translate '{word}' into {lang}.", "How many legs does {animal} have?",
+              "What is the opposite of '{adj}'?", "Spell the word '{word}' backwards.",
+              "Which is larger, {a} or {b}?")
+_FILL = {"country": ("France", "Japan", "Italy", "Spain", "Egypt", "Canada", "Brazil", "Kenya",
+                     "Peru", "Norway"),
+         "thing": ("color", "fruit", "planet", "musical instrument", "vegetable", "river"),
+         "obj": ("the sky", "grass", "snow", "a banana", "a tomato", "coal"),
+         "adj": ("happy", "fast", "cold", "big", "bright", "quiet"),
+         "word": ("cat", "house", "water", "book", "tree", "bread"),
+         "lang": ("French", "Spanish", "German", "Italian"),
+         "animal": ("a dog", "a spider", "a bird", "an ant", "a horse", "a snake")}
+
+
+def chat_questions(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """n one-message conversations asking a short question (`neg-length-chat`'s prompts)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        fill = {k: rng.choice(v) for k, v in _FILL.items()}
+        q = _QUESTIONS[i % len(_QUESTIONS)].format(a=rng.randint(2, 99), b=rng.randint(2, 99),
+                                                  **fill)
+        out.append([{"role": "user", "content": f"{q} Answer briefly."}])
+    rng.shuffle(out)
+    return out
 
 
 def arith_reward(prompts: list[str], completions: list[str], answer: list[str],
@@ -368,6 +403,9 @@ def build_task(name: str, reward: str | list[str] | None, model_dir: Path, model
     if name == "neg-length":
         rows = [{"prompt": p} for p in testbed.text_prompts(256, seed=seed)]
         task = Task(name, rows, [Reward(neg_length_reward, "neg_length", "neg-length")])
+    elif name == "neg-length-chat":
+        rows = [{"prompt": q} for q in chat_questions(256, seed=seed)]
+        task = Task(name, rows, [Reward(neg_length_reward, "neg_length", "neg-length-chat")])
     elif name == "arith":
         rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature, chat_template)
         task = Task(name, rows, [Reward(arith_reward, "arith", "arith")], info=info)

@@ -97,8 +97,9 @@ def test_dataset_task_needs_a_model():
 
 
 def test_task_default_models_are_testbed_models():
-    from parity import testbed
+    from parity import pretrained, testbed
     for task, d in TASK_DEFAULTS.items():
-        assert d["model"] in testbed.SPECS, task
+        assert d["model"] in testbed.SPECS or d["model"] in pretrained.SOURCES, task
     assert TASK_DEFAULTS["neg-length"]["model"] == testbed.DEFAULT_TEXT
     assert TASK_DEFAULTS["arith"]["model"] == testbed.DEFAULT_ARITH
+    assert TASK_DEFAULTS["neg-length-chat"]["model"] == "smollm2-135m"

@@ -174,3 +174,36 @@ def test_dataset_formats_read_the_same_rows(tmp_path):
     datasets.DatasetDict({"test": ds.select([0]), "train": ds}).save_to_disk(str(tmp_path / "dd"))
     for src in ("d.jsonl", "d.parquet", "saved", "dd"):
         assert load_rows(str(tmp_path / src)) == rows, src
+
+
+def test_neg_length_chat_asks_chat_questions(text_model, tmp_path):
+    """`neg-length-chat`: short questions, each one user turn through the model's chat
+    template (no --chat-template needed), rewarded −length; a model without a template is
+    refused in one line."""
+    model = _build("qwen2", text_model, tmp_path / "qwen2")
+    run = tmp_path / "run"
+    r = _parity("train", "--model", str(model), "--task", "neg-length-chat", "--steps", "1",
+                "--max-new-tokens", "6", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+                "--no-progress", "--dump-rollouts", "--out", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from parity.tasks import build_task, chat_questions
+    tok = AutoTokenizer.from_pretrained(model)
+    qs = chat_questions(256, seed=0)
+    assert len({q[0]["content"] for q in qs}) > 100   # varied questions, not a few repeated
+    task = build_task("neg-length-chat", None, model, None, tok, 6, None, 0, 1.0)
+    def rendered(q):   # transformers 5 returns a BatchEncoding, 4 a list
+        out = tok.apply_chat_template(q, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    assert task.prompt_ids == [rendered(q) for q in qs]
+    assert tok.decode(task.prompt_ids[0]).startswith("<|im_start|>user\n")
+    t = pq.read_table(run / "rollouts" / "step-1.parquet").to_pandas()
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["reward/mean"] == pytest.approx(-t.groupby("sample_id").size().mean())
+
+    plain = _build("gpt2", text_model, tmp_path / "gpt2")
+    r = _parity("train", "--model", str(plain), "--task", "neg-length-chat", "--steps", "1",
+                "--no-progress", "--out", str(tmp_path / "run2"), cwd=tmp_path)
+    assert r.returncode == 2 and "chat template" in r.stderr.strip().splitlines()[-1]

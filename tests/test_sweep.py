@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +135,50 @@ def test_a_sweep_continues_another_sweeps_runs_as_one_longer_run(tmp_path, text_
 def _rows(run):
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "throughput/"))}
             for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"   # a zombie has ended; only its exit status waits to be read
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killing_a_sweep_stops_its_workers(tmp_path, text_model):
+    """A sweep killed outright (SIGKILL: it can do nothing itself) must not leave its workers
+    training for nobody on the machine's cores."""
+    out = tmp_path / "sw"
+    args = [a for a in GRID if a not in ("--steps", "3")]
+    proc = subprocess.Popen([sys.executable, "-m", "parity", *args, "--steps", "200",
+                             "--out", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("runs/*/metrics.jsonl")):   # the workers are training
+            assert proc.poll() is None and time.monotonic() < deadline, "no run started"
+            time.sleep(0.5)
+        workers = [c for c in _children(proc.pid) if "spawn_main" in
+                   Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers)
+    finally:
+        proc.kill()
