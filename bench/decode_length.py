@@ -74,6 +74,46 @@ def floor_rate(model, dtype_bytes: int, rows: int, prompt_len: float, n: int,
     return rows * n * bandwidth / (n * weights + cache)
 
 
+def breakdown(engine, rows: int, lengths: list[int], steps: int = 5, chunk: int = 256) -> None:
+    """Per decode step at each filled length: tokens/s and where the time goes."""
+    from torch.profiler import profile
+    from transformers import StaticCache
+
+    from parity.engines import keep_last
+    model, kw = engine.model, engine.cache_kw
+    print("| cache length | step ms | tokens/s | weights' products ms | attention's products ms"
+          " | copies ms | rest ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for L in lengths:
+        g = torch.Generator().manual_seed(L)
+        ids = torch.randint(0, model.config.vocab_size, (rows, L + 2 * steps + 4), generator=g)
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1])
+        mask, scratch = torch.ones_like(ids), {}
+        pos = torch.arange(ids.shape[1]).expand(rows, -1)
+        with torch.no_grad():
+            def run(a: int, b: int) -> None:
+                model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b],
+                      **{kw: cache}, use_cache=True, logits_to_keep=keep_last(b - a, 1),
+                      parity_kv_len=b, parity_scratch=scratch)
+            for a in range(0, L, chunk):
+                run(a, min(a + chunk, L))
+            run(L, L + 1)                       # a warm-up step
+            with profile() as p:
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    run(L + 1 + i, L + 2 + i)
+                dt = (time.perf_counter() - t0) / steps
+        ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in p.key_averages()}
+        total = sum(ms.values())
+        part = [ms.get(k, 0.0) for k in ("aten::mm", "aten::bmm", "aten::copy_")]
+        # The profiler's own overhead inflates its total; its shares are scaled to the step's
+        # time measured around it.
+        part = [x * dt * 1e3 / total for x in part]
+        rest = dt * 1e3 - sum(part)
+        print(f"| {L} | {dt * 1e3:.1f} | {rows / dt:.0f} | "
+              + " | ".join(f"{x:.1f}" for x in (*part, rest)) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -82,6 +122,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,256,512,1024")
     ap.add_argument("--sides", default="eager,parity_eager",
                     help="attention implementations to time, in this order at each length")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time single decode steps at each cache length, split by operator")
     a = ap.parse_args()
 
     from parity import testbed
@@ -93,6 +135,8 @@ def main() -> None:
     engine = HFEngine(model, a.dtype, -1, tok.pad_token_id)   # -1: no row ever stops early
     print(f"{a.model}, {a.dtype} engine, {a.rows} rows, prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {torch.get_num_threads()} threads\n")
+    if a.breakdown:
+        return breakdown(engine, a.rows, [int(x) for x in a.lengths.split(",")])
     sides = a.sides.split(",")
     unknown = set(sides) - {"eager", ENGINE_ATTENTION, STRIDED}
     if unknown:

@@ -23,8 +23,8 @@ from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, dropout: float = 0.0,
-                     parity_kv_len: int | None = None, **kwargs: Any
-                     ) -> tuple[torch.Tensor, None]:
+                     parity_kv_len: int | None = None, parity_scratch: dict | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Eager attention's arithmetic (QKᵀ and the product with V in the model's dtype, the
     softmax in fp32, as transformers' eager path for Llama-family models), without what made
     decoding slow down with length: the static cache is read only up to `parity_kv_len`, the
@@ -32,13 +32,24 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     their key/value head through a reshape of the query instead of eager's `repeat_kv`, which
     copied every cached key and value once per query head per layer per token (figures:
     docs/performance.md). Without `parity_kv_len` (the shadow's full forward) it attends to
-    every key it is given."""
+    every key it is given. `parity_scratch` (a dict the decode loop owns) holds one buffer that
+    every layer's key copy reuses."""
     if parity_kv_len is not None:
         # The filled part of the static cache is a view strided over its whole length, on
         # which CPU's batched QKᵀ takes a slow path; a contiguous copy of the keys costs less
         # and gives the same products, bit for bit: decoding runs 1.5-1.9× faster at 256-1,024
-        # tokens (docs/performance.md).
-        key, value = key[:, :, :parity_kv_len].contiguous(), value[:, :, :parity_kv_len]
+        # tokens. The copy goes into one reused buffer: a fresh tensor of that size each layer
+        # and token is a fresh allocation the OS must zero, which made the copy 5× slower than
+        # the products at 4,096 tokens (docs/performance.md).
+        filled = key[:, :, :parity_kv_len]
+        buf = None if parity_scratch is None else parity_scratch.get("keys")
+        if parity_scratch is not None and (buf is None or buf.dtype != key.dtype
+                                           or buf.numel() < filled.numel()):
+            buf = parity_scratch["keys"] = torch.empty(key.numel(), dtype=key.dtype,
+                                                       device=key.device)
+        key = (filled.contiguous() if buf is None
+               else buf[:filled.numel()].view(filled.shape).copy_(filled))
+        value = value[:, :, :parity_kv_len]
         if attention_mask is not None:
             attention_mask = attention_mask[..., :parity_kv_len]
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
@@ -349,10 +360,11 @@ class HFEngine:
         # is empty there (after the stopping check), not in the middle of a forward.
         u = uniforms(generator, shard.batch, rows, dev)
         keep = torch.tensor(record_rows, dtype=torch.long, device=dev) if record_rows else None
+        scratch: dict = {}   # engine_attention's key buffer, freed with this rollout
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          **{self.cache_kw: cache}, use_cache=True,
                          logits_to_keep=keep_last(ids.shape[1], 1, dev),
-                         parity_kv_len=ids.shape[1])
+                         parity_kv_len=ids.shape[1], parity_scratch=scratch)
         tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
         valid = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
@@ -379,7 +391,7 @@ class HFEngine:
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
                              position_ids=last_pos, **{self.cache_kw: cache}, use_cache=True,
-                             parity_kv_len=attn.shape[1])
+                             parity_kv_len=attn.shape[1], parity_scratch=scratch)
         if shard.fixed_draws:
             for _ in range(t + 1, max_new_tokens):
                 uniforms(generator, shard.batch)
