@@ -104,11 +104,13 @@ def resume_config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> None:
     from rich.console import Console
     from parity.trainer import train
+    from parity import devices
     cfg = resume_config(args) if args.resume else config_from_args(args)
+    device = devices.resolve(cfg.device)  # a device this machine lacks: one line, no header
     console = Console(stderr=True)
     console.print(f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} "
                   f"engine={cfg.engine_dtype} trainer={cfg.trainer_dtype} "
-                  f"ratio={cfg.ratio_source} steps={cfg.steps} device={cfg.device}")
+                  f"ratio={cfg.ratio_source} steps={cfg.steps} device={device}")
     t0 = time.perf_counter()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _stop_on_sigterm()
@@ -393,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
                     "pretrained model (smollm2-135m) instead of the testbed")
     rq.add_argument("--steps", type=int, default=0, help="--model only: steps per run "
-                    "(default 14)")
+                    "(default 20)")
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "
                     "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")

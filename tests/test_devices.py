@@ -129,6 +129,7 @@ def test_cuda_on_a_machine_without_cuda_is_one_line_and_exit_2(command, tmp_path
     p = subprocess.run([sys.executable, "-m", "parity", *argv, "--device", "cuda"],
                        capture_output=True, text=True, cwd=tmp_path)
     assert_user_error(p, "device=cuda", "no CUDA device")
+    assert len(p.stderr.strip().splitlines()) == 1, f"more than the error was printed: {p.stderr}"
     assert not any(tmp_path.iterdir()), "nothing is written before the device is checked"
 
 
