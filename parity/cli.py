@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
                     "pretrained model (smollm2-135m) instead of the testbed")
     rq.add_argument("--steps", type=int, default=0, help="--model only: steps per run "
-                    "(default 20)")
+                    "(0: the real-model plan's own, as in docs/reproduce/smollm2-135m)")
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "
                     "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")
