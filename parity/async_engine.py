@@ -20,7 +20,6 @@ the rest. Sampling and the trainer's forward passes hold the GIL for much of a d
 
 from __future__ import annotations
 
-import copy
 import os
 import queue
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from parity.engines import HFEngine, Rollout, Sampling, Shard
+from parity.engines import Engine, Rollout, Sampling, Shard
 from parity.errors import ParityError
 
 
@@ -43,7 +42,7 @@ class Request:
     prompts: list[list[int]]
     record_rows: list[int]
     shard: Shard
-    max_batch: int = 0   # prompts decoded at once (HFEngine.generate)
+    max_batch: int = 0   # prompts decoded at once (Engine.generate)
 
 
 @dataclass
@@ -54,18 +53,18 @@ class Delivered:
     gen_state: torch.Tensor  # the sampling generator after it (a checkpoint resumes from there)
 
 
-def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, cpu_fp16: str,
-           s: Sampling, max_new_tokens: int, threads: int, gen_state: torch.Tensor,
-           inbox: Any, outbox: Any, parent: int, device: str) -> None:
+def _serve(build: Any, spec: dict[str, Any], s: Sampling, max_new_tokens: int, threads: int,
+           gen_state: torch.Tensor, inbox: Any, outbox: Any, parent: int, device: str) -> None:
     """The engine process: load pushed weights, answer requests in order, until told to stop
     or the trainer is gone. Weights arrive and rollouts leave on the CPU (a CUDA tensor sent
-    between processes lives only as long as its sender keeps it); it samples on `device`."""
+    between processes lives only as long as its sender keeps it); it samples on `device`
+    with the engine `build(device=..., **spec)` makes (Engine.replica)."""
     try:
         torch.set_num_threads(threads)
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        engine = HFEngine.of_copy(model.to(dev), dtype, eos_ids, pad_id, cpu_fp16)
+        engine = build(device=dev, **spec)
         gen = torch.Generator()
         gen.set_state(gen_state)
         weights: dict[int, dict[str, torch.Tensor]] = {}
@@ -78,13 +77,14 @@ def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, 
                     return  # the trainer died without saying goodbye
                 continue
             if msg[0] == "stop":
+                engine.close()
                 return
             if msg[0] == "weights":
                 weights[msg[1]] = msg[2]
                 continue
             req: Request = msg[1]
             if loaded != req.version:
-                engine.model.load_state_dict(weights[req.version])
+                engine.load_state(weights[req.version])
                 loaded = req.version
                 for v in [v for v in weights if v < req.version]:
                     del weights[v]  # requests come in step order: older versions are done
@@ -101,7 +101,7 @@ def _serve(model: torch.nn.Module, dtype: str, eos_ids: list[int], pad_id: int, 
 class AsyncEngine:
     """The trainer's side: pushes weights, plans requests ahead, and hands out rollouts."""
 
-    def __init__(self, mirror: HFEngine, s: Sampling, max_new_tokens: int, max_staleness: int,
+    def __init__(self, mirror: Engine, s: Sampling, max_new_tokens: int, max_staleness: int,
                  sync_every: int, threads: int, gen: torch.Generator, version: int,
                  saved: dict[str, Any] | None = None,
                  saved_versions: dict[int, dict[str, torch.Tensor]] | None = None):
@@ -116,10 +116,10 @@ class AsyncEngine:
             self.pushed, self.changed = {version: self._snapshot()}, {version: 0.0}
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        build, spec = mirror.replica()
         self.proc = ctx.Process(target=_serve, daemon=True, args=(
-            copy.deepcopy(mirror.model).cpu(), mirror.dtype, mirror.eos_ids.tolist(),
-            mirror.pad_id, mirror.cpu_fp16, s, max_new_tokens, threads, gen.get_state(),
-            self.inbox, self.outbox, os.getpid(), str(mirror.device)))
+            build, spec, s, max_new_tokens, threads, gen.get_state(), self.inbox, self.outbox,
+            os.getpid(), str(mirror.device)))
         self.proc.start()
         for v in sorted(self.pushed):
             self.inbox.put(("weights", v, self.pushed[v]))

@@ -27,7 +27,7 @@ from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, c
                                 dump_table, exact_kl_of_rows, exact_kl_rows, kept_rows,
                                 write_dump)
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids
+from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, stop_token_ids
 from parity.scoring import score_full
 from parity.config import AuditSettings
 from parity.errors import ParityError
@@ -128,8 +128,22 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
                           max_positions(model), a.seed, a.temperature,
                           chat_template=a.chat_template)
         prompt_ids, source = task.prompt_ids, f"task {a.task}"
-    engine = HFEngine(model, a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-                      a.cpu_fp16, a.lm_head_fp32)
+    engine = make_engine(a.engine, EngineSpec(
+        model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
+        a.seed, max(map(len, prompt_ids)) + a.max_new_tokens, a.batch_size, a.cpu_fp16,
+        a.lm_head_fp32))
+    if a.shadow_kernels == "scored":
+        shadow.engine = engine   # the engine scores ℓ_s itself
+    try:
+        return _sample_with(a, engine, prompt_ids, task, source, model, tok, meas, shadow, s, bar)
+    finally:
+        engine.close()
+
+
+def _sample_with(a: AuditSettings, engine, prompt_ids: list[list[int]], task, source: str,
+                 model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
+                 bar: ui.Bar) -> str:
+    from parity.tasks import PromptSampler
     order = PromptSampler(len(prompt_ids), a.seed)
     gen = torch.Generator().manual_seed(a.seed)
     per_batch = max(1, a.batch_size // a.group)
@@ -191,6 +205,10 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
         torch.set_num_threads(a.threads)
     out = out or default_out(a)
     check_run_dir(out)
+    if a.rollouts and a.shadow_kernels == "scored":
+        raise ParityError("shadow_kernels=scored needs the engine that sampled: audit a --task "
+                          "or --prompts, not --rollouts")
+    check_engine(a.engine)
     model_dir = testbed.resolve_model(a.model)
     model, tok = load_policy(model_dir)
     if a.adapter:

@@ -36,7 +36,7 @@ OptimizerName = Literal["adamw", "adam", "sgd"]
 EngineName = Literal["hf", "vllm"]
 Parallel = Literal["ddp", "fsdp"]
 CpuFp16 = Literal["emulate", "native"]
-ShadowKernels = Literal["engine", "independent"]
+ShadowKernels = Literal["engine", "independent", "scored"]
 
 DTYPES = typing.get_args(Dtype)
 RATIO_SOURCES = typing.get_args(RatioSource)
@@ -118,9 +118,10 @@ class Config:
                            "Face causal LM directory. None: the built-in task's testbed model "
                            "(a dataset task must name one).")
     # -- precision (the subject of parity)
-    engine: EngineName = _f("hf", "Rollout engine: `hf` (transformers model with a KV cache, CPU "
-                            "or GPU) or `vllm` (vLLM on a CUDA GPU, `pip install 'parity[vllm]'`; "
-                            "unverified so far, docs/scaling.md).")
+    engine: EngineName = _f("hf", "Rollout engine: `hf` (parity's own: the transformers model "
+                            "with a KV cache, CPU or GPU) or `vllm` (vLLM in this process, its "
+                            "CPU build or its CUDA build; install: README.md, figures: "
+                            "docs/vllm.md).")
     engine_dtype: Dtype = _f("bf16", "Precision of the engine's copy of the weights: "
                              "fp32|bf16|fp16.")
     trainer_dtype: Dtype = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast "
@@ -168,7 +169,10 @@ class Config:
                                        "(the engine's attention implementation, so its kernel "
                                        "gap is batch-shape noise alone) or `independent` (the "
                                        "trainer's own attention, as a trainer computing against "
-                                       "a separate inference engine such as vLLM must); the gap "
+                                       "a separate inference engine such as vLLM must) or "
+                                       "`scored` (the engine scores the shadow itself on the "
+                                       "current weights: a weight load and a scoring pass per "
+                                       "update; exact against vLLM, docs/vllm.md); the gap "
                                        "left is mismatch/kernel_gap_abs_mean.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
                            "inputs, float64 accumulation, fp16 output: GPU tensor cores' numerics "
@@ -265,8 +269,9 @@ class Config:
     engine_threads: int = _f(0, "Async: torch threads of the engine process (0: one). The "
                              "trainer keeps `threads`: split the cores with both when sampling "
                              "is the longer side.", ge=0)
-    vllm_gpu_memory: float = _f(0.3, "engine=vllm: share of the GPU's memory vLLM may take "
-                                "(weights and KV cache).", gt=0, le=1)
+    vllm_gpu_memory: float = _f(0.3, "engine=vllm on a GPU: share of the GPU's memory vLLM may "
+                                "take (its KV cache is sized to the batch on every device).",
+                                gt=0, le=1)
     parallel: Parallel = _f("ddp", "Multi-process runs (torchrun / accelerate launch): `ddp` "
                             "(every rank holds the model) or `fsdp` (parameters, gradients and "
                             "optimizer state sharded with FSDP2's fully_shard).")
@@ -310,10 +315,8 @@ class Config:
         if self.parallel == "fsdp" and objective.value_head:
             raise ParityError(f"objective={self.objective} keeps its value head outside the "
                               f"FSDP-sharded model: use parallel=ddp")
-        if self.lora_rank and (self.async_engine or self.parallel == "fsdp"
-                               or self.engine == "vllm"):
-            what = ("--async-engine" if self.async_engine else "--parallel fsdp"
-                    if self.parallel == "fsdp" else "--engine vllm")
+        if self.lora_rank and (self.async_engine or self.parallel == "fsdp"):
+            what = "--async-engine" if self.async_engine else "--parallel fsdp"
             raise ParityError(f"lora_rank={self.lora_rank}: LoRA runs do not support {what} yet "
                               f"(docs/lora.md); use the in-process hf engine with ddp")
         if self.base_dtype != "fp32" and not self.lora_rank:
@@ -321,9 +324,12 @@ class Config:
                               f"--lora-rank R (a full fine-tune keeps fp32 master weights)")
         if self.base_dtype == "fp16":
             raise ParityError("base_dtype=fp16: the base is held in fp32 or bf16")
-        if self.engine == "vllm" and (self.async_engine or self.lm_head_fp32):
-            raise ParityError("engine=vllm samples in the trainer's process: it takes neither "
-                              "--async-engine nor --lm-head-fp32")
+        if self.engine == "vllm" and self.lm_head_fp32:
+            raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
+                              "--lm-head-fp32 needs engine=hf")
+        if self.shadow_kernels == "scored" and self.async_engine:
+            raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
+                              "process: the asynchronous engine lives in another one")
         if self.correction != "none" and self.ratio_source != "recompute":
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
                               f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
@@ -568,6 +574,7 @@ class _AuditChecks:
 # one of three inputs.
 AuditSettings = derive("AuditSettings", [
     shared("model"),
+    shared("engine"),
     shared("engine_dtype"),
     shared("trainer_dtype"),
     shared("task", optional=True, default=None,

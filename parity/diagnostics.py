@@ -43,11 +43,14 @@ class Shadow:
 
     def __init__(self, master: torch.nn.Module, engine_dtype: str, trainer_dtype: str,
                  cpu_fp16: str = "emulate", lm_head_fp32: bool = False, chunk: int = 0,
-                 kernels: str = "engine"):
-        self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32"
+                 kernels: str = "engine", engine: Any = None):
+        self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32" and kernels != "scored"
         self.dtype, self.cpu_fp16, self.chunk = engine_dtype, cpu_fp16, chunk
         self.model = None
-        if not self.identity:
+        # `scored`: the engine computes ℓ_s itself (Engine.score), so its kernels are the
+        # sampler's own.
+        self.engine = engine if kernels == "scored" else None
+        if not self.identity and self.engine is None:
             self.model = low_precision_copy(master, engine_dtype, lm_head_fp32)
             if kernels == "engine":  # else the copy keeps the trainer's own attention
                 self.model.set_attn_implementation(ENGINE_ATTENTION)
@@ -61,6 +64,8 @@ class Shadow:
             if logp_pi is None:
                 return score(master, r, s, chunk=self.chunk)
             return logp_pi.detach()
+        if self.engine is not None:
+            return self.engine.score(master, r, s)
         if cast:
             cast_weights_into(master, self.model, count=False)
         device = next(self.model.parameters()).device

@@ -8,10 +8,11 @@ records, for every sampled token, ℓ_μ: its log-prob under the distribution ac
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from transformers import AttentionInterface, StaticCache
@@ -245,6 +246,91 @@ def stop_token_ids(model: torch.nn.Module, tok: Any) -> list[int]:
     return ids
 
 
+@runtime_checkable
+class Engine(Protocol):
+    """What the trainer, the audit and the integrations ask of a rollout engine. They hold an
+    `Engine` and never ask which one it is: `hf` (HFEngine, below) and `vllm`
+    (parity/vllm_engine.py) are interchangeable behind it."""
+
+    dtype: str                  # engine precision: bf16, fp16 or fp32
+    model: torch.nn.Module      # the engine-precision copy of the weights it samples with
+    version: int                # syncs so far (a checkpoint keeps it)
+    pad_id: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def sync(self, master: torch.nn.Module) -> float:
+        """Take the master's weights, cast to engine precision; returns sync/changed_frac."""
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take engine-precision weights pushed from another process."""
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                 generator: torch.Generator, record_rows: list[int] | None = None,
+                 shard: Shard | None = None, max_batch: int = 0) -> Rollout:
+        """One completion per prompt with ℓ_μ per token; `record_rows` also get the whole
+        sampling distribution (Rollout.dists); at most `max_batch` prompts at a time."""
+
+    def score(self, master: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+        """ℓ of `r`'s completion tokens computed by the engine itself on the master's current
+        weights in engine precision ([B, T]); the engine's sampled weights stay as they were."""
+
+    def replica(self) -> tuple[Callable[..., "Engine"], dict[str, Any]]:
+        """(builder, kwargs): `builder(device=..., **kwargs)` makes the same engine in another
+        process (the asynchronous engine)."""
+
+    def close(self) -> None:
+        """Free what the engine holds beyond Python objects (vLLM's engine core)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What any engine is built from."""
+    master: torch.nn.Module
+    model_dir: str
+    dtype: str
+    eos_ids: list[int]
+    pad_id: int
+    seed: int
+    max_len: int            # the longest prompt plus max_new_tokens
+    rows: int               # completions sampled at once (the KV cache vLLM reserves)
+    cpu_fp16: str = "emulate"
+    lm_head_fp32: bool = False
+    gpu_memory: float = 0.3
+
+
+def _hf(spec: EngineSpec) -> "HFEngine":
+    return HFEngine(spec.master, spec.dtype, spec.eos_ids, spec.pad_id, spec.cpu_fp16,
+                    spec.lm_head_fp32)
+
+
+def _vllm(spec: EngineSpec) -> Engine:
+    from parity.vllm_engine import VLLMEngine
+    return VLLMEngine(spec.master, spec.model_dir, spec.dtype, spec.eos_ids, spec.pad_id,
+                      spec.seed, spec.max_len, spec.rows, spec.gpu_memory, spec.lm_head_fp32)
+
+
+def _vllm_check() -> None:
+    from parity.vllm_engine import check_available
+    check_available()
+
+
+# name → (check that it can run here, before a run directory exists; build)
+ENGINES: dict[str, tuple[Callable[[], None], Callable[[EngineSpec], Engine]]] = {
+    "hf": (lambda: None, _hf),
+    "vllm": (_vllm_check, _vllm),
+}
+
+
+def make_engine(name: str, spec: EngineSpec) -> Engine:
+    return ENGINES[name][1](spec)
+
+
+def check_engine(name: str) -> None:
+    ENGINES[name][0]()
+
+
 class HFEngine:
     """Batched sampling with a KV cache on the engine's own engine-precision copy of the model."""
 
@@ -285,6 +371,35 @@ class HFEngine:
         """Cast the fp32 master weights into the engine; returns `sync/changed_frac`."""
         self.version += 1
         return cast_weights_into(master, self.model)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    @torch.no_grad()
+    def score(self, master: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+        """The engine's own forward on a scratch copy (its sampled weights stay for the next
+        sync's changed_frac): the same attention and precision as its decode steps."""
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = copy.deepcopy(self.model)
+        cast_weights_into(master, self._scratch, count=False)
+        ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
+        mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
+        T = r.completion_ids.shape[1]
+        with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
+            # the logits that predict each completion token: positions P-1 .. P+T-2
+            logits = self._scratch(input_ids=ids, attention_mask=mask,
+                                   position_ids=positions(mask),
+                                   logits_to_keep=keep_last(ids.shape[1], T + 1, ids.device)
+                                   ).logits[:, :-1]
+        return logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+
+    def replica(self) -> tuple[Callable[..., "Engine"], dict[str, Any]]:
+        return _hf_replica, dict(model=copy.deepcopy(self.model).cpu(), dtype=self.dtype,
+                                 eos_id=self.eos_ids.tolist(), pad_id=self.pad_id,
+                                 cpu_fp16=self.cpu_fp16)
+
+    def close(self) -> None:
+        self._scratch = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
@@ -401,3 +516,7 @@ class HFEngine:
             r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
             r.dists = torch.stack(recorded[:T], dim=1)
         return r, t + 1
+
+
+def _hf_replica(model: torch.nn.Module, device: torch.device, **kw: Any) -> HFEngine:
+    return HFEngine.of_copy(model.to(device), **kw)

@@ -86,7 +86,7 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
                           f"{unexpected[:3]})")
 
 
-def _merged_source(master: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state(master: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state, names without peft's, each adapted layer's weight summed with
     its adapters in fp32."""
     from peft.tuners.lora import LoraLayer
@@ -119,7 +119,7 @@ def cast_into(master: torch.nn.Module, target: torch.nn.Module, count: bool = Tr
     """What `precision.cast_weights_into` does for a LoRA master: `target`'s weights become the
     master's adapted weights in `target`'s dtypes; returns the share of values that changed."""
     merged = not is_lora(target)
-    src = _merged_source(master) if merged else master.state_dict()
+    src = merged_state(master) if merged else master.state_dict()
     changed = total = 0
     for name, t in target.state_dict().items():
         if name not in src:

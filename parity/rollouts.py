@@ -19,7 +19,7 @@ from parity.async_engine import AsyncEngine, Request
 from parity.checkpoints import Restored, engine_versions
 from parity.config import Config
 from parity.distributed import Dist
-from parity.engines import Rollout, Sampling, Shard
+from parity.engines import Engine, Rollout, Sampling, Shard
 from parity.tasks import PromptSampler, Task
 
 
@@ -60,7 +60,7 @@ class Rollouts:
     """Hands out step `step`'s rollout (`get`), takes the weights after each update
     (`after_update`), and keeps what a checkpoint of a step needs (`saved_states`)."""
 
-    def __init__(self, cfg: Config, task: Task, engine: Any, dist: Dist, s: Sampling,
+    def __init__(self, cfg: Config, task: Task, engine: Engine, dist: Dist, s: Sampling,
                  prompts: PromptSampler, gen: torch.Generator, kl_rows: list[int],
                  first_step: int, restored: Restored | None):
         self.cfg, self.task, self.engine, self.dist, self.s = cfg, task, engine, dist, s
@@ -103,7 +103,7 @@ class Rollouts:
             r = self.engine.generate(p.prompts, self.cfg.max_new_tokens, self.s, self.gen,
                                      p.record_rows, Shard(p.sample_ids, p.batch,
                                                           self.dist.all_true, p.width),
-                                     **self._bound())
+                                     self.cfg.rollout_batch)
             self.gen_after[step] = self.gen.get_state()
             return Delivery(p, r, changed)
         d = self.aeng.get(step)
@@ -112,10 +112,6 @@ class Rollouts:
                         d.rollout_s, {"async/staleness": step - 1 - d.version,
                                       "async/engine_version": d.version,
                                       "async/wait_s": time.perf_counter() - t0})
-
-    def _bound(self) -> dict[str, int]:
-        # The vLLM engine schedules its own batches.
-        return {"max_batch": self.cfg.rollout_batch} if self.cfg.engine == "hf" else {}
 
     def after_update(self, step: int, master: torch.nn.Module) -> None:
         if self.aeng is not None:
@@ -138,3 +134,4 @@ class Rollouts:
     def close(self) -> None:
         if self.aeng is not None:
             self.aeng.close()
+        self.engine.close()

@@ -32,12 +32,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from parity import checkpoints, devices, distributed, lora, memory, vllm_engine
+from parity import checkpoints, devices, distributed, lora, memory
 from parity.config import Config, dump_yaml
 from parity.diagnostics import (Shadow, StepDiagnostics, attribute, dump_table, exact_kl_of_rows,
                                 exact_kl_rows, kept_rows, write_dump)
 from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
-from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids
+from parity.engines import (Engine, EngineSpec, Rollout, Sampling, check_engine, make_engine,
+                            stop_token_ids)
 from parity.errors import ParityError
 from parity.loggers import MetricLoggers, check_backends
 from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
@@ -73,7 +74,7 @@ class Run:
     policy: Any                         # the model as forwards with gradient see it (DDP)
     tok: Any
     task: Task
-    engine: Any                         # HFEngine or VLLMEngine
+    engine: Engine
     shadow: Shadow | None
     value_head: ValueHead | None
     value: Any                          # the value head as forwards with gradient see it
@@ -102,8 +103,7 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
             if not resume:
                 check_run_dir(run)
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
-            if cfg.engine == "vllm":
-                vllm_engine.check_available()
+            check_engine(cfg.engine)
             ctx = load_model_and_task(cfg)
         except ParityError as e:
             error = str(e)
@@ -122,13 +122,14 @@ def _start_run_dir(cfg: Config, run: Path, model_dir: Path, task: Task) -> None:
                                                "rows": len(task.rows), **task.info}, indent=1))
 
 
-def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any) -> Any:
-    if cfg.engine == "vllm":
-        return vllm_engine.VLLMEngine(model, str(model_dir), cfg.engine_dtype,
-                                      stop_token_ids(model, tok), tok.pad_token_id,
-                                      cfg.vllm_gpu_memory, cfg.seed)
-    return HFEngine(model, cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-                    cfg.cpu_fp16, cfg.lm_head_fp32)
+def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any, task: Task,
+                 world: int) -> Engine:
+    rows = cfg.prompts_per_step * cfg.samples_per_prompt // world
+    return make_engine(cfg.engine, EngineSpec(
+        model, str(model_dir), cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
+        cfg.seed, max(map(len, task.prompt_ids)) + cfg.max_new_tokens,
+        min(rows, cfg.rollout_batch or rows), cfg.cpu_fp16, cfg.lm_head_fp32,
+        cfg.vllm_gpu_memory))
 
 
 def _load_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module, state: dict,
@@ -172,7 +173,7 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
         fp32_head(model)
     if on_model is not None:
         on_model(model)
-    engine = _make_engine(cfg, model, model_dir, tok)
+    engine = _make_engine(cfg, model, model_dir, tok, task, dist.world)
     model.train()
     if not cfg.keep_dropout:
         disable_dropout(model)
@@ -186,7 +187,7 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
     needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
     shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
-                     cfg.logprob_chunk, cfg.shadow_kernels)
+                     cfg.logprob_chunk, cfg.shadow_kernels, engine)
               if cfg.diagnostics or needs_shadow else None)
     if cfg.gradient_checkpointing:  # after the copies: they only ever run without gradient
         # transformers 5 renamed it; the project still accepts 4.x, which has the old name only

