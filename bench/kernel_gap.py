@@ -1,52 +1,116 @@
-"""The kernel gap |α| at θ = θ_old, by the shadow forward's attention implementation.
+"""The precision gap and the shadow's kernel gap against each engine, side by side in one process.
 
-    python bench/kernel_gap.py                 # ladder-w512, bf16, 128 completions of <= 32 tokens
+    python bench/kernel_gap.py                                    # arith, both engines, bf16
+    python bench/kernel_gap.py --model smollm2-135m --prompts 8 --group 8 --new-tokens 64 \
+        --engines hf:bf16,vllm:bf16,vllm:fp16 --json docs/data/kernel-gap-smollm2-135m.json
 
-α = ℓ_s − ℓ_μ should be the policy change alone; at equal weights it is the kernel gap, the
-difference between the engine's KV-cache decode and the shadow's full forward, both in engine
-precision. The engine decodes with parity's attention (`parity.engines.engine_attention`: eager's
-arithmetic over the filled part of its KV cache). This prints the gap with the shadow on each
-implementation: `sdpa` is the trainer's own (`shadow_kernels: independent`), `parity_eager` the
-engine's (`shadow_kernels: engine`, the default), `eager` transformers' eager attention. A shadow
-that attends like the engine leaves only the cache-versus-full-forward difference.
+For each engine (name:dtype) it samples one batch at T = 1 on the model's own weights, then:
+
+- `|l_pi - l_mu|`: an fp32 trainer's log-prob against the engine's, per token (α + β at sync),
+  with its signed mean, its max and the share of tokens beyond 0.05;
+- the kernel gap |ℓ_s − ℓ_μ| (α at θ = θ_old) of every shadow parity can compute, and the
+  seconds each shadow forward took over the batch: `engine` (an engine-dtype copy with
+  parity's engine attention, `--shadow-kernels engine`), `independent` (the trainer's own
+  attention, sdpa), `scored` (the engine scores the finished sequences itself:
+  `--shadow-kernels scored`, including its weight load).
+
+Chat models get their prompts through the chat template. Absolute seconds drift on a shared
+machine; compare the rows of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
 
 import torch
 
 from parity import testbed
-from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
-from parity.scoring import score
-from parity.precision import low_precision_copy
+from parity.diagnostics import Shadow
+from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
 from parity.runs import load_policy
+from parity.scoring import score
+
+
+def prompts_for(tok, n: int) -> list[list[int]]:
+    texts = testbed.text_prompts(n)
+    if getattr(tok, "chat_template", None):
+        return [tok.apply_chat_template([{"role": "user", "content": t}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=False) for t in texts]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def measure(master, tok, model_dir: Path, name: str, dtype: str, prompts: list[list[int]],
+            a: argparse.Namespace) -> dict:
+    s = Sampling()
+    eng = make_engine(name, EngineSpec(master, str(model_dir), dtype, stop_token_ids(master, tok),
+                                       tok.pad_token_id, a.seed,
+                                       max(map(len, prompts)) + a.new_tokens, len(prompts)))
+    try:
+        eng.sync(master)
+        t0 = time.perf_counter()
+        r = eng.generate(prompts, a.new_tokens, s, torch.Generator().manual_seed(a.seed))
+        sample_s = time.perf_counter() - t0
+        mask = r.completion_mask
+        n = mask.sum()
+        with torch.no_grad():
+            gap = (score(master, r, s) - r.engine_logprobs) * mask
+        row = {"engine": name, "dtype": dtype, "tokens": int(n), "sample_s": sample_s,
+               "log_ratio_abs_mean": float(gap.abs().sum() / n),
+               "log_ratio_mean": float(gap.sum() / n), "log_ratio_abs_max": float(gap.abs().max()),
+               "frac_beyond_0.05": float(((gap.abs() > 0.05) & (mask > 0)).sum() / n),
+               "shadows": {}}
+        for kernels in ("engine", "independent", "scored"):
+            sh = Shadow(master, dtype, "fp32", kernels=kernels, engine=eng)
+            sh.identity = False   # an fp32 engine's shadow is scored too, not skipped
+            if sh.model is None and sh.engine is None:
+                continue
+            t0 = time.perf_counter()
+            ls = sh.logprobs(master, r, s)
+            took = time.perf_counter() - t0
+            alpha = (ls - r.engine_logprobs).abs() * mask
+            row["shadows"][kernels] = {"kernel_gap_abs_mean": float(alpha.sum() / n),
+                                       "kernel_gap_abs_max": float(alpha.max()), "seconds": took}
+        return row
+    finally:
+        eng.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=testbed.LARGEST)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--model", default="arith")
+    ap.add_argument("--engines", default="hf:bf16,vllm:bf16", help="name:dtype, comma-separated")
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
-    master, tok = load_policy(testbed.ensure(a.model))
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.prompts)]
-    engine = HFEngine(master, a.dtype, tok.eos_token_id, tok.pad_token_id)
-    r = engine.generate([p for p in prompts for _ in range(a.group)], a.new_tokens, Sampling(),
-                        torch.Generator().manual_seed(0))
-    mask = r.completion_mask
-    print(f"{a.model}, {a.dtype} engine ({ENGINE_ATTENTION} attention), {int(mask.sum())} tokens\n")
-    print("| shadow attention | kernel gap mean |α| | max |α| |")
-    print("|---|---|---|")
-    for attn in ("sdpa", "eager", ENGINE_ATTENTION):
-        shadow = low_precision_copy(master, a.dtype)
-        shadow.set_attn_implementation(attn)
-        with torch.no_grad():
-            alpha = (score(shadow, r, Sampling()) - r.engine_logprobs).abs() * mask
-        print(f"| {attn} | {float(alpha.sum() / mask.sum()):.2e} | {float(alpha.max()):.2e} |")
+    model_dir = testbed.resolve_model(a.model)
+    master, tok = load_policy(model_dir)
+    master.eval()
+    prompts = [p for p in prompts_for(tok, a.prompts) for _ in range(a.group)]
+    rows = [measure(master, tok, model_dir, *spec.split(":"), prompts, a)
+            for spec in a.engines.split(",")]
+    print(f"{a.model}: {len(prompts)} completions of <= {a.new_tokens} tokens, T = 1\n")
+    print("| engine | tokens | mean abs(l_pi - l_mu) | mean (l_pi - l_mu) | max | beyond 0.05 "
+          "| shadow | kernel gap | max | shadow s |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        for k, (name, sh) in enumerate(r["shadows"].items()):
+            head = (f"| {r['engine']} {r['dtype']} | {r['tokens']} | "
+                    f"{r['log_ratio_abs_mean']:.4f} | {r['log_ratio_mean']:+.4f} | "
+                    f"{r['log_ratio_abs_max']:.3f} | {r['frac_beyond_0.05']:.1%} "
+                    if k == 0 else "| | | | | | ")
+            print(f"{head}| {name} | {sh['kernel_gap_abs_mean']:.2e} | "
+                  f"{sh['kernel_gap_abs_max']:.2e} | {sh['seconds']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"model": a.model, "prompts": a.prompts,
+                                            "group": a.group, "new_tokens": a.new_tokens,
+                                            "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

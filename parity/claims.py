@@ -353,7 +353,8 @@ def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
     (the FP16 paper's headline); `bf16` on both sides is reported beside it, as the paper
     reports it failing too. Restores: every seed reaches the threshold, sooner than
     bf16-engine."""
-    names = ("fp32", "bf16-engine", "fp16", "bf16")
+    # bf16 on both sides is reported where it ran
+    names = ("fp32", "bf16-engine", "fp16") + (("bf16",) if _group(groups, "bf16") else ())
     st, m = _steps_reached(groups, names)
     s = f"{task + ': ' if task else ''}FP16 on both sides restores training where bf16 stalls"
     seeds = "FP16 paper: fp16 reaches fp32's reward for every algorithm; bf16 collapses"
@@ -364,7 +365,8 @@ def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
     if not _lags(groups, "bf16-engine", "fp32"):
         return Claim("7", s, seeds, m, NOT_MEASURABLE,
                      f"bf16-engine does not lag here, so there is nothing to restore: {detail}")
-    both = ("bf16 on both sides lags too" if _lags(groups, "bf16", "fp32")
+    both = ("bf16 on both sides did not run" if "bf16" not in names
+            else "bf16 on both sides lags too" if _lags(groups, "bf16", "fp32")
             else "bf16 on both sides does not lag either")
     if _converges(groups, "fp16", "bf16-engine"):
         return Claim("7", s, seeds, m, HOLDS, f"{detail}; {both}")

@@ -282,7 +282,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
-    from parity.reproduce import FULL, QUICK, print_claims, reproduce
+    from parity.reproduce import FULL, QUICK, VLLM, print_claims, reproduce
     _check_device(args.device)
     if args.model:
         from parity import pretrained
@@ -303,8 +303,13 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
         return
     if args.steps:
         raise ParityError("reproduce: --steps applies to the real-model reproduction (--model)")
-    plan = dataclasses.replace(QUICK if args.quick else FULL, device=args.device)
-    out = Path(args.out or ("reproduce-quick" if args.quick else "reproduce"))
+    if args.engine == "vllm" and args.quick:
+        raise ParityError("reproduce: --engine vllm runs its own plan (docs/vllm.md); drop "
+                          "--quick")
+    base = VLLM if args.engine == "vllm" else QUICK if args.quick else FULL
+    plan = dataclasses.replace(base, device=args.device)
+    out = Path(args.out or ("reproduce-vllm" if args.engine == "vllm" else
+                            "reproduce-quick" if args.quick else "reproduce"))
     result = reproduce(plan, out, workers=args.workers, progress=args.progress)
     print_claims(result)
     print(f"wrote {out}/claims.md and {out}/claims.json")
@@ -394,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--quick", action="store_true", help="the few-minute version (README)")
     rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
                     "pretrained model (smollm2-135m) instead of the testbed")
+    rq.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                    help="vllm: the testbed's arith stall, its fixes and the text audits with "
+                    "vLLM's CPU build as the engine, at ε calibrated on vLLM's own β "
+                    "(docs/vllm.md)")
     rq.add_argument("--steps", type=int, default=0, help="--model only: steps per run "
                     "(0: the real-model plan's own, as in docs/reproduce/smollm2-135m)")
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "

@@ -77,6 +77,7 @@ class Plan:
     small_lr_steps: int = 6
     audit_tokens: int = 24    # as neg-length trains (its task default)
     device: str = "auto"      # every audit and run computes there (parity/devices.py)
+    engine: str = "hf"        # every audit and run samples with it (docs/design.md, engines)
 
 
 # The quick run spends its minutes on the headline, the arith stall and two fixes, rather than
@@ -88,6 +89,13 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
 # The full run must stay within 90 minutes on 2 cores. Claim 5b-arith's horizon (fp32, tis and
 # seq-mis trained on to 800 steps: 8.1 minutes in docs/reproduce/timing.json) was paid for with
 # a seed each of the neg-length sweep (where nothing lags) and the LoRA sweep.
+# The arith stall and its fixes against a real engine, vLLM's CPU build, at ε calibrated on
+# vLLM's own β; the text audits against it. Not part of the full run, which must stay within
+# 90 minutes on 2 cores: `parity reproduce --engine vllm` (docs/vllm.md).
+VLLM_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "recompute", "tis", "fp16"]
+VLLM = Plan("vllm", audit_model=testbed.DEFAULT_TEXT, samples=128, scale_models=[],
+            sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0, arith_steps=400,
+            arith_seeds=[0, 1, 2], arith_recipes=VLLM_RECIPES, engine="vllm")
 FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
             sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1], steps=30, arith_steps=400,
             arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1],
@@ -129,7 +137,8 @@ def _audit(plan: Plan, engine: str, out: Path, progress: bool, model: str | None
         return read_json(out / "audit.json", "earlier audit")
     # neg-length at the length it trains with; a built-in task's own length otherwise
     length = ({"max_new_tokens": tokens or plan.audit_tokens} if task == "neg-length" else {})
-    return audit(AuditSettings(model=model or plan.audit_model, engine_dtype=engine, task=task,
+    return audit(AuditSettings(model=model or plan.audit_model, engine=plan.engine,
+                               engine_dtype=engine, task=task,
                                samples=plan.samples, kl_exact_rows=KL_ROWS, progress=progress,
                                temperature=temperature, device=plan.device, **length), out)
 
@@ -162,7 +171,8 @@ def _sweep(plan: Plan, out: Path, recipes: list[str], seeds: list[int], task: st
            continue_from: Path | None = None) -> dict[str, Any]:
     from parity.sweep import SweepSpec, run_sweep
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[task], models=[model],
-                     overrides={**overrides, "device": plan.device}, per_recipe=per_recipe or {},
+                     overrides={**overrides, "device": plan.device, "engine": plan.engine},
+                     per_recipe=per_recipe or {},
                      workers=workers, continue_from=continue_from)
     return run_sweep(spec, out, progress=progress)
 
@@ -320,8 +330,10 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
     with stage("audits"):
         a16 = _audit(plan, "bf16", out / "audits" / "bf16-vs-fp32", progress)
         f16 = _audit(plan, "fp16", out / "audits" / "fp16-vs-fp32", progress)
-    with stage("scale"):
-        sc = _scale(plan, out / "scale", progress, {plan.audit_model: a16})  # not audited twice
+    sc: dict[str, Any] = {}
+    if plan.scale_models:
+        with stage("scale"):
+            sc = _scale(plan, out / "scale", progress, {plan.audit_model: a16})  # not twice
 
     # The scaled experiment: each sweep at the ε where its own model's bf16 engine phantom-clips
     # the seeds' 18% of tokens, at the start of training on its own task.
@@ -437,7 +449,7 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     elif {"recompute", "tis", "seq-mis"} <= ran:
         out.append(_renamed(C.recompute_family(_groups(arith), "arith", plan.arith_steps),
                             "5b-arith"))
-    if {"fp16", "bf16"} <= ran:
+    if {"bf16-engine", "fp16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
     if {"bf16-engine", "fp16"} <= ran:
         slopes = {"bf16": m16.get("mismatch/seq_log_ratio_slope"),

@@ -270,6 +270,12 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
         kw["distributed_executor_backend"] = "external_launcher"  # one vLLM per rank
     if device.type == "cuda":
         kw["gpu_memory_utilization"] = gpu_memory
+    # Scoring a finished sequence (`score`) asks for one token beyond it.
+    limit = getattr(config, "max_position_embeddings", None) or max_len + 1
+    max_len = min(max_len + 1, limit)
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; the
+    # trainer in this process keeps its own `threads` setting, so the original comes back.
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=True,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,
@@ -277,6 +283,9 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
                    kv_cache_memory_bytes=kv_cache_bytes(config, dtype, rows, max_len), **kw)
     except Exception as e:
         raise ParityError(f"vLLM could not start on {model_dir}: {one_line(e)}") from None
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
 
 
 def build_replica(model: torch.nn.Module, eos_ids: list[int], pad_id: int,
