@@ -2,6 +2,7 @@
 
     python bench/vs_trl.py                       # arith model and task, 16 prompts x 8, 8 tokens
     python bench/vs_trl.py --steps 40 --repeats 3
+    python bench/vs_trl.py --engines hf,vllm     # parity with its own engine and with vLLM
     python bench/vs_trl.py --model text --task neg-length --max-new-tokens 24
     python bench/vs_trl.py --model smollm2-135m --task neg-length --prompts 8 --max-new-tokens 64 \
         --lr 1e-6 --steps 4 --repeats 1 --micro-batch 8
@@ -115,7 +116,7 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
                        "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
                        "out": str(out / "parity"), "progress": False, "save_every": 0,
                        "report_to": "none", "micro_batch": a.micro_batch,
-                       "device": a.device})
+                       "device": a.device, "engine": a.engine})
     rows = load_metrics(train(cfg) / "metrics.jsonl")
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
@@ -123,12 +124,15 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
             "peak_gb": _peak_gb(a.device)}
 
 
-def run_worker(who: str, a: argparse.Namespace) -> dict:
+def run_worker(side: str, a: argparse.Namespace) -> dict:
+    """`side`: trl, or parity-ENGINE."""
+    who, _, engine = side.partition("-")
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", who, "--result", str(res),
+               f"--engine={engine or 'hf'}",
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                 if k not in ("worker", "result", "repeats"))]
+                 if k not in ("worker", "result", "repeats", "engines", "engine"))]
         subprocess.run(cmd, check=True)
         return json.loads(res.read_text())
 
@@ -161,6 +165,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides on the "
                     "CPU, or both on the GPU (TRL: use_cpu=False, its own generation, no vLLM)")
+    ap.add_argument("--engines", default="hf", help="parity's engines, comma-separated: one "
+                    "parity side each (hf, vllm), all against the same TRL runs")
+    ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -172,9 +179,10 @@ def main() -> None:
 
     from parity import testbed
     testbed.ensure(a.model)  # built once, before any timed run
-    results: dict[str, list[dict]] = {"trl": [], "parity": []}
+    sides = ["trl"] + [f"parity-{e}" for e in a.engines.split(",")]
+    results: dict[str, list[dict]] = {w: [] for w in sides}
     for i in range(a.repeats):
-        for who in (("trl", "parity") if i % 2 == 0 else ("parity", "trl")):
+        for who in (sides if i % 2 == 0 else sides[::-1]):
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a))
 
@@ -187,19 +195,21 @@ def main() -> None:
     med = {w: {c: statistics.median(r[c] for r in rs) for c in cols} for w, rs in results.items()}
     print(f"| side | {' | '.join(cols)} |")
     print("|---|" + "---|" * len(cols))
-    for w in ("trl", "parity"):
+    for w in sides:
         print(f"| {w} | " + " | ".join(f"{med[w][c]:.4g}" for c in cols) + " |")
-    print(f"\nparity / TRL: completions/s {med['parity']['completions_s'] / med['trl']['completions_s']:.2f}x, "
-          f"tokens/s {med['parity']['tokens_s'] / med['trl']['tokens_s']:.2f}x")
+    for w in sides[1:]:
+        print(f"\n{w} / TRL: completions/s "
+              f"{med[w]['completions_s'] / med['trl']['completions_s']:.2f}x, "
+              f"tokens/s {med[w]['tokens_s'] / med['trl']['tokens_s']:.2f}x")
     for w, rs in results.items():
         print(f"{w} runs: " + ", ".join(f"{r['step_s']:.3f} s/step" for r in rs))
     # The update (forward with grad, backward, AdamW over the same tokens) is work TRL must do
     # too: even a free engine cannot make parity faster than TRL's step over it.
     upd = {w: statistics.median(r["update_s"] for r in rs) for w, rs in results.items()}
-    print(f"update alone (step minus generation): TRL {upd['trl']:.4f} s, parity "
-          f"{upd['parity']:.4f} s, parity / TRL {upd['parity'] / upd['trl']:.2f}")
-    print(f"the most any engine could give against TRL's step: "
-          f"{med['trl']['step_s'] / upd['parity']:.2f}x")
+    for w in sides[1:]:
+        print(f"update alone (step minus generation): TRL {upd['trl']:.4f} s, {w} "
+              f"{upd[w]:.4f} s, {w} / TRL {upd[w] / upd['trl']:.2f}; the most any engine "
+              f"could give against TRL's step: {med['trl']['step_s'] / upd[w]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -99,13 +99,14 @@ class Rollouts:
         t0 = time.perf_counter()
         if self.aeng is None:
             changed = self.engine.sync(master)
+            sync_s = time.perf_counter() - t0
             p = self._plan(step)
             r = self.engine.generate(p.prompts, self.cfg.max_new_tokens, self.s, self.gen,
                                      p.record_rows, Shard(p.sample_ids, p.batch,
                                                           self.dist.all_true, p.width),
                                      self.cfg.rollout_batch)
             self.gen_after[step] = self.gen.get_state()
-            return Delivery(p, r, changed)
+            return Delivery(p, r, changed, metrics={"time/sync_s": sync_s})
         d = self.aeng.get(step)
         self.gen_after[step] = d.gen_state
         return Delivery(self.plans.pop(step), d.rollout, self.aeng.changed.get(d.version, 0.0),

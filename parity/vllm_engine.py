@@ -166,7 +166,10 @@ class VLLMEngine:
         samples); returns `sync/changed_frac`."""
         self.version += 1
         self._stale = True
-        return cast_weights_into(master, self.model)
+        changed = cast_weights_into(master, self.model)
+        if self._llm is not None:  # else vLLM starts, and loads them, when first asked
+            self._fresh()
+        return changed
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Engine-precision weights pushed by the trainer (the asynchronous engine process)."""
