@@ -1,7 +1,7 @@
 """The kernel gap |α| at θ = θ_old, by the shadow forward's attention implementation.
 
     python bench/kernel_gap.py                 # ladder-w512, bf16, 128 completions of <= 32 tokens
-    python bench/kernel_gap.py --device cuda --model smollm2-135m --prompts 8 --group 4 --new-tokens 64
+    python bench/kernel_gap.py --device cuda --model smollm2-135m --prompts 8 --new-tokens 64
 
 α = ℓ_s − ℓ_μ should be the policy change alone; at equal weights it is the kernel gap, the
 difference between the engine's KV-cache decode and the shadow's full forward, both in engine

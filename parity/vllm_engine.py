@@ -1,9 +1,9 @@
 """The `vllm` engine: vLLM in engine precision on a CUDA GPU (`pip install 'parity[vllm]'`).
 
-UNVERIFIED: no session so far had a GPU, so this module has never run against vLLM. What is
-tested (tests/test_vllm_engine.py) is the part that needs no vLLM: the sampling settings it
-passes and how it turns vLLM's outputs into a Rollout; and that asking for it without vLLM or
-without a GPU is a clear error. docs/scaling.md says the same.
+UNVERIFIED: this module has never run against vLLM (the one GPU machine lent so far could not
+carry vLLM). What is tested (tests/test_vllm_engine.py) is the part that needs no vLLM: the
+sampling settings it passes and how it turns vLLM's outputs into a Rollout; and that asking for
+it without vLLM or without a GPU is a clear error. docs/scaling.md says the same.
 
 ℓ_μ must be the log-prob under the distribution actually sampled from. vLLM returns the raw
 model's log-probs unless it is started with `logprobs_mode="processed_logprobs"`: then they are
