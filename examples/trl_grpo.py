@@ -4,6 +4,7 @@
     python examples/trl_grpo.py --recipe bf16-shadow --eps 0.01
     python examples/trl_grpo.py --recipe fp16
     python examples/trl_grpo.py --recipe bf16-shadow --eps 0.01 --iterations 2
+    python examples/trl_grpo.py --recipe bf16-shadow --device cuda
 
 Prints, per step, TRL's own clip count next to parity's attribution of it.
 """
@@ -40,6 +41,8 @@ def main() -> None:
                     help="GRPOConfig.num_iterations: updates per batch of completions")
     ap.add_argument("--shadow-kernels", default="engine", choices=("engine", "independent"),
                     help="the shadow's attention: the engine's, or the trainer's own")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="TRL's accelerator (use_cpu), which parity's engine and shadow follow")
     ap.add_argument("--out", default="runs/trl-example")
     a = ap.parse_args()
 
@@ -48,7 +51,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = datasets.Dataset.from_list([{"prompt": p} for p in testbed.text_prompts(256)])
     fp16 = a.recipe == "fp16"
-    args = GRPOConfig(output_dir=a.out, use_cpu=True, max_steps=a.steps, learning_rate=a.lr,
+    args = GRPOConfig(output_dir=a.out, use_cpu=a.device == "cpu", max_steps=a.steps,
+                      learning_rate=a.lr,
                       per_device_train_batch_size=a.batch, num_generations=a.group,
                       max_completion_length=a.max_tokens, num_iterations=a.iterations,
                       epsilon=a.eps, logging_steps=1,

@@ -117,6 +117,12 @@ def test_fp16_overflow_is_skipped_and_the_run_recovers(tmp_path, text_model):
     weights = load_file(str(out / "checkpoints" / "step-6" / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert math.isfinite(rows[-1]["reward/mean"]) and rows[-1]["sync/changed_frac"] > 0
+    # What a skipped step measured from its overflowed forward (β, the KL, the loss) is written
+    # as missing, never as inf or nan; the other steps miss nothing.
+    for r in rows:
+        missing = {k for k, v in r.items() if v is None}
+        assert all(math.isfinite(v) for v in r.values() if v is not None), r["step"]
+        assert "mismatch/beta_abs_mean" in missing if r["train/skipped_this_step"] else not missing
 
 
 def test_recompute_logs_weights_before_and_after(tmp_path, text_model):
