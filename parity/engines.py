@@ -311,14 +311,17 @@ def _vllm(spec: EngineSpec) -> Engine:
                       spec.seed, spec.max_len, spec.rows, spec.gpu_memory, spec.lm_head_fp32)
 
 
-def _vllm_check() -> None:
-    from parity.vllm_engine import check_available
+def _vllm_check(config: Any) -> None:
+    from parity.vllm_engine import check_available, check_architecture
     check_available()
+    if config is not None:
+        check_architecture(config)
 
 
-# name → (check that it can run here, before a run directory exists; build)
-ENGINES: dict[str, tuple[Callable[[], None], Callable[[EngineSpec], Engine]]] = {
-    "hf": (lambda: None, _hf),
+# name → (check that it can run here, and on this model's config when given, before a run
+# directory exists; build)
+ENGINES: dict[str, tuple[Callable[[Any], None], Callable[[EngineSpec], Engine]]] = {
+    "hf": (lambda config: None, _hf),
     "vllm": (_vllm_check, _vllm),
 }
 
@@ -327,8 +330,8 @@ def make_engine(name: str, spec: EngineSpec) -> Engine:
     return ENGINES[name][1](spec)
 
 
-def check_engine(name: str) -> None:
-    ENGINES[name][0]()
+def check_engine(name: str, config: Any = None) -> None:
+    ENGINES[name][0](config)
 
 
 class HFEngine:

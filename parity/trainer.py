@@ -103,8 +103,9 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
             if not resume:
                 check_run_dir(run)
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
-            check_engine(cfg.engine)
+            check_engine(cfg.engine)   # before a model is loaded or built
             ctx = load_model_and_task(cfg)
+            check_engine(cfg.engine, ctx[0].config)
         except ParityError as e:
             error = str(e)
     dist.agree(error)

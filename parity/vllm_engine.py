@@ -48,6 +48,25 @@ def check_available() -> None:
                           f"{INSTALL}") from None
 
 
+def check_architecture(config: Any) -> None:
+    """An architecture vLLM has no implementation of is served by its Transformers fallback,
+    which patches transformers' model classes for the whole process: the trainer's own model
+    in this process then fails. Refused in one line instead."""
+    from vllm.model_executor.models import ModelRegistry
+    archs = list(getattr(config, "architectures", None) or [])
+    known = set(ModelRegistry.get_supported_archs())
+    missing = [a for a in archs if a not in known or a.startswith("Transformers")]
+    if not archs or missing:
+        raise ParityError(f"engine=vllm: vLLM {_version()} has no implementation of "
+                          f"{', '.join(missing or ['a model without `architectures`'])}; "
+                          f"use engine=hf")
+
+
+def _version() -> str:
+    import vllm
+    return getattr(vllm, "__version__", "")
+
+
 def check_fits(config: Any, max_len: int) -> None:
     """A model whose positions end before a prompt plus its completion: one line, before vLLM
     refuses it with a page of its own."""
@@ -129,6 +148,7 @@ class VLLMEngine:
         if lora.is_lora(master) and not getattr(master, "parity_merge", True):
             raise ParityError("engine=vllm is given merged weights at each sync: an unmerged "
                               "LoRA engine (--no-lora-merge) needs engine=hf")
+        check_architecture(master.config)
         check_fits(master.config, max_len)
         self.dtype, self.eos_ids, self.pad_id, self.version = dtype, list(eos_ids), pad_id, 0
         self.vocab = master.config.vocab_size

@@ -163,3 +163,23 @@ def test_training_with_vllm_then_resume_equals_the_uninterrupted_run(tmp_path, t
     resumed = [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
                for m in rows]
     assert resumed == full
+
+
+def test_an_architecture_vllm_lacks_is_refused_in_one_line_before_the_run_starts(
+        tmp_path, text_model):
+    """vLLM would serve it through its Transformers fallback, which patches transformers'
+    classes in the trainer's own process (the trainer's forward then fails mid-run)."""
+    import shutil
+    import subprocess
+    import sys
+    from cli_helpers import assert_user_error
+    odd = tmp_path / "odd"
+    shutil.copytree(text_model, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["architectures"] = ["MarianForCausalLM"]
+    (odd / "config.json").write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "parity", "train", "--model", str(odd),
+                        "--engine", "vllm", "--steps", "1", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert_user_error(p, "no implementation of MarianForCausalLM", "engine=hf")
+    assert not (tmp_path / "run").exists()
