@@ -1,6 +1,9 @@
 """The precision gap and the shadow's kernel gap against each engine, side by side in one process.
 
-    python bench/kernel_gap.py                                    # arith, both engines, bf16
+    python bench/kernel_gap.py                       # ladder-w512, parity's bf16 engine, 128 x 32
+    python bench/kernel_gap.py --model arith --engines hf:bf16,vllm:bf16,vllm:fp16 \
+        --json docs/data/kernel-gap-arith.json
+    python bench/kernel_gap.py --device cuda --model text     # GPU kernels (hf engine)
     python bench/kernel_gap.py --model smollm2-135m --prompts 8 --group 8 --new-tokens 64 \
         --engines hf:bf16,vllm:bf16,vllm:fp16 --json docs/data/kernel-gap-smollm2-135m.json
 
@@ -11,8 +14,8 @@ For each engine (name:dtype) it samples one batch at T = 1 on the model's own we
 - the kernel gap |ℓ_s − ℓ_μ| (α at θ = θ_old) of every shadow parity can compute, and the
   seconds each shadow forward took over the batch: `engine` (an engine-dtype copy with
   parity's engine attention, `--shadow-kernels engine`), `independent` (the trainer's own
-  attention, sdpa), `scored` (the engine scores the finished sequences itself:
-  `--shadow-kernels scored`, including its weight load).
+  attention, sdpa), `eager` (transformers' eager attention), `scored` (the engine scores the
+  finished sequences itself: `--shadow-kernels scored`, including its weight load).
 
 Chat models get their prompts through the chat template. Absolute seconds drift on a shared
 machine; compare the rows of one run.
@@ -63,8 +66,11 @@ def measure(master, tok, model_dir: Path, name: str, dtype: str, prompts: list[l
                "log_ratio_mean": float(gap.sum() / n), "log_ratio_abs_max": float(gap.abs().max()),
                "frac_beyond_0.05": float(((gap.abs() > 0.05) & (mask > 0)).sum() / n),
                "shadows": {}}
-        for kernels in ("engine", "independent", "scored"):
-            sh = Shadow(master, dtype, "fp32", kernels=kernels, engine=eng)
+        for kernels in ("engine", "independent", "eager", "scored"):
+            sh = Shadow(master, dtype, "fp32", kernels=kernels.replace("eager", "independent"),
+                        engine=eng)
+            if kernels == "eager" and sh.model is not None:
+                sh.model.set_attn_implementation("eager")
             sh.identity = False   # an fp32 engine's shadow is scored too, not skipped
             if sh.model is None and sh.engine is None:
                 continue
@@ -81,9 +87,10 @@ def measure(master, tok, model_dir: Path, name: str, dtype: str, prompts: list[l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="arith")
-    ap.add_argument("--engines", default="hf:bf16,vllm:bf16", help="name:dtype, comma-separated")
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--model", default=testbed.LARGEST)
+    ap.add_argument("--engines", default="hf:bf16", help="name:dtype, comma-separated")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (vLLM: its CUDA build)")
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -91,7 +98,7 @@ def main() -> None:
     a = ap.parse_args()
     model_dir = testbed.resolve_model(a.model)
     master, tok = load_policy(model_dir)
-    master.eval()
+    master.eval().to(a.device)
     prompts = [p for p in prompts_for(tok, a.prompts) for _ in range(a.group)]
     rows = [measure(master, tok, model_dir, *spec.split(":"), prompts, a)
             for spec in a.engines.split(",")]
