@@ -303,6 +303,10 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
         return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=True,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,
                    max_logprobs=-1, max_model_len=max_len,
+                   # Every prompt's prefill in one scheduler step: on the CPU, vLLM 0.32 fails
+                   # on a seeded request whose prefill is split over steps ("CPU Generator
+                   # does not use offset"), and each of parity's requests is seeded.
+                   max_num_batched_tokens=max(rows * max_len, max_len, 2048),
                    kv_cache_memory_bytes=kv_cache_bytes(config, dtype, rows, max_len), **kw)
     except Exception as e:
         raise ParityError(f"vLLM could not start on {model_dir}: {one_line(e)}") from None
