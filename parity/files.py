@@ -10,6 +10,7 @@ directory is refused before anything is created (docs/errors.md, "Files", "Outpu
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import io
 import json
@@ -146,6 +147,101 @@ def arrow_rows(table: Any, what: str) -> list[dict[str, Any]]:
                                       f"0x{e.object[e.start]:02x} at offset {e.start} of the "
                                       f"value does not decode)") from None
         raise ParityError(f"{what}: a value is not UTF-8 text ({first.reason})") from None
+
+
+def size_text(n: float) -> str:
+    for unit, scale in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """The bytes free on the file system that holds `path` (or the nearest directory above it
+    that exists); None where the system does not say."""
+    for q in (Path(path), *Path(path).absolute().parents):
+        try:
+            return shutil.disk_usage(q).free
+        except OSError:
+            continue
+    return None
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether a failed write ran out of space: an OSError says so by its errno; torch and
+    safetensors wrap it in a RuntimeError whose text carries the system's words or code."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return any(w in text for w in ("No space left", "StorageFull", "code: 28", "file write failed",
+                                   "Disk quota exceeded"))
+
+
+def write_failure(e: BaseException, path: str | Path, needed: int, what: str,
+                  after: str = "") -> ParityError:
+    """One line for a write that failed: a full disk names the path and the space it needs
+    beside the space free; anything else names the path and the system's reason."""
+    if is_disk_full(e):
+        free = free_bytes(path)
+        has = f", {size_text(free)} is free there" if free is not None else ""
+        return ParityError(f"no space left on the device to write {what} {path}: it needs about "
+                           f"{size_text(needed)}{has}{after}")
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+    return ParityError(f"cannot write {what} {path}: {reason}{after}")
+
+
+def write_atomic(path: str | Path, data: bytes, what: str) -> None:
+    """`data` in `path`, in one rename: a reader, or a crash, sees the old file or the new one.
+    A write that fails (a full disk) leaves the old file as it was, and is one line."""
+    p = Path(path)
+    tmp = p.with_name(f".tmp-{p.name}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_failure(e, p, len(data), what) from None
+
+
+class LineLog:
+    """A JSON Lines file a run appends to, one whole line per write: a line the system cannot
+    take (a full disk) is taken back, so the file holds only whole lines, and the failure is one
+    line naming the file and the space the line needs. `after` ends that message (what the
+    user can do)."""
+
+    def __init__(self, path: str | Path, what: str, after: str = "") -> None:
+        self.path, self.what, self.after = Path(path), what, after
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise write_failure(e, self.path, 0, what) from None
+
+    def write(self, line: str) -> None:
+        data = line.encode("utf-8")
+        start = os.fstat(self.fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self.fd, data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, start)  # never leave half a record behind
+            raise write_failure(e, self.path, len(data), self.what, self.after) from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "LineLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def ensure_writable(path: str | Path, what: str) -> None:

@@ -35,6 +35,37 @@ def is_lora(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a layer LoRA can adapt: a Linear, or GPT-2's Conv1D (its weight in x out)."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return tuple(module.weight.shape)  # type: ignore[return-value]
+    return None
+
+
+def planned_adapters(model: torch.nn.Module, rank: int, targets: str) -> int:
+    """The adapter parameters `wrap` would add, counted before any is allocated (a rank typed
+    with extra zeros must be refused, not allocated). A target name that matches no layer is
+    refused even beside names that do: peft would adapt the others and drop it silently."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = {name: shape for name, m in model.named_modules()
+              if (shape := _linear_shape(m)) is not None and m is not head}
+    if targets == ALL_LINEAR:
+        chosen = list(layers)
+    else:
+        names = [t.strip() for t in targets.split(",")]
+        matches = {t: [k for k in layers if k == t or k.endswith("." + t)] for t in names}
+        unknown = [t for t, found in matches.items() if not found]
+        if unknown:
+            known = sorted({k.rsplit(".", 1)[-1] for k in layers})
+            raise ParityError(f"lora_targets={targets!r}: {', '.join(map(repr, unknown))} names "
+                              f"no linear layer of the model; its layers are "
+                              f"{', '.join(known)} (or all-linear)")
+        chosen = sorted({k for found in matches.values() for k in found})
+    return sum(rank * (layers[k][0] + layers[k][1]) for k in chosen)
+
+
 def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, merge: bool,
          base_dtype: str) -> torch.nn.Module:
     """`model` with fresh LoRA adapters (B = 0: the adapted model starts as the base), its base
