@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from parity import lora
 from parity.errors import ParityError, one_line
+from parity.files import free_bytes, is_disk_full, write_failure
 
 MANIFEST = "manifest.json"
 ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)
@@ -69,10 +71,47 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
         return _save(run, step, model, tok, engine_model, engine_version, opt, scaler_state,
                      prompts_state, gen, value_head, keep, async_state, engine_versions,
                      model_state, opt_state)
-    except OSError as e:  # the checkpoints path became a file, the disk filled, ...
-        raise ParityError(f"cannot write the checkpoint of step {step} under {run / 'checkpoints'}"
-                          f": {one_line(e)}; metrics.jsonl holds every step so far, and "
-                          f"`--resume` continues from the newest checkpoint on disk") from None
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # The checkpoints path became a file, the disk filled (torch and safetensors wrap the
+        # system's error in their own), ... The partial write goes, to free its space.
+        tmp = run / "checkpoints" / f".tmp-step-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        failure = _save_failure(e, run, step, model, engine_model)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _save_failure(e: BaseException, run: Path, step: int, model: torch.nn.Module,
+                  engine_model: torch.nn.Module) -> ParityError | None:
+    """One line: what could not be written, the space it needs (the newest checkpoint's size,
+    or the tensors' where none is on disk yet), and that nothing written before is lost. None
+    for a library error that is not the disk's (torch reports a full disk only as a stream
+    error: the free space tells)."""
+    path = run / "checkpoints" / f"step-{step}"
+    done = steps_on_disk(run) if (run / "checkpoints").is_dir() else []
+    done = [s for s in done if s != step]
+    needed = _bytes_on_disk(run / "checkpoints" / f"step-{done[-1]}") if done else sum(
+        t.numel() * t.element_size() for sd in (model.state_dict(), engine_model.state_dict())
+        for t in sd.values()) + 3 * sum(p.numel() * 4 for p in model.parameters()
+                                        if p.requires_grad)  # gradients' moments and master
+    kept = f"checkpoint step-{done[-1]} stays whole to resume from" if done else \
+        "no checkpoint was written yet"
+    free = free_bytes(run)
+    full = is_disk_full(e) or (free is not None and free < needed)
+    if not full and not isinstance(e, OSError):
+        return None
+    if full:
+        return write_failure(e, path, needed, f"the checkpoint of step {step} to", after=(
+            f"; the partial write was removed, {kept}, and metrics.jsonl holds every step so "
+            f"far: free some space, then `parity train --resume {run}`"), full=True)
+    return ParityError(f"cannot write the checkpoint of step {step} under {run / 'checkpoints'}"
+                       f": {one_line(e)}; metrics.jsonl holds every step so far, and "
+                       f"`--resume` continues from the newest checkpoint on disk")
+
+
+def _bytes_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
 def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,

@@ -173,15 +173,16 @@ def is_disk_full(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     text = str(e)
-    return any(w in text for w in ("No space left", "StorageFull", "code: 28", "file write failed",
+    return any(w in text for w in ("No space left", "StorageFull", "code: 28",
                                    "Disk quota exceeded"))
 
 
 def write_failure(e: BaseException, path: str | Path, needed: int, what: str,
-                  after: str = "") -> ParityError:
-    """One line for a write that failed: a full disk names the path and the space it needs
-    beside the space free; anything else names the path and the system's reason."""
-    if is_disk_full(e):
+                  after: str = "", full: bool = False) -> ParityError:
+    """One line for a write that failed: a full disk (`full`: the caller found it so) names the
+    path and the space it needs beside the space free; anything else names the path and the
+    system's reason."""
+    if full or is_disk_full(e):
         free = free_bytes(path)
         has = f", {size_text(free)} is free there" if free is not None else ""
         return ParityError(f"no space left on the device to write {what} {path}: it needs about "
