@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 from parity import lora
 from parity.errors import ParityError, one_line
-from parity.files import free_bytes, is_disk_full, write_failure
+from parity.files import (check_safetensors, free_bytes, is_disk_full, read_safetensors,
+                          read_torch, write_failure)
 
 MANIFEST = "manifest.json"
 ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)
@@ -246,31 +247,36 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
         if not (r.path / ADAPTERS).is_file():
             raise ParityError(f"{r.path} holds no LoRA adapters: it was written by a run "
                               f"without --lora-rank")
-        lora.restore_engine(model, engine_model, load_file(str(r.path / ENGINE_ADAPTERS)))
-        lora.load_adapter_state(model, load_file(str(r.path / ADAPTERS)))
+        lora.restore_engine(model, engine_model, _read(r.path / ENGINE_ADAPTERS))
+        lora.load_adapter_state(model, _read(r.path / ADAPTERS))
     else:
-        weights = load_file(str(r.path / "model.safetensors"))
+        weights = _read(r.path / "model.safetensors")
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or [k for k in missing if k not in _tied(model)]:
             raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        check_safetensors(r.path / "engine.safetensors", "checkpoint file")
         load_model(engine_model, str(r.path / "engine.safetensors"))
     if value_head is not None:
-        value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
-    rng = torch.load(r.path / "rng.pt", weights_only=True)
+        value_head.load_state_dict(_read(r.path / "value_head.safetensors"))
+    rng = read_torch(r.path / "rng.pt", "checkpoint file")
     torch.set_rng_state(rng["torch"])
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     gen.set_state(rng["sampling"])
     random.setstate(_as_tuple(rng["python"]))
     # On the CPU whatever device wrote it: the optimizer moves its state to its parameters'.
-    return torch.load(r.path / "train.pt", weights_only=True, map_location="cpu")
+    return read_torch(r.path / "train.pt", "checkpoint file")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    return read_safetensors(path, "checkpoint file")
 
 
 def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:
     """The async engine's pushed weight versions a checkpoint kept (empty for a synchronous
     run)."""
-    return {int(v): load_file(str(r.path / f"engine-v{v}.safetensors"))
+    return {int(v): _read(r.path / f"engine-v{v}.safetensors")
             for v in r.state.get("async", {}).get("pushed", [])}
 
 

@@ -131,6 +131,102 @@ def read_parquet(path: str | Path, what: str) -> Any:
         raise ParityError(f"{what} {path} is not a readable parquet file: {one_line(e)}") from None
 
 
+# Bytes per element of each dtype the safetensors format names.
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+                      "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_safetensors(path: str | Path, what: str) -> None:
+    """Refuse a .safetensors file that is cut short, or whose header does not describe its
+    bytes, naming the file and the first problem: a library reading it would end in its own
+    traceback (SafetensorError, or a RuntimeError from deep inside a load)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = f.read(n) if 0 <= n <= size - 8 else b""
+    except OSError as e:
+        raise _unreadable(e, p, what) from None
+    bad = lambda why: ParityError(f"{what} {p} is not a whole safetensors file: {why}")  # noqa: E731
+    if n < 0:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    if n > size - 8:
+        raise bad(f"its header claims {n} bytes and the file holds {size} (cut short?)")
+    try:
+        entries = json.loads(header.decode("utf-8"))
+        if not isinstance(entries, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"its header is not JSON ({one_line(e)})") from None
+    end = 0
+    for name, t in entries.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = t["data_offsets"]
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+            width = _SAFETENSORS_BYTES[t["dtype"]]
+            ok = 0 <= start <= stop and stop - start == count * width
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise bad(f"tensor {name!r}: its header entry does not describe its bytes ({t!r:.120})")
+        end = max(end, stop)
+    if 8 + n + end != size:
+        raise bad(f"its tensors need {8 + n + end} bytes and the file holds {size}"
+                  + (" (cut short?)" if size < 8 + n + end else ""))
+
+
+def read_safetensors(path: str | Path, what: str) -> dict[str, Any]:
+    """The tensors of a .safetensors file, checked first (`check_safetensors`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    check_safetensors(path, what)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ParityError(f"{what} {path} cannot be read: {one_line(e)}") from None
+
+
+def read_torch(path: str | Path, what: str) -> Any:
+    """A torch.save file, with `weights_only=True` (no code runs); one that is cut or damaged
+    is one line naming it."""
+    import pickle
+
+    import torch
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except OSError as e:
+        raise _unreadable(e, Path(path), what) from None
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, KeyError) as e:
+        raise ParityError(f"{what} {path} cannot be read (damaged or cut short?): "
+                          f"{one_line(e)}") from None
+
+
+def check_gguf(path: str | Path, what: str) -> None:
+    """Refuse a file that is not GGUF by its magic bytes and version, or is cut before its
+    tensor and metadata counts, before a library parses it."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise _unreadable(e, p, what) from None
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ParityError(f"cannot read {what} {p}: not a GGUF file ("
+                          + (f"it starts {head[:4]!r}" if len(head) >= 4 else
+                             f"{len(head)} bytes") + ")")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in (1, 2, 3):
+        raise ParityError(f"cannot read {what} {p}: it declares GGUF version {version}, and "
+                          f"versions 1-3 exist (damaged?)")
+
+
 def arrow_rows(table: Any, what: str) -> list[dict[str, Any]]:
     """A pyarrow Table's rows as dicts. Parquet stores strings as bytes and checks no encoding,
     so a string that is not UTF-8 is found and named by row and column."""

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
+from parity.files import check_safetensors
 
 ADAPTER = "default"
 # peft's name for every linear layer but the output head: the attention and MLP projections.
@@ -92,12 +94,16 @@ def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, m
 def from_adapter(model: torch.nn.Module, adapter_dir: str, merge: bool) -> torch.nn.Module:
     """`model` with the adapters saved in `adapter_dir` (peft's save_pretrained), frozen."""
     from peft import PeftModel
+    from safetensors import SafetensorError
+    for f in Path(adapter_dir).glob("*.safetensors"):
+        check_safetensors(f, "adapter file")
     try:
         with warnings.catch_warnings():  # as in `wrap`
             warnings.simplefilter("ignore", FutureWarning)
             peft_model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ParityError(f"adapter {adapter_dir}: cannot load it onto the model ({e})") from None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise ParityError(f"adapter {adapter_dir}: cannot load it onto the model "
+                          f"({one_line(e)})") from None
     peft_model.parity_merge = merge
     return peft_model
 

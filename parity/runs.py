@@ -19,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
 from parity.errors import ParityError, one_line
-from parity.files import (ensure_writable, quiet_libraries, read_bytes, write_atomic)
+from parity.files import (check_safetensors, ensure_writable, quiet_libraries, read_bytes,
+                          write_atomic)
 
 if TYPE_CHECKING:
     from parity.config import Config
@@ -77,6 +78,8 @@ def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     """fp32 master weights and the tokenizer. A directory that is not a causal LM, or whose
     config.json disagrees with its weights, is a user error."""
     config = _causal_lm_config(model_dir)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        check_safetensors(f, "weights file")
     try:
         with quiet_libraries():
             model, info = AutoModelForCausalLM.from_pretrained(
