@@ -33,6 +33,11 @@ def raises_third(prompts, completions, **kw):
     return [float(len(c)) for c in completions]
 def needs_answer(prompts, completions, answer, **kw):
     return [float(c == a) for c, a in zip(completions, answer)]
+def exits(prompts, completions, **kw):
+    import sys
+    sys.exit("grader: no answer found")
+def with_none(prompts, completions, **kw):
+    return [1.0, None] + [0.0] * (len(completions) - 2)
 '''
 SMALL = ["--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",
          "--max-new-tokens", "4", "--no-progress"]
@@ -139,6 +144,9 @@ def test_missing_reward_function(env):
     ("nan", ["nan", "finite"]),
     ("short", ["returned 3 values for 4 completions"]),
     ("huge", ["returned 1e+39 for completion 0", "prompt row", "within +-1e+30"]),
+    ("exits", ["reward function", ":exits called sys.exit('grader: no answer found')",
+               "while scoring prompt rows", "must return its values"]),
+    ("with_none", ["list of numbers; value 1 (prompt row", "is None (NoneType)"]),
 ])
 def test_misbehaving_reward_function(env, reward, words):
     run = env / "run"
@@ -146,6 +154,14 @@ def test_misbehaving_reward_function(env, reward, words):
     assert_user_error(p, *words)
     assert (run / "config.yaml").is_file()
     assert (run / "metrics.jsonl").read_text() == ""  # consistent: no step completed
+
+
+def test_a_reward_path_that_is_a_directory_says_so(env):
+    (env / "rewards_dir.py").mkdir()
+    p = parity("train", "--task", str(env / "data.jsonl"), "--model", "text-xs", "--reward",
+               f"{env / 'rewards_dir.py'}:ok", "--out", str(env / "run"), *SMALL)
+    assert_user_error(p, "rewards_dir.py is a directory, not a Python file")
+    assert not (env / "run").exists()
 
 
 def test_reward_failing_mid_run_keeps_completed_steps(env):
