@@ -243,6 +243,30 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
               gen: torch.Generator, value_head: torch.nn.Module | None) -> dict:
     """Restore weights and RNGs in place; returns train.pt's {"optimizer", "scaler"} states,
     which the caller loads once its optimizer exists (under FSDP, on the shards)."""
+    try:
+        _load_weights(r, model, engine_model, value_head)
+    except RuntimeError as e:  # torch's "size mismatch for ...": another model than was saved
+        first = next((x.strip() for x in str(e).splitlines() if "mismatch" in x), one_line(e))
+        raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
+                          f"({first[:200]}); was the run's "
+                          f"config.yaml edited to another model? It must name the one the run "
+                          f"started with") from None
+    rng = read_torch(r.path / "rng.pt", "checkpoint file")
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    gen.set_state(rng["sampling"])
+    random.setstate(_as_tuple(rng["python"]))
+    # On the CPU whatever device wrote it: the optimizer moves its state to its parameters'.
+    return read_torch(r.path / "train.pt", "checkpoint file")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    return read_safetensors(path, "checkpoint file")
+
+
+def _load_weights(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
+                  value_head: torch.nn.Module | None) -> None:
     if lora.is_lora(model):
         if not (r.path / ADAPTERS).is_file():
             raise ParityError(f"{r.path} holds no LoRA adapters: it was written by a run "
@@ -259,18 +283,6 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
         load_model(engine_model, str(r.path / "engine.safetensors"))
     if value_head is not None:
         value_head.load_state_dict(_read(r.path / "value_head.safetensors"))
-    rng = read_torch(r.path / "rng.pt", "checkpoint file")
-    torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    gen.set_state(rng["sampling"])
-    random.setstate(_as_tuple(rng["python"]))
-    # On the CPU whatever device wrote it: the optimizer moves its state to its parameters'.
-    return read_torch(r.path / "train.pt", "checkpoint file")
-
-
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    return read_safetensors(path, "checkpoint file")
 
 
 def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:

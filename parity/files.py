@@ -364,6 +364,30 @@ def ensure_writable(path: str | Path, what: str) -> None:
         raise ParityError(f"{what} {p}: {e.strerror or one_line(e)}") from None
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ParityError(f"{what} {p} cannot be written: {probe} is not writable")
+    if (fs := kernel_file_system(probe)) is not None:
+        raise ParityError(f"{what} {p} cannot be created: {probe} is on {fs}, a file system the "
+                          f"kernel makes up, where no files can be written")
+
+
+# File systems the kernel makes up (its state as files): a directory on them cannot hold a run,
+# yet they pass the permission check (root "may write" /proc, and mkdir then fails oddly).
+_KERNEL_FS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+              "securityfs", "pstore", "bpf", "configfs", "mqueue", "fusectl", "binfmt_misc",
+              "efivarfs", "autofs", "hugetlbfs", "nsfs", "rpc_pipefs", "selinuxfs"}
+
+
+def kernel_file_system(path: Path) -> str | None:
+    """The kernel file system (`proc`, `sysfs`, ...) that holds `path`, from /proc/self/mounts
+    (the longest mount point above it); None for an ordinary one, or where mounts are unknown."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    where = os.path.realpath(path)
+    best = max((m for m in mounts if where == m[0] or where.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best is not None and best[1] in _KERNEL_FS else None
 
 
 def _exists(p: Path) -> bool:

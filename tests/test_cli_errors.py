@@ -454,3 +454,13 @@ def test_output_path_in_an_unwritable_directory(tmp_path, text_model, capsys, un
     p = in_process(capsys, *COMMANDS[command](out, tmp_path))
     assert_user_error(p, str(out), "cannot be written", f"{unwritable} is not writable")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["/proc/parity-out", "/sys/parity-out"])
+@pytest.mark.parametrize("command", ["train", "audit", "fp16-check", "testbed --cache"])
+def test_output_path_on_a_kernel_file_system(tmp_path, text_model, capsys, command, where):
+    if not Path(where).parent.is_dir():
+        pytest.skip(f"no {Path(where).parent} here")
+    p = in_process(capsys, *COMMANDS[command](Path(where), tmp_path))
+    assert_user_error(p, where, "cannot", "a file system the kernel makes up")
+    assert not Path(where).exists()

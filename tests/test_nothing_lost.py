@@ -147,3 +147,40 @@ def test_a_lora_rank_beyond_ulimit_is_refused_before_anything_is_allocated(tmp_p
     line = assert_user_error(p, "lower --lora-rank", "rank 2000000 adds")
     assert "ulimit -v" in line or "available memory" in line
     assert not out.exists()
+
+
+OOM = textwrap.dedent("""
+    import resource, sys
+    from parity import memory
+    from parity.cli import main
+    # The check misjudges (its figure is a guide): the allocation itself must fail cleanly.
+    memory.available = lambda device=None: 1e15
+    mapped = memory._read_number("/proc/self/status", "VmSize:")
+    limit = int(mapped + 2 ** 30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_an_allocation_that_fails_mid_run_is_one_line_naming_the_settings(tmp_path, text_model):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", OOM, "train", *RUN[2:], "--model", "text-xs",
+                        "--prompts-per-step", "512", "--samples-per-prompt", "8",
+                        "--max-new-tokens", "64", "--steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert_user_error(p, "ran out of memory", "--micro-batch", "--prompts-per-step 512",
+                      "--max-new-tokens 64")
+    assert (out / "config.yaml").is_file()  # what was written stays
+
+
+def test_a_resume_after_config_yaml_names_another_model_is_one_line(tmp_path, four_steps,
+                                                                     arith_model):
+    run = tmp_path / "run"
+    shutil.copytree(four_steps, run)
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("model: text-xs", "model: arith-xs"))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    p = cli("train", "--resume", str(run), "--steps", "6", "--no-progress")
+    assert_user_error(p, "step-4", "do not fit the run's model", "size mismatch",
+                      "config.yaml edited to another model")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
