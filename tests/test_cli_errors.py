@@ -464,3 +464,36 @@ def test_output_path_on_a_kernel_file_system(tmp_path, text_model, capsys, comma
     p = in_process(capsys, *COMMANDS[command](Path(where), tmp_path))
     assert_user_error(p, where, "cannot", "a file system the kernel makes up")
     assert not Path(where).exists()
+
+
+def test_a_refusal_while_loading_is_the_only_line(tmp_path):
+    """The header is printed once the model has loaded and every check passed."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    p = parity("train", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "run"),
+               *SMALL)
+    line = assert_user_error(p, str(tmp_path / "model"))
+    assert p.stderr.strip().splitlines() == [line]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--lora-alpha", "16"], ["lora_alpha=16.0 applies to LoRA adapters", "--lora-rank"]),
+    (["--lora-targets", "q_proj"], ["lora_targets='q_proj' applies to LoRA adapters"]),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,nosuch_proj"],
+     ["'nosuch_proj' names no linear layer", "q_proj, up_proj"]),
+])
+def test_lora_settings_that_would_be_ignored_are_refused(tmp_path, text_model, args, words):
+    p = parity("train", "--model", "text-xs", "--out", str(tmp_path / "run"), *SMALL, *args)
+    assert_user_error(p, *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_testbed_list_never_cuts_a_name_and_has_json(cache):
+    from parity import pretrained, testbed
+    p = parity("testbed", "list")  # piped: no terminal width
+    for name in [*testbed.SPECS, *pretrained.SOURCES]:
+        assert f" {name} " in p.stdout, name
+    p = parity("testbed", "list", "--json")
+    rows = json.loads(p.stdout)["models"]
+    assert [r["name"] for r in rows] == [*testbed.SPECS, *pretrained.SOURCES]
+    assert {"name", "kind", "built", "about"} <= set(rows[0])
