@@ -184,3 +184,22 @@ def test_a_resume_after_config_yaml_names_another_model_is_one_line(tmp_path, fo
     assert_user_error(p, "step-4", "do not fit the run's model", "size mismatch",
                       "config.yaml edited to another model")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_far_beyond_memory_is_refused_naming_the_setting(text_model, monkeypatch):
+    """Beyond twice the memory free the estimate cannot be that wrong (docs/performance.md):
+    refused before anything is written, naming the setting and the value that fits."""
+    from parity import memory
+    from parity.config import make_config
+    from parity.errors import ParityError
+    from parity.runs import load_policy
+    model, _ = load_policy(text_model)
+    cfg = make_config({"model": "text-xs", "prompts_per_step": 64, "samples_per_prompt": 16,
+                       "max_new_tokens": 128}).validate()
+    e = memory.estimate(cfg, model, 20)
+    monkeypatch.setattr(memory, "available", lambda device=None: e.weights + e.forward / 8)
+    assert e.total > memory.REFUSE_FACTOR * (e.weights + e.forward / 8)
+    with pytest.raises(ParityError, match=r"may need about .* use --(micro|rollout)-batch \d+"):
+        memory.check(cfg, model, 20)
+    monkeypatch.setattr(memory, "available", lambda device=None: e.total * 0.8)
+    assert "if it is killed, use" in memory.check(cfg, model, 20)  # near: a warning only
