@@ -30,10 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_file, save_model
 
 from parity import lora
 from parity.errors import ParityError, one_line
+from parity.files import (check_safetensors, free_bytes, is_disk_full, read_safetensors,
+                          read_torch, write_failure)
 
 MANIFEST = "manifest.json"
 ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)
@@ -69,10 +72,47 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
         return _save(run, step, model, tok, engine_model, engine_version, opt, scaler_state,
                      prompts_state, gen, value_head, keep, async_state, engine_versions,
                      model_state, opt_state)
-    except OSError as e:  # the checkpoints path became a file, the disk filled, ...
-        raise ParityError(f"cannot write the checkpoint of step {step} under {run / 'checkpoints'}"
-                          f": {one_line(e)}; metrics.jsonl holds every step so far, and "
-                          f"`--resume` continues from the newest checkpoint on disk") from None
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # The checkpoints path became a file, the disk filled (torch and safetensors wrap the
+        # system's error in their own), ... The partial write goes, to free its space.
+        tmp = run / "checkpoints" / f".tmp-step-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        failure = _save_failure(e, run, step, model, engine_model)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _save_failure(e: BaseException, run: Path, step: int, model: torch.nn.Module,
+                  engine_model: torch.nn.Module) -> ParityError | None:
+    """One line: what could not be written, the space it needs (the newest checkpoint's size,
+    or the tensors' where none is on disk yet), and that nothing written before is lost. None
+    for a library error that is not the disk's (torch reports a full disk only as a stream
+    error: the free space tells)."""
+    path = run / "checkpoints" / f"step-{step}"
+    done = steps_on_disk(run) if (run / "checkpoints").is_dir() else []
+    done = [s for s in done if s != step]
+    needed = _bytes_on_disk(run / "checkpoints" / f"step-{done[-1]}") if done else sum(
+        t.numel() * t.element_size() for sd in (model.state_dict(), engine_model.state_dict())
+        for t in sd.values()) + 3 * sum(p.numel() * 4 for p in model.parameters()
+                                        if p.requires_grad)  # gradients' moments and master
+    kept = f"checkpoint step-{done[-1]} stays whole to resume from" if done else \
+        "no checkpoint was written yet"
+    free = free_bytes(run)
+    full = is_disk_full(e) or (free is not None and free < needed)
+    if not full and not isinstance(e, OSError):
+        return None
+    if full:
+        return write_failure(e, path, needed, f"the checkpoint of step {step} to", after=(
+            f"; the partial write was removed, {kept}, and metrics.jsonl holds every step so "
+            f"far: free some space, then `parity train --resume {run}`"), full=True)
+    return ParityError(f"cannot write the checkpoint of step {step} under {run / 'checkpoints'}"
+                       f": {one_line(e)}; metrics.jsonl holds every step so far, and "
+                       f"`--resume` continues from the newest checkpoint on disk")
+
+
+def _bytes_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
 def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,
@@ -203,35 +243,52 @@ def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module
               gen: torch.Generator, value_head: torch.nn.Module | None) -> dict:
     """Restore weights and RNGs in place; returns train.pt's {"optimizer", "scaler"} states,
     which the caller loads once its optimizer exists (under FSDP, on the shards)."""
-    if lora.is_lora(model):
-        if not (r.path / ADAPTERS).is_file():
-            raise ParityError(f"{r.path} holds no LoRA adapters: it was written by a run "
-                              f"without --lora-rank")
-        lora.restore_engine(model, engine_model, load_file(str(r.path / ENGINE_ADAPTERS)))
-        lora.load_adapter_state(model, load_file(str(r.path / ADAPTERS)))
-    else:
-        weights = load_file(str(r.path / "model.safetensors"))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if unexpected or [k for k in missing if k not in _tied(model)]:
-            raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        load_model(engine_model, str(r.path / "engine.safetensors"))
-    if value_head is not None:
-        value_head.load_state_dict(load_file(str(r.path / "value_head.safetensors")))
-    rng = torch.load(r.path / "rng.pt", weights_only=True)
+    try:
+        _load_weights(r, model, engine_model, value_head)
+    except RuntimeError as e:  # torch's "size mismatch for ...": another model than was saved
+        first = next((x.strip() for x in str(e).splitlines() if "mismatch" in x), one_line(e))
+        raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
+                          f"({first[:200]}); was the run's "
+                          f"config.yaml edited to another model? It must name the one the run "
+                          f"started with") from None
+    rng = read_torch(r.path / "rng.pt", "checkpoint file")
     torch.set_rng_state(rng["torch"])
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     gen.set_state(rng["sampling"])
     random.setstate(_as_tuple(rng["python"]))
     # On the CPU whatever device wrote it: the optimizer moves its state to its parameters'.
-    return torch.load(r.path / "train.pt", weights_only=True, map_location="cpu")
+    return read_torch(r.path / "train.pt", "checkpoint file")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    return read_safetensors(path, "checkpoint file")
+
+
+def _load_weights(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
+                  value_head: torch.nn.Module | None) -> None:
+    if lora.is_lora(model):
+        if not (r.path / ADAPTERS).is_file():
+            raise ParityError(f"{r.path} holds no LoRA adapters: it was written by a run "
+                              f"without --lora-rank")
+        lora.restore_engine(model, engine_model, _read(r.path / ENGINE_ADAPTERS))
+        lora.load_adapter_state(model, _read(r.path / ADAPTERS))
+    else:
+        weights = _read(r.path / "model.safetensors")
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if k not in _tied(model)]:
+            raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        check_safetensors(r.path / "engine.safetensors", "checkpoint file")
+        load_model(engine_model, str(r.path / "engine.safetensors"))
+    if value_head is not None:
+        value_head.load_state_dict(_read(r.path / "value_head.safetensors"))
 
 
 def engine_versions(r: Restored) -> dict[int, dict[str, torch.Tensor]]:
     """The async engine's pushed weight versions a checkpoint kept (empty for a synchronous
     run)."""
-    return {int(v): load_file(str(r.path / f"engine-v{v}.safetensors"))
+    return {int(v): _read(r.path / f"engine-v{v}.safetensors")
             for v in r.state.get("async", {}).get("pushed", [])}
 
 

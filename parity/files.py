@@ -10,6 +10,7 @@ directory is refused before anything is created (docs/errors.md, "Files", "Outpu
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import io
 import json
@@ -130,6 +131,102 @@ def read_parquet(path: str | Path, what: str) -> Any:
         raise ParityError(f"{what} {path} is not a readable parquet file: {one_line(e)}") from None
 
 
+# Bytes per element of each dtype the safetensors format names.
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+                      "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_safetensors(path: str | Path, what: str) -> None:
+    """Refuse a .safetensors file that is cut short, or whose header does not describe its
+    bytes, naming the file and the first problem: a library reading it would end in its own
+    traceback (SafetensorError, or a RuntimeError from deep inside a load)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = f.read(n) if 0 <= n <= size - 8 else b""
+    except OSError as e:
+        raise _unreadable(e, p, what) from None
+    bad = lambda why: ParityError(f"{what} {p} is not a whole safetensors file: {why}")  # noqa: E731
+    if n < 0:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    if n > size - 8:
+        raise bad(f"its header claims {n} bytes and the file holds {size} (cut short?)")
+    try:
+        entries = json.loads(header.decode("utf-8"))
+        if not isinstance(entries, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"its header is not JSON ({one_line(e)})") from None
+    end = 0
+    for name, t in entries.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = t["data_offsets"]
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+            width = _SAFETENSORS_BYTES[t["dtype"]]
+            ok = 0 <= start <= stop and stop - start == count * width
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise bad(f"tensor {name!r}: its header entry does not describe its bytes ({t!r:.120})")
+        end = max(end, stop)
+    if 8 + n + end != size:
+        raise bad(f"its tensors need {8 + n + end} bytes and the file holds {size}"
+                  + (" (cut short?)" if size < 8 + n + end else ""))
+
+
+def read_safetensors(path: str | Path, what: str) -> dict[str, Any]:
+    """The tensors of a .safetensors file, checked first (`check_safetensors`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    check_safetensors(path, what)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ParityError(f"{what} {path} cannot be read: {one_line(e)}") from None
+
+
+def read_torch(path: str | Path, what: str) -> Any:
+    """A torch.save file, with `weights_only=True` (no code runs); one that is cut or damaged
+    is one line naming it."""
+    import pickle
+
+    import torch
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except OSError as e:
+        raise _unreadable(e, Path(path), what) from None
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, KeyError) as e:
+        raise ParityError(f"{what} {path} cannot be read (damaged or cut short?): "
+                          f"{one_line(e)}") from None
+
+
+def check_gguf(path: str | Path, what: str) -> None:
+    """Refuse a file that is not GGUF by its magic bytes and version, or is cut before its
+    tensor and metadata counts, before a library parses it."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise _unreadable(e, p, what) from None
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ParityError(f"cannot read {what} {p}: not a GGUF file ("
+                          + (f"it starts {head[:4]!r}" if len(head) >= 4 else
+                             f"{len(head)} bytes") + ")")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in (1, 2, 3):
+        raise ParityError(f"cannot read {what} {p}: it declares GGUF version {version}, and "
+                          f"versions 1-3 exist (damaged?)")
+
+
 def arrow_rows(table: Any, what: str) -> list[dict[str, Any]]:
     """A pyarrow Table's rows as dicts. Parquet stores strings as bytes and checks no encoding,
     so a string that is not UTF-8 is found and named by row and column."""
@@ -146,6 +243,102 @@ def arrow_rows(table: Any, what: str) -> list[dict[str, Any]]:
                                       f"0x{e.object[e.start]:02x} at offset {e.start} of the "
                                       f"value does not decode)") from None
         raise ParityError(f"{what}: a value is not UTF-8 text ({first.reason})") from None
+
+
+def size_text(n: float) -> str:
+    for unit, scale in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """The bytes free on the file system that holds `path` (or the nearest directory above it
+    that exists); None where the system does not say."""
+    for q in (Path(path), *Path(path).absolute().parents):
+        try:
+            return shutil.disk_usage(q).free
+        except OSError:
+            continue
+    return None
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether a failed write ran out of space: an OSError says so by its errno; torch and
+    safetensors wrap it in a RuntimeError whose text carries the system's words or code."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return any(w in text for w in ("No space left", "StorageFull", "code: 28",
+                                   "Disk quota exceeded"))
+
+
+def write_failure(e: BaseException, path: str | Path, needed: int, what: str,
+                  after: str = "", full: bool = False) -> ParityError:
+    """One line for a write that failed: a full disk (`full`: the caller found it so) names the
+    path and the space it needs beside the space free; anything else names the path and the
+    system's reason."""
+    if full or is_disk_full(e):
+        free = free_bytes(path)
+        has = f", {size_text(free)} is free there" if free is not None else ""
+        return ParityError(f"no space left on the device to write {what} {path}: it needs about "
+                           f"{size_text(needed)}{has}{after}")
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+    return ParityError(f"cannot write {what} {path}: {reason}{after}")
+
+
+def write_atomic(path: str | Path, data: bytes, what: str) -> None:
+    """`data` in `path`, in one rename: a reader, or a crash, sees the old file or the new one.
+    A write that fails (a full disk) leaves the old file as it was, and is one line."""
+    p = Path(path)
+    tmp = p.with_name(f".tmp-{p.name}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_failure(e, p, len(data), what) from None
+
+
+class LineLog:
+    """A JSON Lines file a run appends to, one whole line per write: a line the system cannot
+    take (a full disk) is taken back, so the file holds only whole lines, and the failure is one
+    line naming the file and the space the line needs. `after` ends that message (what the
+    user can do)."""
+
+    def __init__(self, path: str | Path, what: str, after: str = "") -> None:
+        self.path, self.what, self.after = Path(path), what, after
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise write_failure(e, self.path, 0, what) from None
+
+    def write(self, line: str) -> None:
+        data = line.encode("utf-8")
+        start = os.fstat(self.fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self.fd, data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, start)  # never leave half a record behind
+            raise write_failure(e, self.path, len(data), self.what, self.after) from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "LineLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def ensure_writable(path: str | Path, what: str) -> None:
@@ -171,6 +364,30 @@ def ensure_writable(path: str | Path, what: str) -> None:
         raise ParityError(f"{what} {p}: {e.strerror or one_line(e)}") from None
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ParityError(f"{what} {p} cannot be written: {probe} is not writable")
+    if (fs := kernel_file_system(probe)) is not None:
+        raise ParityError(f"{what} {p} cannot be created: {probe} is on {fs}, a file system the "
+                          f"kernel makes up, where no files can be written")
+
+
+# File systems the kernel makes up (its state as files): a directory on them cannot hold a run,
+# yet they pass the permission check (root "may write" /proc, and mkdir then fails oddly).
+_KERNEL_FS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+              "securityfs", "pstore", "bpf", "configfs", "mqueue", "fusectl", "binfmt_misc",
+              "efivarfs", "autofs", "hugetlbfs", "nsfs", "rpc_pipefs", "selinuxfs"}
+
+
+def kernel_file_system(path: Path) -> str | None:
+    """The kernel file system (`proc`, `sysfs`, ...) that holds `path`, from /proc/self/mounts
+    (the longest mount point above it); None for an ordinary one, or where mounts are unknown."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    where = os.path.realpath(path)
+    best = max((m for m in mounts if where == m[0] or where.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best is not None and best[1] in _KERNEL_FS else None
 
 
 def _exists(p: Path) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,14 @@ def _import(name: str) -> Any:
         # the network. A value the user set wins.
         os.environ.setdefault("WANDB_SILENT", "true")
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        if not os.environ.get("HOME") and not os.environ.get("XDG_CACHE_HOME"):
+            # wandb-core finds its log and cache directories from these; with neither it logs
+            # every line of its own to stderr. The user's home from the password database, as
+            # HOME would give it (or the temporary directory, where there is none).
+            home = os.path.expanduser("~")
+            os.environ["XDG_CACHE_HOME"] = os.path.join(
+                home if home != "~" and os.access(home, os.W_OK) else tempfile.gettempdir(),
+                ".cache")
         import wandb
         return wandb
     # torch's writer; it raises ImportError when the tensorboard package is missing.

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from parity.errors import ParityError
+from parity.errors import ParityError, one_line
+from parity.files import check_safetensors
 
 ADAPTER = "default"
 # peft's name for every linear layer but the output head: the attention and MLP projections.
@@ -33,6 +35,37 @@ ALL_LINEAR = "all-linear"
 
 def is_lora(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a layer LoRA can adapt: a Linear, or GPT-2's Conv1D (its weight in x out)."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return tuple(module.weight.shape)  # type: ignore[return-value]
+    return None
+
+
+def planned_adapters(model: torch.nn.Module, rank: int, targets: str) -> int:
+    """The adapter parameters `wrap` would add, counted before any is allocated (a rank typed
+    with extra zeros must be refused, not allocated). A target name that matches no layer is
+    refused even beside names that do: peft would adapt the others and drop it silently."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = {name: shape for name, m in model.named_modules()
+              if (shape := _linear_shape(m)) is not None and m is not head}
+    if targets == ALL_LINEAR:
+        chosen = list(layers)
+    else:
+        names = [t.strip() for t in targets.split(",")]
+        matches = {t: [k for k in layers if k == t or k.endswith("." + t)] for t in names}
+        unknown = [t for t, found in matches.items() if not found]
+        if unknown:
+            known = sorted({k.rsplit(".", 1)[-1] for k in layers})
+            raise ParityError(f"lora_targets={targets!r}: {', '.join(map(repr, unknown))} names "
+                              f"no linear layer of the model; its layers are "
+                              f"{', '.join(known)} (or all-linear)")
+        chosen = sorted({k for found in matches.values() for k in found})
+    return sum(rank * (layers[k][0] + layers[k][1]) for k in chosen)
 
 
 def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, merge: bool,
@@ -61,12 +94,16 @@ def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, m
 def from_adapter(model: torch.nn.Module, adapter_dir: str, merge: bool) -> torch.nn.Module:
     """`model` with the adapters saved in `adapter_dir` (peft's save_pretrained), frozen."""
     from peft import PeftModel
+    from safetensors import SafetensorError
+    for f in Path(adapter_dir).glob("*.safetensors"):
+        check_safetensors(f, "adapter file")
     try:
         with warnings.catch_warnings():  # as in `wrap`
             warnings.simplefilter("ignore", FutureWarning)
             peft_model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ParityError(f"adapter {adapter_dir}: cannot load it onto the model ({e})") from None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise ParityError(f"adapter {adapter_dir}: cannot load it onto the model "
+                          f"({one_line(e)})") from None
     peft_model.parity_merge = merge
     return peft_model
 

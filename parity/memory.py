@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from parity import lora
 from parity.errors import ParityError
 
 # Bytes a forward with gradient keeps per token per layer, in units of the width in fp32: the
@@ -29,26 +30,71 @@ class Estimate:
     weights: float       # bytes: master weights, gradients, optimizer state, engine/shadow copies
     forward: float       # bytes: the largest forward with gradient (activations and logits)
     rows: int            # completions in that forward
+    sampling: bool = False  # the largest forward is the engine's KV cache, not the update's
+    adapters: int = 0    # LoRA adapter parameters among the weights
 
     @property
     def total(self) -> float:
         return self.weights + self.forward
 
 
+def _read_number(path: str, key: str | None = None) -> float | None:
+    """A number from a /proc or /sys file: the file's whole content, or the line starting with
+    `key` (its value in kB); None where the file is absent or says "max"."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    if key is None:
+        text = text.strip()
+        return float(text) if text.isdigit() else None
+    for line in text.splitlines():
+        if line.startswith(key):
+            return float(line.split()[1]) * 1024
+    return None
+
+
+def limits() -> dict[str, float]:
+    """Every limit on this process's memory the system states, in bytes free under each: the
+    machine's MemAvailable, its cgroup's limit less its usage (v2, or v1), and the address space
+    `ulimit -v` leaves beside what the process maps already."""
+    out = {}
+    if (free := _read_number("/proc/meminfo", "MemAvailable:")) is not None:
+        out["available memory"] = free
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_number(limit), _read_number(usage)
+        if cap is not None and used is not None and cap < 2 ** 60:  # v1 writes "no limit" huge
+            out["the cgroup's memory limit"] = max(0.0, cap - used)
+            break
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        mapped = _read_number("/proc/self/status", "VmSize:") or 0.0
+        out["the address space ulimit -v allows"] = max(0.0, soft - mapped)
+    return out
+
+
 def available(device: Any = None) -> float | None:
-    """Bytes free on the run's device: the GPU's free memory on CUDA, MemAvailable from
-    /proc/meminfo on the CPU (Linux); None where the system does not say."""
+    """Bytes free to the run on its device: the GPU's free memory on CUDA; on the CPU the
+    tightest of `limits()` (Linux); None where the system does not say."""
     if device is not None and device.type == "cuda":
         import torch
         return float(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return min(limits().values(), default=None)
+
+
+def _which(device: Any, free: float) -> str:
+    """The limit `free` came from, for the message."""
+    if device is not None and device.type == "cuda":
+        return "free on the GPU"
+    found = limits()
+    name = min(found, key=lambda k: abs(found[k] - free), default=None)
+    if name is None or abs(found[name] - free) > 0.05 * free + 2 ** 20:
+        return "free"  # a figure given by the caller
+    return f"free under {name}"
 
 
 def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
@@ -57,6 +103,11 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)  # LoRA: adapters
     stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    adapters = 0
+    if getattr(cfg, "lora_rank", 0) and not lora.is_lora(model):  # the adapters to come
+        adapters = lora.planned_adapters(model, cfg.lora_rank, cfg.lora_targets)
+        stored = n_params * _BYTES[cfg.base_dtype] + 4 * adapters
+        n_params, n_train = n_params + adapters, adapters
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 1)
     width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 1)
     vocab = c.vocab_size
@@ -65,6 +116,10 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     weights = _RUNTIME + stored + n_train * (4 + adam) + engine  # + gradients, optimizer state
     if cfg.diagnostics or cfg.ratio_source == "shadow":
         weights += engine  # the shadow's own copy
+    if cfg.objective == "online-dpo" and cfg.dpo_ref == "initial":
+        weights += stored  # the frozen initial policy
+    if getattr(cfg, "async_engine", False):  # the pushed versions a stale rollout may still need
+        weights += (cfg.max_staleness + 1) * engine
     rows = cfg.prompts_per_step * cfg.samples_per_prompt // cfg.minibatches // world
     mb = cfg.micro_batch if micro_batch is None else micro_batch
     rows = min(rows, mb) if mb else rows
@@ -89,31 +144,94 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     kv_width = getattr(c, "num_key_value_heads", None) or getattr(c, "n_head", 1)
     head = width // (getattr(c, "num_attention_heads", None) or getattr(c, "n_head", 1))
     kv = 2 * layers * decoding * kv_width * head * length * _BYTES[cfg.engine_dtype]
-    return Estimate(weights + dists, max(rows * length * act + logits, kv), rows)
+    return Estimate(weights + dists, max(rows * length * act + logits, kv), rows,
+                    kv >= rows * length * act + logits, adapters)
+
+
+# A run estimated at more than this many times the memory free is refused rather than warned
+# about: the estimate errs by at most ~40% either way (docs/performance.md).
+REFUSE_FACTOR = 2.0
 
 
 def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
           device: Any = None) -> str | None:
-    """None when the run fits the memory available now on `device` (the CPU when None); else a
-    warning naming the setting to change. A run whose weights and optimizer alone exceed it is
-    refused."""
+    """None when the run fits the memory free to it now on `device` (the CPU when None: the
+    tightest of the machine's, the cgroup's and `ulimit -v`'s limits); else a warning naming the
+    setting to change. A run whose weights and optimizer alone exceed it, or whose estimate is
+    far beyond it, is refused before anything is written, naming the setting to lower."""
     free = available(device)
-    where = " on the GPU" if device is not None and device.type == "cuda" else ""
     if free is None:
         return None
+    where = _which(device, free)
     e = estimate(cfg, model, longest_prompt, world)
     gb = 2 ** 30
     if e.weights > free:
+        lower = (f"lower --lora-rank (rank {cfg.lora_rank} adds {e.adapters:,} adapter "
+                 f"parameters)" if e.adapters * 16 > e.weights / 2 else
+                 "a smaller model, or more ranks under FSDP")
         raise ParityError(f"this run's weights, gradients and optimizer state need "
-                          f"{e.weights / gb:.1f} GB and {free / gb:.1f} GB is available{where}: a "
-                          f"smaller model, or more ranks under FSDP")
+                          f"{e.weights / gb:.1f} GB and {free / gb:.1f} GB is available ({where}): "
+                          f"{lower}")
     if e.total <= free:
         return None
-    fits = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < e.rows and
-            estimate(cfg, model, longest_prompt, world, micro_batch=n).total <= 0.9 * free]
-    advice = (f"--micro-batch {fits[0]}" if fits else
-              "--micro-batch 1 with --logprob-chunk 64 --gradient-checkpointing, or shorter "
-              "--max-new-tokens")
-    return (f"this run may need about {e.total / gb:.1f} GB (its largest forward holds {e.rows} "
-            f"completions of up to {longest_prompt + cfg.max_new_tokens} tokens) and "
-            f"{free / gb:.1f} GB is available{where}; if it is killed, use {advice}")
+    advice = _advice(cfg, model, longest_prompt, world, e, free)
+    need = (f"this run may need about {e.total / gb:.1f} GB (its largest "
+            + (f"batch of sampling decodes {_decoding(cfg, world)} rows"
+               if e.sampling else f"forward holds {e.rows} completions")
+            + f" of up to {longest_prompt + cfg.max_new_tokens} tokens) and {free / gb:.1f} GB "
+              f"is available ({where})")
+    if e.total > REFUSE_FACTOR * free:
+        raise ParityError(f"{need}: use {advice}")
+    return f"{need}; if it is killed, use {advice}"
+
+
+def _decoding(cfg: Any, world: int) -> int:
+    sampled = cfg.prompts_per_step * cfg.samples_per_prompt // world
+    return min(sampled, cfg.rollout_batch) if cfg.rollout_batch else sampled
+
+
+def _advice(cfg: Any, model: Any, longest_prompt: int, world: int, e: Estimate,
+            free: float) -> str:
+    """The setting to lower, and the value that fits where one does."""
+    fits = lambda total: total <= 0.9 * free  # noqa: E731
+    if e.sampling:
+        import dataclasses
+        ok = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < _decoding(cfg, world) and
+              fits(estimate(dataclasses.replace(cfg, rollout_batch=n), model, longest_prompt,
+                            world).total)]
+        if ok:
+            return f"--rollout-batch {ok[0]}"
+        return "fewer --prompts-per-step or --samples-per-prompt, or shorter --max-new-tokens"
+    ok = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < e.rows and
+          fits(estimate(cfg, model, longest_prompt, world, micro_batch=n).total)]
+    if ok:
+        return f"--micro-batch {ok[0]}"
+    return ("--micro-batch 1 with --logprob-chunk 64 --gradient-checkpointing, or shorter "
+            "--max-new-tokens")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an exception is an allocation that failed: CUDA's OutOfMemoryError, Python's
+    MemoryError, or the CPU allocator's RuntimeError."""
+    import torch
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e)
+                                            or "out of memory" in str(e).lower())
+
+
+def oom_message(cfg: Any, e: BaseException) -> str:
+    """One line for an allocation that failed mid-run: the settings that scale memory, as this
+    run set them, the first to lower named first."""
+    lower = []
+    if cfg.lora_rank:
+        lower.append(f"--lora-rank {cfg.lora_rank}")
+    lower.append(f"--micro-batch (now {cfg.micro_batch or 'the whole minibatch'})")
+    lower.append(f"--rollout-batch (now {cfg.rollout_batch or 'every prompt at once'})")
+    lower.append(f"--prompts-per-step {cfg.prompts_per_step} x --samples-per-prompt "
+                 f"{cfg.samples_per_prompt}")
+    lower.append(f"--max-new-tokens {cfg.max_new_tokens}")
+    kind = "the GPU" if type(e).__name__ == "OutOfMemoryError" else "memory"
+    return (f"the run ran out of {kind} ({type(e).__name__}); lower one of: {', '.join(lower)}, "
+            f"or add --gradient-checkpointing --logprob-chunk 64. The steps written so far are in "
+            f"metrics.jsonl and `parity train --resume RUN` continues from the newest checkpoint")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from parity.errors import ParityError, one_line
-from parity.files import ensure_writable, publish_dir, quiet_libraries
+from parity.files import check_gguf, ensure_writable, publish_dir, quiet_libraries
 
 _DONE = "pretrained.json"
 
@@ -96,6 +96,7 @@ def convert_gguf(gguf: Path, out: Path, progress: bool = True, round_to: str = "
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from parity import ui
+    check_gguf(gguf, "GGUF file")
     info: dict = {"source": str(gguf), "source_bytes": gguf.stat().st_size}
     t0 = time.time()
     with ui.progress(f"converting {gguf.name}", 3, enabled=progress) as bar:

@@ -7,8 +7,10 @@ imports the trainer.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
 from parity.errors import ParityError, one_line
-from parity.files import ensure_writable, lines, quiet_libraries, read_text
+from parity.files import (check_safetensors, ensure_writable, quiet_libraries, read_bytes,
+                          write_atomic)
 
 if TYPE_CHECKING:
     from parity.config import Config
@@ -75,6 +78,8 @@ def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     """fp32 master weights and the tokenizer. A directory that is not a causal LM, or whose
     config.json disagrees with its weights, is a user error."""
     config = _causal_lm_config(model_dir)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        check_safetensors(f, "weights file")
     try:
         with quiet_libraries():
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -141,20 +146,98 @@ def check_run_dir(path: Path) -> None:
                           f"another --out")
 
 
+class RunClaim:
+    """A run directory held by this process for as long as its run lasts: an exclusive lock on
+    the directory itself (flock), so a second `parity train` on it is refused, and a run that
+    crashes or is killed leaves nothing stuck (the kernel drops the lock with the process).
+    Nothing is written into the directory to hold it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:  # a run that failed while building: the lock goes with it
+        self.close()
+
+
+def claim_run_dir(path: Path, new: bool) -> RunClaim:
+    """Hold `path` for this run. A new run creates it (or takes an empty one) and checks it is
+    still empty once held: of two runs started at once with one --out, exactly one gets it and
+    the other is refused in one line before it writes anything. A resumed run holds its
+    directory before it reads or repairs anything in it."""
+    try:
+        if new:
+            path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise ParityError(f"run directory {path}: {e.strerror or one_line(e)}") from None
+    claim = RunClaim(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        claim.close()
+        raise ParityError(f"run directory {path} is in use by another parity run still writing "
+                          f"it; choose another --out, or wait for that run to end") from None
+    except OSError:
+        pass  # a file system without locks (some network ones): the emptiness check still holds
+    if new and any(path.iterdir()):
+        claim.close()
+        raise ParityError(f"run directory {path} already exists and is not empty; choose "
+                          f"another --out")
+    return claim
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines past the checkpoint a run resumes from (and a torn last line), atomically."""
+    """Drop the lines past the checkpoint a run resumes from (it logs those steps again),
+    atomically. A line that cannot be read (cut by a crash, or damaged anywhere in the file) is
+    kept aside in metrics-unreadable[-N].jsonl, named in a warning, and never stops the
+    readable lines after it from being kept: nothing readable up to `last_step` is lost."""
     if not path.is_file():
         return
-    keep = []
-    for line in lines(read_text(path, "metrics file")):
-        try:
-            if json.loads(line)["step"] <= last_step:
-                keep.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break  # a line cut by the crash: nothing after it was written either
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text("".join(x + "\n" for x in keep))
-    os.replace(tmp, path)
+    keep, damaged = [], []
+    for n, raw in enumerate(read_bytes(path, "metrics file").split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        step = _step_of(raw)
+        if step is None:
+            damaged.append((n, raw))
+        elif step <= last_step:
+            keep.append(raw)
+    if damaged:
+        aside = free_dir(path.with_name("metrics-unreadable"), ".jsonl")
+        write_atomic(aside, b"".join(raw + b"\n" for _, raw in damaged), "metrics file")
+        have = {_step_of(raw) for raw in keep}
+        lost = [s for s in range(1, last_step + 1) if s not in have]
+        print(f"parity: warning: {path}: line {', '.join(str(n) for n, _ in damaged)} could not "
+              f"be read (cut or not JSON) and {'is' if len(damaged) == 1 else 'are'} kept in "
+              f"{aside.name}; every readable step is kept"
+              + (f"; the metrics of step {_ranges(lost)} are missing" if lost else ""),
+              file=sys.stderr)
+    write_atomic(path, b"".join(raw + b"\n" for raw in keep), "metrics file")
+
+
+def _step_of(raw: bytes) -> int | None:
+    """A metrics line's step, or None when the line is not a whole record."""
+    try:
+        step = json.loads(raw.decode("utf-8"))["step"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _ranges(steps: list[int]) -> str:
+    """[3, 4, 5, 9] -> "3-5, 9"."""
+    out: list[str] = []
+    for s in steps:
+        if out and s - 1 == int(out[-1].split("-")[-1]):
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out)
 
 
 def set_aside_metrics(run: Path) -> Path | None:

@@ -24,6 +24,42 @@ from typing import Any
 from parity.errors import ParityError
 
 TOKEN_ID_PREFIX = "token_id:"
+_KIND = {str: "text", dict: "a JSON object", list: "a list", int: "an integer"}
+
+
+def _typed(v: Any, kind: type, at: str, field: str, required: bool = False) -> Any:
+    """`v` when it is of `kind`; None when absent or null (proxies and gateways write an absent
+    field as null) and not `required`; else one line naming the line and the field."""
+    if isinstance(v, kind) and not (kind is int and isinstance(v, bool)):
+        return v
+    if v is None and not required:
+        return None
+    got = "null" if v is None else f"{type(v).__name__} {json_text(v)}"
+    raise ParityError(f"{at}, field {field!r}: {got} where {_KIND[kind]} belongs")
+
+
+def _ints(v: Any, at: str, field: str) -> list[int] | None:
+    """A list of integer token ids, or None when absent or null."""
+    if _typed(v, list, at, field) is None:
+        return None
+    for j, x in enumerate(v):
+        _typed(x, int, at, f"{field}[{j}]", required=True)
+    return v
+
+
+def _numbers(v: list, at: str, field: str) -> list[float]:
+    for j, x in enumerate(v):
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            got = "null" if x is None else f"{type(x).__name__} {json_text(x)}"
+            raise ParityError(f"{at}, field {field!r}: {got} at token {j} where a log-prob (a "
+                              f"number) belongs")
+    return v
+
+
+def json_text(v: Any) -> str:
+    import json
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def is_server_line(row: dict[str, Any]) -> bool:
@@ -32,14 +68,15 @@ def is_server_line(row: dict[str, Any]) -> bool:
 
 def server_rows(row: dict[str, Any], at: str, tok: Any) -> list[dict[str, Any]]:
     """The audit rows (one per choice) of one saved server line."""
-    request = row.get("request") or {}
+    request = _typed(row.get("request"), dict, at, "request") or {}
     response = row.get("response", row)
-    if not isinstance(response, dict) or not isinstance(request, dict):
+    if not isinstance(response, dict):
         raise ParityError(f"{at}: `request` and `response` must be JSON objects")
     if "meta_info" in response:
         choices = [_sglang_native(response, request, at, tok)]
     elif isinstance(response.get("choices"), list) and response["choices"]:
-        chat = response.get("object", "").startswith("chat") or any(
+        kind = _typed(response.get("object"), str, at, "object") or ""
+        chat = kind.startswith("chat") or any(
             isinstance(c, dict) and "message" in c for c in response["choices"])
         choices = [_openai_choice(c, k, response, request, chat, f"{at}, choice {k}", tok)
                    for k, c in enumerate(response["choices"])]
@@ -77,16 +114,18 @@ def _openai_choice(c: Any, k: int, response: dict, request: dict, chat: bool, at
             raise ParityError(f"{at}, field 'logprobs.content': must be a list of "
                               f"{{token, logprob}} objects")
         tokens = [e.get("token") for e in entries]
-        logprobs = [e.get("logprob") for e in entries]
+        logprobs = _numbers([e.get("logprob") for e in entries], at, "logprobs.content.logprob")
         field = "logprobs.content"
     else:
         tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
         for name, v in (("tokens", tokens), ("token_logprobs", logprobs)):
             if not isinstance(v, list):
                 raise ParityError(f"{at}, field 'logprobs.{name}': must be a list")
+        _numbers(logprobs, at, "logprobs.token_logprobs")
         field = "logprobs.tokens"
-    ids = _completion_ids(c.get("token_ids"), tokens, at, field, tok)
-    prompt = (c.get("prompt_token_ids") or response.get("prompt_token_ids")
+    ids = _completion_ids(_ints(c.get("token_ids"), at, "token_ids"), tokens, at, field, tok)
+    prompt = (_ints(c.get("prompt_token_ids"), at, "prompt_token_ids")
+              or _ints(response.get("prompt_token_ids"), at, "prompt_token_ids")
               or _prompt_from_request(request, response, chat, at, tok))
     return {"prompt_token_ids": prompt, "completion_token_ids": ids, "engine_logprobs": logprobs}
 
@@ -144,7 +183,8 @@ def _prompt_from_request(request: dict, response: dict, chat: bool, at: str,
         ids = tok.encode(prompt)  # with the tokenizer's special tokens, as servers add them
     else:
         raise ParityError(f"{at}, field {field!r}: missing, or neither text nor token ids")
-    counted = (response.get("usage") or {}).get("prompt_tokens")
+    usage = _typed(response.get("usage"), dict, at, "usage") or {}
+    counted = _typed(usage.get("prompt_tokens"), int, at, "usage.prompt_tokens")
     if counted is None:
         raise ParityError(f"{at}, field 'usage.prompt_tokens': missing, so the prompt "
                           f"tokenized here cannot be checked against the server's; ask for "
@@ -166,14 +206,18 @@ def _sglang_native(response: dict, request: dict, at: str, tok: Any) -> dict[str
         raise ParityError(f"{at}, field 'meta_info.output_token_logprobs': missing or not "
                           f"[logprob, token_id, ...] entries; the request must set "
                           f"\"return_logprob\": true")
-    prompt = request.get("input_ids")
-    if not (isinstance(prompt, list) and prompt):
+    _numbers([t[0] for t in triples], at, "meta_info.output_token_logprobs")
+    for j, t in enumerate(triples):
+        _typed(t[1], int, at, f"meta_info.output_token_logprobs[{j}][1]", required=True)
+    prompt = _ints(request.get("input_ids"), at, "request.input_ids")
+    if not prompt:
         text = request.get("text")
         if not isinstance(text, str) or not text:
             raise ParityError(f"{at}: the prompt's token ids are not in the line: save the "
                               f"request with `input_ids` (or `text`) beside the response")
         prompt = tok.encode(text)
-        if meta.get("prompt_tokens") != len(prompt):
+        counted = _typed(meta.get("prompt_tokens"), int, at, "meta_info.prompt_tokens")
+        if counted != len(prompt):
             raise ParityError(f"{at}, field 'request.text': tokenized here it is "
                               f"{len(prompt)} tokens, the server counted "
                               f"{meta.get('prompt_tokens')}; send `input_ids` instead")

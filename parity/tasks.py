@@ -103,11 +103,23 @@ def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: l
         out = rw.fn(prompts, completions, completion_ids=completion_ids, **columns)
     except Exception as e:  # the user's code: report it, do not crash with its traceback
         raise ParityError(f"reward function {rw.spec} raised {one_line(e)}") from None
+    except SystemExit as e:  # graders call sys.exit(); it must not end the run unexplained
+        raise ParityError(f"reward function {rw.spec} called sys.exit({e.code!r}) while scoring "
+                          f"prompt rows {_rows_text(row_idx)}; a reward function must return "
+                          f"its values, not exit") from None
     try:
-        values = [float(v) for v in out]
-    except (TypeError, ValueError):
+        items = list(out)
+    except TypeError:
         raise ParityError(f"reward function {rw.spec} must return a list of numbers, got "
                           f"{type(out).__name__}") from None
+    values = []
+    for i, v in enumerate(items):
+        try:
+            values.append(float(v))
+        except (TypeError, ValueError):
+            raise ParityError(f"reward function {rw.spec} must return a list of numbers; value "
+                              f"{i} (prompt row {row_idx[i] if i < len(row_idx) else '?'}) is "
+                              f"{v!r:.60} ({type(v).__name__})") from None
     if len(values) != len(completions):
         raise ParityError(f"reward function {rw.spec} returned {len(values)} values for "
                           f"{len(completions)} completions")
@@ -120,6 +132,12 @@ def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: l
                               f"(prompt row {row_idx[i]}); rewards must lie within "
                               f"+-{REWARD_LIMIT:g}")
     return values
+
+
+def _rows_text(rows: list[int]) -> str:
+    shown = sorted(set(rows))
+    return ", ".join(map(str, shown[:8])) + (f" ... ({len(shown)} in all)" if len(shown) > 8
+                                             else "")
 
 
 def load_rewards(specs: list[str], weights: list[float] | None = None) -> list[Reward]:
@@ -188,6 +206,9 @@ def load_reward(spec: str) -> tuple[RewardFn, str]:
         raise
     except Exception as e:  # the user's module, run on import: any exception at all
         raise ParityError(f"cannot import reward module {mod_name!r}: {one_line(e)}") from None
+    except SystemExit as e:
+        raise ParityError(f"reward module {mod_name!r} called sys.exit({e.code!r}) on "
+                          f"import") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ParityError(f"reward module {mod_name!r} has no function {fn_name!r}")
@@ -199,6 +220,8 @@ def _reward_module(mod_name: str) -> Any:
     report a file that is not text as a SyntaxError without the byte's offset in the file."""
     if mod_name.endswith(".py"):
         path = Path(mod_name)
+        if path.is_dir():
+            raise ParityError(f"reward file {path} is a directory, not a Python file")
         if not path.is_file():
             raise ParityError(f"reward file {path} does not exist")
         read_python(path, "reward file")

@@ -46,8 +46,9 @@ from parity.objectives import (OBJECTIVES, Minibatch, Objective, ValueHead, beha
                                gae, grpo_advantages, log_ratio, units, whiten)
 from parity.precision import LossScaler, autocast, fp32_head
 from parity.rollouts import Plan, Rollouts
-from parity.runs import (check_run_dir, load_model_and_task, run_dir_for, set_aside_metrics,
-                         truncate_metrics)
+from parity.files import LineLog, write_failure
+from parity.runs import (RunClaim, check_run_dir, claim_run_dir, load_model_and_task,
+                         run_dir_for, set_aside_metrics, truncate_metrics)
 from parity.scoring import (disable_dropout, pieces, score_full, score_pieces, trimmed,
                             widened)
 from parity.tasks import PromptSampler, Task
@@ -88,17 +89,21 @@ class Run:
     first_step: int
     fsdp: bool
     backends: list[str] = field(default_factory=list)
+    claim: RunClaim | None = None       # rank 0: the run directory, held for the run's life
 
 
 def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
     """Rank 0 checks the run directory and builds the testbed's caches; the others follow, and
-    a refusal on rank 0 stops every rank. Returns (run dir, checkpoint to resume from or None,
-    logging backends, (model, tokenizer, model dir, task))."""
+    a refusal on rank 0 stops every rank. Every check, the memory check included, comes before
+    a new run's directory exists; a resumed run's directory is held before it is read. Returns
+    (run dir, checkpoint to resume from or None, logging backends, (model, tokenizer, model
+    dir, task), the resumed directory's claim)."""
     run = run_dir_for(cfg) if dist.main else Path()
     run = Path(dist.gather(str(run))[0])
-    error, restored, ctx, backends = None, None, None, []
+    error, restored, ctx, backends, claim = None, None, None, [], None
     if dist.main:
         try:
+            claim = claim_run_dir(run, new=False) if resume else None
             restored = checkpoints.latest_valid(run) if resume else None
             if not resume:
                 check_run_dir(run)
@@ -106,21 +111,29 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
             check_engine(cfg.engine)   # before a model is loaded or built
             ctx = load_model_and_task(cfg)
             check_engine(cfg.engine, ctx[0].config)
+            if warning := memory.check(cfg, ctx[0], max(map(len, ctx[3].prompt_ids)),
+                                       dist.world, dist.device):
+                print(f"parity: warning: {warning}", file=sys.stderr)
         except ParityError as e:
             error = str(e)
+            if claim is not None:
+                claim.close()
     dist.agree(error)
     restored = dist.gather(restored)[0]
     if ctx is None:
         ctx = load_model_and_task(cfg)
-    return run, restored, backends, ctx
+    return run, restored, backends, ctx, claim
 
 
-def _start_run_dir(cfg: Config, run: Path, model_dir: Path, task: Task) -> None:
-    check_run_dir(run)
-    run.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, run / "config.yaml")
-    (run / "task.json").write_text(json.dumps({"task": task.name, "model_dir": str(model_dir),
-                                               "rows": len(task.rows), **task.info}, indent=1))
+def _start_run_dir(cfg: Config, run: Path, model_dir: Path, task: Task) -> RunClaim:
+    claim = claim_run_dir(run, new=True)
+    try:
+        dump_yaml(cfg, run / "config.yaml")
+        (run / "task.json").write_text(json.dumps({"task": task.name, "model_dir": str(model_dir),
+                                                   "rows": len(task.rows), **task.info}, indent=1))
+    except OSError as e:
+        raise write_failure(e, run, 1 << 16, "the run directory") from None
+    return claim
 
 
 def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any, task: Task,
@@ -158,16 +171,14 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
                           f"takes whole prompt groups of every minibatch")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    run, restored, backends, (model, tok, model_dir, task) = _check_and_load(cfg, dist, resume)
+    run, restored, backends, (model, tok, model_dir, task), claim = _check_and_load(cfg, dist,
+                                                                                  resume)
     if cfg.lora_rank:
         model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge,
                           cfg.base_dtype)
     if dist.main and not resume:
-        _start_run_dir(cfg, run, model_dir, task)
+        claim = _start_run_dir(cfg, run, model_dir, task)
     device = dist.device
-    if dist.main and (warning := memory.check(cfg, model, max(map(len, task.prompt_ids)),
-                                              dist.world, device)):
-        print(f"parity: warning: {warning}", file=sys.stderr)
     model.to(device)  # before the copies: the engine, shadow and reference are made from it
     obj = OBJECTIVES[cfg.objective]
     if cfg.lm_head_fp32:
@@ -224,7 +235,7 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     rollouts = Rollouts(cfg, task, engine, dist, s, prompts, gen, kl_rows, first_step, restored)
     return Run(cfg, dist, run, obj, model, model if fsdp else dist.wrap(model), tok, task, engine,
                shadow, value_head, dist.wrap(value_head), ref_model, scaler, opt, params, rollouts,
-               s, device, first_step, fsdp, backends)
+               s, device, first_step, fsdp, backends, claim)
 
 
 # ---- one step --------------------------------------------------------------------------------
@@ -463,7 +474,9 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
         out = _train(build_run(cfg, dist, on_model, resume), resume)
         finished = True
         return out
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
+        if memory.out_of_memory(e):
+            raise ParityError(memory.oom_message(cfg, e)) from None
         if dist.on and is_comm_failure(e):
             raise RankFailure(failure_message(e)) from None
         raise
@@ -475,11 +488,15 @@ def _train(run: Run, resume: bool) -> Path:
     cfg, dist = run.cfg, run.dist
     with contextlib.ExitStack() as stack:
         stack.callback(run.rollouts.close)
+        if run.claim is not None:
+            stack.callback(run.claim.close)
         if dist.main:
             # Line-buffered: every finished step is on disk, whatever happens to the next one.
             # The other backends are rewound to the same step on resume, and closed however
             # the run ends.
-            metrics_file = stack.enter_context(open(run.dir / "metrics.jsonl", "a", buffering=1))
+            metrics_file = stack.enter_context(LineLog(
+                run.dir / "metrics.jsonl", "metrics", "; metrics.jsonl holds every step before it "
+                "and `parity train --resume RUN` continues from the newest checkpoint"))
             loggers = stack.enter_context(MetricLoggers(run.dir, run.backends, cfg.to_dict(),
                                                         run.first_step - 1 if resume else None))
         bar = stack.enter_context(progress("train", cfg.steps, cfg.progress and dist.main,

@@ -33,6 +33,11 @@ def raises_third(prompts, completions, **kw):
     return [float(len(c)) for c in completions]
 def needs_answer(prompts, completions, answer, **kw):
     return [float(c == a) for c, a in zip(completions, answer)]
+def exits(prompts, completions, **kw):
+    import sys
+    sys.exit("grader: no answer found")
+def with_none(prompts, completions, **kw):
+    return [1.0, None] + [0.0] * (len(completions) - 2)
 '''
 SMALL = ["--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",
          "--max-new-tokens", "4", "--no-progress"]
@@ -139,6 +144,9 @@ def test_missing_reward_function(env):
     ("nan", ["nan", "finite"]),
     ("short", ["returned 3 values for 4 completions"]),
     ("huge", ["returned 1e+39 for completion 0", "prompt row", "within +-1e+30"]),
+    ("exits", ["reward function", ":exits called sys.exit('grader: no answer found')",
+               "while scoring prompt rows", "must return its values"]),
+    ("with_none", ["list of numbers; value 1 (prompt row", "is None (NoneType)"]),
 ])
 def test_misbehaving_reward_function(env, reward, words):
     run = env / "run"
@@ -146,6 +154,14 @@ def test_misbehaving_reward_function(env, reward, words):
     assert_user_error(p, *words)
     assert (run / "config.yaml").is_file()
     assert (run / "metrics.jsonl").read_text() == ""  # consistent: no step completed
+
+
+def test_a_reward_path_that_is_a_directory_says_so(env):
+    (env / "rewards_dir.py").mkdir()
+    p = parity("train", "--task", str(env / "data.jsonl"), "--model", "text-xs", "--reward",
+               f"{env / 'rewards_dir.py'}:ok", "--out", str(env / "run"), *SMALL)
+    assert_user_error(p, "rewards_dir.py is a directory, not a Python file")
+    assert not (env / "run").exists()
 
 
 def test_reward_failing_mid_run_keeps_completed_steps(env):
@@ -438,3 +454,46 @@ def test_output_path_in_an_unwritable_directory(tmp_path, text_model, capsys, un
     p = in_process(capsys, *COMMANDS[command](out, tmp_path))
     assert_user_error(p, str(out), "cannot be written", f"{unwritable} is not writable")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["/proc/parity-out", "/sys/parity-out"])
+@pytest.mark.parametrize("command", ["train", "audit", "fp16-check", "testbed --cache"])
+def test_output_path_on_a_kernel_file_system(tmp_path, text_model, capsys, command, where):
+    if not Path(where).parent.is_dir():
+        pytest.skip(f"no {Path(where).parent} here")
+    p = in_process(capsys, *COMMANDS[command](Path(where), tmp_path))
+    assert_user_error(p, where, "cannot", "a file system the kernel makes up")
+    assert not Path(where).exists()
+
+
+def test_a_refusal_while_loading_is_the_only_line(tmp_path):
+    """The header is printed once the model has loaded and every check passed."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    p = parity("train", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "run"),
+               *SMALL)
+    line = assert_user_error(p, str(tmp_path / "model"))
+    assert p.stderr.strip().splitlines() == [line]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--lora-alpha", "16"], ["lora_alpha=16.0 applies to LoRA adapters", "--lora-rank"]),
+    (["--lora-targets", "q_proj"], ["lora_targets='q_proj' applies to LoRA adapters"]),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,nosuch_proj"],
+     ["'nosuch_proj' names no linear layer", "q_proj, up_proj"]),
+])
+def test_lora_settings_that_would_be_ignored_are_refused(tmp_path, text_model, args, words):
+    p = parity("train", "--model", "text-xs", "--out", str(tmp_path / "run"), *SMALL, *args)
+    assert_user_error(p, *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_testbed_list_never_cuts_a_name_and_has_json(cache):
+    from parity import pretrained, testbed
+    p = parity("testbed", "list")  # piped: no terminal width
+    for name in [*testbed.SPECS, *pretrained.SOURCES]:
+        assert f" {name} " in p.stdout, name
+    p = parity("testbed", "list", "--json")
+    rows = json.loads(p.stdout)["models"]
+    assert [r["name"] for r in rows] == [*testbed.SPECS, *pretrained.SOURCES]
+    assert {"name", "kind", "built", "about"} <= set(rows[0])

@@ -4,9 +4,11 @@ directory exists; one that breaks is dropped with a warning and metrics.jsonl st
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cli_helpers import assert_user_error
@@ -161,3 +163,19 @@ def test_unknown_backend_is_a_user_error(tmp_path):
                        timeout=300)
     assert_user_error(p, "report_to", "'foo'")
     assert not run.exists()
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed")
+def test_a_run_without_home_prints_nothing_of_wandb(tmp_path, text_model):
+    """With HOME unset, wandb-core cannot find its log directory and used to print every line
+    of its own log to stderr on a run that succeeded."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    p = subprocess.run([sys.executable, "-m", "parity", "train", "--model", "text-xs",
+                        "--prompts-per-step", "2", "--samples-per-prompt", "2",
+                        "--max-new-tokens", "4", "--steps", "1", "--threads", "1",
+                        "--report-to", "wandb", "--no-progress", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    noise = [x for x in p.stderr.splitlines() if " INFO " in x or " ERROR " in x]
+    assert noise == [], p.stderr

@@ -212,6 +212,30 @@ BAD_LINES = [
     ({"choices": [{"prompt_token_ids": [5], "logprobs": {"tokens": ["token_id:5"],
                                                          "token_logprobs": [-1.0]}}],
       "advantage": [1.0, 2.0]}, ["line 1", "'advantage'", "2 values for 1 choices"]),
+    # Nulls and wrong types where a proxy or gateway rewrote a field: named by line and field
+    # (an optional field given as null counts as absent: `object` here).
+    ({"object": None, "choices": [{"prompt_token_ids": [5], "logprobs": {
+        "tokens": ["token_id:5"], "token_logprobs": [None]}}]},
+     ["line 1, choice 0", "'logprobs.token_logprobs': null at token 0", "number"]),
+    ({"request": {"prompt": "hi"}, "response": {"usage": "2 tokens", "choices": [
+        {"logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-1.0]}}]}},
+     ["line 1, choice 0", "'usage': str \"2 tokens\" where a JSON object belongs"]),
+    ({"request": {"prompt": "hi"}, "response": {"usage": {"prompt_tokens": "2"}, "choices": [
+        {"logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-1.0]}}]}},
+     ["line 1, choice 0", "'usage.prompt_tokens': str", "an integer"]),
+    ({"choices": [{"prompt_token_ids": "5 6", "logprobs": {"tokens": ["token_id:5"],
+                                                           "token_logprobs": [-1.0]}}]},
+     ["line 1, choice 0", "'prompt_token_ids': str", "a list"]),
+    ({"choices": [{"prompt_token_ids": [5, None], "logprobs": {
+        "tokens": ["token_id:5"], "token_logprobs": [-1.0]}}]},
+     ["line 1, choice 0", "'prompt_token_ids[1]': null where an integer belongs"]),
+    ({"object": "chat.completion", "choices": [{"prompt_token_ids": [5], "logprobs": {
+        "content": [{"token": "token_id:5", "logprob": "-1.0"}]}}]},
+     ["line 1, choice 0", "'logprobs.content.logprob': str", "at token 0"]),
+    ({"request": "hi", "response": {"choices": []}}, ["line 1", "'request': str"]),
+    ({"response": {"meta_info": {"output_token_logprobs": [[-1.0, None, "a"]]}},
+      "request": {"input_ids": [5]}},
+     ["line 1", "'meta_info.output_token_logprobs[0][1]': null"]),
 ]
 
 
