@@ -289,8 +289,10 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
     check_available()
     from vllm import LLM
     kw: dict[str, Any] = {}
-    if torch.distributed.is_initialized():
-        kw["distributed_executor_backend"] = "external_launcher"  # one vLLM per rank
+    # One vLLM per rank under torchrun. Not `torch.distributed.is_initialized()`: vLLM's own
+    # single-process start initialises a process group, which a second engine would then see.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        kw["distributed_executor_backend"] = "external_launcher"
     if device.type == "cuda":
         kw["gpu_memory_utilization"] = gpu_memory
     # Scoring a finished sequence (`score`) asks for one token beyond it.
