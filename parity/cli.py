@@ -231,6 +231,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
     if args.scale:
         if given.get("rollouts"):
             raise ParityError("--scale audits the testbed ladder; it does not take --rollouts")
+        if given.get("server"):
+            raise ParityError("--scale audits the testbed ladder with parity's engine; it does "
+                              "not take --server")
         models = args.models.split(",") if args.models else None
         given["model"] = (models or ["ladder"])[0]
         a = au.AuditSettings(**given).validate()
