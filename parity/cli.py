@@ -249,7 +249,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else au.default_out(a)
     result = au.audit(a, out)
     au.print_audit(result)
-    print(f"wrote {out}/audit.json, {out}/tokens.parquet, plots and {out}/report.html")
+    kept = f" {out}/rollouts.jsonl (the server's answers)," if a.server else ""
+    print(f"wrote {out}/audit.json, {out}/tokens.parquet,{kept} plots and {out}/report.html")
 
 
 SWEEP_AXES = ("recipe", "seed", "task", "model", "out", "threads", "progress")

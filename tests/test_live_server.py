@@ -11,22 +11,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from parity.cli import main
+from parity.server_client import LocalVLLM
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-START_LIMIT_S = 300
 CONTEXT = 128   # the servers' --max-model-len, below text-xs's 256 positions
 SAMPLING = ["--temperature", "0.8", "--top-k", "20"]
 
@@ -35,43 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _start(model: Path, mode: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-           "--enforce-eager", "--logprobs-mode", mode, "--max-model-len", str(CONTEXT),
-           # On the CPU the KV cache is a share of the machine's memory unless given in bytes.
-           "--kv-cache-memory-bytes", str(256 << 20), "--uvicorn-log-level", "warning"]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)  # its engine process stops with it
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait(proc: subprocess.Popen, url: str, log: Path) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < START_LIMIT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n"
-                               f"{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"vLLM server not up after {START_LIMIT_S} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +44,14 @@ def servers(chat_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     started = {}
     try:
-        for kind in ("processed", "raw"):
-            started[kind] = (*_start(chat_model, f"{kind}_logprobs", logs / f"{kind}.log"),
-                             logs / f"{kind}.log")
-        for proc, url, log in started.values():
-            _wait(proc, url, log)
-        yield {kind: url for kind, (_, url, _) in started.items()}
+        for kind in ("processed", "raw"):  # both start at once, then both are waited for
+            started[kind] = LocalVLLM(chat_model, "bfloat16", logs / f"{kind}.log",
+                                      f"{kind}_logprobs", max_model_len=CONTEXT,
+                                      kv_cache_bytes=256 << 20)
+        yield {kind: server.wait() for kind, server in started.items()}
     finally:
-        for proc, _, _ in started.values():
-            _stop(proc)
+        for server in started.values():
+            server.stop()
 
 
 def _audit(args: list[str], out: Path, capsys) -> tuple[int, str]:
@@ -273,4 +231,7 @@ def test_a_server_that_is_down_is_one_line(text_model, tmp_path, capsys):
     line = _error(*_audit(["--server", url, "--model", str(text_model), "--rollouts", "x.jsonl"],
                           tmp_path / "o", capsys))
     assert "--server samples the prompts" in line
+    line = _error(*_audit(["--model", str(text_model), "--server-model", "m"], tmp_path / "o",
+                          capsys))
+    assert "--server-model and --server-endpoint apply with --server" in line
     assert not (tmp_path / "o").exists()
