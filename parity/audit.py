@@ -88,6 +88,11 @@ class Measurement:
         head = clip_fractions(tok["alpha"], tok["beta"], adv, self.a.eps, self.a.eps)
         metrics.update({"clip/frac": head["clip"], "clip/phantom_frac": head["phantom"],
                         "clip/hidden_frac": head["hidden"], "clip/alpha_frac": head["alpha"]})
+        # The whole engine-trainer gap ℓ_π − ℓ_μ = α + β at θ = θ_old: with an engine whose
+        # kernels are not the shadow's (a server) α is not ~0, and β alone leaves part of it out.
+        gap = (tok["alpha"] + tok["beta"]).abs()
+        metrics.update({"mismatch/log_ratio_abs_mean": float(gap.mean()),
+                        "mismatch/log_ratio_abs_max": float(gap.max())})
         if adv is None:
             metrics.pop("mismatch/beta_adv_corr", None)
             metrics.pop("mismatch/beta_adv_corr_se", None)
@@ -291,6 +296,7 @@ def print_audit(result: dict[str, Any]) -> None:
     t.add_column("measure")
     t.add_column("value", justify="right")
     for label, key, fmt in (
+            ("|log pi - log mu| mean (engine vs trainer)", "mismatch/log_ratio_abs_mean", ".3g"),
             ("|beta| mean", "mismatch/beta_abs_mean", ".3g"),
             ("beta mean", "mismatch/beta_mean", ".3g"),
             ("beta std", "mismatch/beta_std", ".3g"),

@@ -30,7 +30,10 @@ from parity.cli import main as parity  # noqa: E402
 from parity.server_client import LocalVLLM  # noqa: E402
 
 VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-FIGURES = {"beta_abs_mean": "mismatch/beta_abs_mean", "beta_mean": "mismatch/beta_mean",
+FIGURES = {"log_ratio_abs_mean": "mismatch/log_ratio_abs_mean",
+           "log_ratio_abs_max": "mismatch/log_ratio_abs_max", "kl_k1": "mismatch/kl_k1",
+           "clip_frac": "clip/frac",
+           "beta_abs_mean": "mismatch/beta_abs_mean", "beta_mean": "mismatch/beta_mean",
            "beta_abs_max": "mismatch/beta_abs_max", "phantom_frac": "clip/phantom_frac",
            "prob_diff_abs_mean": "mismatch/prob_diff_abs_mean", "kl_k3": "mismatch/kl_k3",
            "kernel_gap_alpha_abs_mean": "mismatch/alpha_abs_mean"}
@@ -88,13 +91,15 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     t = Table(title=f"live audit of vLLM serving {args.model} against an fp32 trainer, T = "
                     f"{args.temperature:g}, top-p {args.top_p:g} ({result['wall_s']:.0f} s in all)")
-    for col in ("server", "tokens", "log-probs", "|beta|/token", "mean beta", "max |beta|",
-                "phantom @0.2", "phantom @0.05", "mean |pi - mu|", "start s", "audit s"):
+    for col in ("server", "tokens", "log-probs", "|lpi - lmu|", "mean lpi - lmu",
+                "clipped @0.2", "|beta|", "mean beta", "|alpha|", "phantom @0.2",
+                "phantom @0.05", "mean |pi - mu|", "start s", "audit s"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(r["server_dtype"], str(r["tokens"]), r["server"]["logprobs"].split(":")[0],
-                  f"{r['beta_abs_mean']:.4f}",
-                  f"{r['beta_mean']:+.5f}", f"{r['beta_abs_max']:.3f}",
+                  f"{r['log_ratio_abs_mean']:.4f}", f"{-r['kl_k1']:+.5f}",
+                  f"{r['clip_frac']:.2%}", f"{r['beta_abs_mean']:.4f}",
+                  f"{r['beta_mean']:+.5f}", f"{r['kernel_gap_alpha_abs_mean']:.4f}",
                   f"{r['phantom_frac']:.2%}", f"{r['phantom_frac_eps_0.05']:.2%}",
                   f"{r['prob_diff_abs_mean']:.5f}", f"{r['server_start_s']:.0f}",
                   f"{r['audit_wall_s']:.0f}")

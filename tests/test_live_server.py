@@ -17,6 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from parity.cli import main
@@ -81,7 +82,14 @@ def test_a_live_audit_is_the_audit_of_the_answers_it_keeps(servers, chat_model, 
     # processed ℓ_μ sit at the trainer's processed log-probs (bf16 against fp32), far from raw
     assert v["logprobs"] == "processed", v
     assert v["mean_abs_diff_to_processed"] < 0.05 < 0.2 < v["mean_abs_diff_to_raw"]
-    assert res["completions"] == 32 and 0 < res["metrics"]["mismatch/beta_abs_mean"] < 0.05
+    m = res["metrics"]
+    assert res["completions"] == 32 and 0 < m["mismatch/beta_abs_mean"] < 0.05
+    # the server's whole gap to the trainer, against the per-token columns it was computed from
+    t = pq.read_table(live / "tokens.parquet").to_pandas()
+    gap = (t["trainer_logprob"] - t["engine_logprob"]).abs()
+    assert len(t) == res["tokens"] and 0 < gap.mean() < 0.05
+    assert m["mismatch/log_ratio_abs_mean"] == pytest.approx(gap.mean(), rel=1e-4)
+    assert m["mismatch/log_ratio_abs_max"] == pytest.approx(gap.max(), rel=1e-4)
     lines = [json.loads(x) for x in (live / "rollouts.jsonl").read_text().splitlines()]
     assert len(lines) == 8
     for line in lines:  # the request options docs/serving.md lists, and the task's advantages
