@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,11 @@ class Measurement:
         head = clip_fractions(tok["alpha"], tok["beta"], adv, self.a.eps, self.a.eps)
         metrics.update({"clip/frac": head["clip"], "clip/phantom_frac": head["phantom"],
                         "clip/hidden_frac": head["hidden"], "clip/alpha_frac": head["alpha"]})
+        # The whole engine-trainer gap ℓ_π − ℓ_μ = α + β at θ = θ_old: with an engine whose
+        # kernels are not the shadow's (a server) α is not ~0, and β alone leaves part of it out.
+        gap = (tok["alpha"] + tok["beta"]).abs()
+        metrics.update({"mismatch/log_ratio_abs_mean": float(gap.mean()),
+                        "mismatch/log_ratio_abs_max": float(gap.max())})
         if adv is None:
             metrics.pop("mismatch/beta_adv_corr", None)
             metrics.pop("mismatch/beta_adv_corr_se", None)
@@ -106,9 +112,9 @@ class Measurement:
         return tokens, seqs
 
 
-def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
-            s: Sampling, bar: ui.Bar) -> str:
-    from parity.tasks import PromptSampler, build_task, prompt_token_ids
+def _prompts(a: AuditSettings, model, tok, model_dir: Path):
+    """(the task or None, each prompt as given, its token ids, where the prompts come from)."""
+    from parity.tasks import build_task, prompt_token_ids
     if a.prompts:
         texts = read_prompts(a.prompts)
         prompt_ids = [prompt_token_ids(tok, t, a.chat_template,
@@ -122,12 +128,17 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
                 raise ParityError(f"prompts file {a.prompts}: prompt {i} is {len(ids)} tokens; "
                                   f"with max_new_tokens={a.max_new_tokens} it exceeds the "
                                   f"model's context of {limit}")
-        task, source = None, f"prompts file {a.prompts}"
-    else:
-        task = build_task(a.task, a.reward, model_dir, model, tok, a.max_new_tokens,
-                          max_positions(model), a.seed, a.temperature,
-                          chat_template=a.chat_template)
-        prompt_ids, source = task.prompt_ids, f"task {a.task}"
+        return None, texts, prompt_ids, f"prompts file {a.prompts}"
+    task = build_task(a.task, a.reward, model_dir, model, tok, a.max_new_tokens,
+                      max_positions(model), a.seed, a.temperature,
+                      chat_template=a.chat_template)
+    return task, [r["prompt"] for r in task.rows], task.prompt_ids, f"task {a.task}"
+
+
+def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
+            s: Sampling, bar: ui.Bar) -> str:
+    from parity.tasks import PromptSampler
+    task, _, prompt_ids, source = _prompts(a, model, tok, model_dir)
     engine = make_engine(a.engine, EngineSpec(
         model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
         a.seed, max(map(len, prompt_ids)) + a.max_new_tokens, a.batch_size, a.cpu_fp16,
@@ -168,16 +179,37 @@ def _sample_with(a: AuditSettings, engine, prompt_ids: list[list[int]], task, so
     return source
 
 
-def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
-            bar: ui.Bar) -> str:
+def _serve(a: AuditSettings, model, tok, model_dir: Path, s: Sampling, path: Path
+           ) -> tuple[dict[str, Any], str]:
+    """Sample from the server into the rollouts file `path`; what was found about the server,
+    and where the prompts came from."""
+    from parity import server_audit
+    from parity.server_client import Server
+    server = Server(a.server, a.server_timeout_s)
+    info = server_audit.served_model(server, a, model_dir)
+    task, prompts, prompt_ids, source = _prompts(a, model, tok, model_dir)
+    lines = server_audit.sample(server, a, info, model, tok, task, prompts, prompt_ids, s)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows = _rows(path, model, tok)
+    info.update(server_audit.logprobs_kind(model, tok, rows, a, s))
+    return info, f"server {server.url} ({info['model']}), {source}"
+
+
+def _rows(path: Path, model, tok) -> list[dict[str, Any]]:
     vocab = model.get_output_embeddings().weight.shape[0]
-    rows = read_rollouts(a.rollouts, vocab, tok)
+    rows = read_rollouts(path, vocab, tok)
     limit = max_positions(model)
     for i, r in enumerate(rows):
         n = len(r["prompt_token_ids"]) + len(r["completion_token_ids"])
         if limit is not None and n > limit:
-            raise ParityError(f"{a.rollouts} row {i}: prompt + completion is {n} tokens, beyond "
+            raise ParityError(f"{path} row {i}: prompt + completion is {n} tokens, beyond "
                               f"the model's context of {limit}")
+    return rows
+
+
+def _replay(a: AuditSettings, path: Path, model, tok, meas: Measurement, shadow: Shadow,
+            s: Sampling, bar: ui.Bar) -> str:
+    rows = _rows(path, model, tok)
     adv = rollout_advantages(rows)
     keys = {}
     prompt_index = torch.tensor([keys.setdefault(tuple(r["prompt_token_ids"]), len(keys))
@@ -188,12 +220,12 @@ def _replay(a: AuditSettings, model, tok, meas: Measurement, shadow: Shadow, s: 
         meas.add(model, shadow, r, None if adv is None else adv[start:start + len(chunk)], s,
                  prompt_index[start:start + len(chunk)], start)
         bar.completed(start + len(chunk))
-    return f"rollouts file {a.rollouts}"
+    return f"rollouts file {path}"
 
 
 def default_out(a: AuditSettings) -> Path:
-    return free_dir(Path("audits") / f"{Path(a.model).name}-{a.engine_dtype}-vs-"
-                    f"{a.trainer_dtype}")
+    engine = "server" if a.server else a.engine_dtype
+    return free_dir(Path("audits") / f"{Path(a.model).name}-{engine}-vs-{a.trainer_dtype}")
 
 
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
@@ -222,11 +254,21 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
                     chunk=a.logprob_chunk, kernels=a.shadow_kernels)
     meas = Measurement(a, device)
     total = None if a.rollouts else a.samples
-    with progress("audit", total, a.progress, transient=True) as bar:
-        if a.rollouts:
-            source = _replay(a, model, tok, meas, shadow, s, bar)
-        else:
-            source = _sample(a, model, tok, model_dir, meas, shadow, s, bar)
+    with tempfile.TemporaryDirectory() as staging:
+        # A server's answers are kept as a rollouts file and audited as --rollouts reads one;
+        # it is moved into `out` with the rest, so a refusal leaves nothing behind.
+        saved = Path(staging) / "rollouts.jsonl"
+        server = _serve(a, model, tok, model_dir, s, saved) if a.server else None
+        with progress("audit", total, a.progress, transient=True) as bar:
+            if a.rollouts or server:
+                source = _replay(a, saved if server else Path(a.rollouts), model, tok, meas,
+                                 shadow, s, bar)
+            else:
+                source = _sample(a, model, tok, model_dir, meas, shadow, s, bar)
+        if server:
+            source = server[1]
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.move(saved, out / "rollouts.jsonl")
     res = meas.results()
     result = {"model": a.model, "model_dir": str(model_dir),
               "n_params": sum(p.numel() for p in model.parameters()),
@@ -234,7 +276,8 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
               "lm_head_fp32": a.lm_head_fp32, "input": source, "eps": a.eps, "max_new_tokens": a.max_new_tokens,
               "seed": a.seed, "device": devices.describe(device),
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
-              **res, "seconds": time.perf_counter() - t0}
+              **res, **({"server": server[0]} if server else {}),
+              "seconds": time.perf_counter() - t0}
     result["verdict"] = verdict(result)
     out.mkdir(parents=True, exist_ok=True)
     write_dump(out / "tokens.parquet", meas.tables)
@@ -271,6 +314,7 @@ def print_audit(result: dict[str, Any]) -> None:
     t.add_column("measure")
     t.add_column("value", justify="right")
     for label, key, fmt in (
+            ("|log pi - log mu| mean (engine vs trainer)", "mismatch/log_ratio_abs_mean", ".3g"),
             ("|beta| mean", "mismatch/beta_abs_mean", ".3g"),
             ("beta mean", "mismatch/beta_mean", ".3g"),
             ("beta std", "mismatch/beta_std", ".3g"),
@@ -293,7 +337,24 @@ def print_audit(result: dict[str, Any]) -> None:
             t.add_row(f"phantom-clipped at eps={row['eps']:g}", f"{row['phantom_frac']:.2%}")
     console = ui.console(120)
     console.print(t)
+    if "server" in result:
+        console.print(server_lines(result["server"]), highlight=False)
     console.print(f"verdict: {result['verdict']}")
+
+
+def server_lines(v: dict[str, Any]) -> str:
+    """What the audit found about the server it sampled, in a few lines."""
+    context = f", context {v['max_model_len']}" if v.get("max_model_len") else ""
+    out = [f"server {v['url']} serves {v['model']!r} (root {v['root']}{context}); against the "
+           f"trainer's model: {v['trainer_model_match']}; asked at {v['endpoint']}, prompts "
+           f"tokenized as the trainer does: {v['prompts_as_trainer_tokenizes']}"]
+    if "mean_abs_diff_to_processed" in v:
+        out.append(f"server log-probs: {v['logprobs']} (over {v['tokens']} tokens, mean |diff| "
+                   f"to the trainer's processed log-probs {v['mean_abs_diff_to_processed']:.3g}, "
+                   f"to its raw ones {v['mean_abs_diff_to_raw']:.3g})")
+    else:
+        out.append(f"server log-probs: {v['logprobs']}")
+    return "\n".join(out)
 
 
 # ---- the size ladder -------------------------------------------------------------------------

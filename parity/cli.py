@@ -244,6 +244,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
     if args.scale:
         if given.get("rollouts"):
             raise ParityError("--scale audits the testbed ladder; it does not take --rollouts")
+        if given.get("server"):
+            raise ParityError("--scale audits the testbed ladder with parity's engine; it does "
+                              "not take --server")
         models = args.models.split(",") if args.models else None
         given["model"] = (models or ["ladder"])[0]
         a = au.AuditSettings(**given).validate()
@@ -259,7 +262,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else au.default_out(a)
     result = au.audit(a, out)
     au.print_audit(result)
-    print(f"wrote {out}/audit.json, {out}/tokens.parquet, plots and {out}/report.html")
+    kept = f" {out}/rollouts.jsonl (the server's answers)," if a.server else ""
+    print(f"wrote {out}/audit.json, {out}/tokens.parquet,{kept} plots and {out}/report.html")
 
 
 SWEEP_AXES = ("recipe", "seed", "task", "model", "out", "threads", "progress")

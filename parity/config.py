@@ -36,6 +36,7 @@ OptimizerName = Literal["adamw", "adam", "sgd"]
 EngineName = Literal["hf", "vllm"]
 Parallel = Literal["ddp", "fsdp"]
 CpuFp16 = Literal["emulate", "native"]
+ServerEndpoint = Literal["auto", "completions", "chat"]
 ShadowKernels = Literal["engine", "independent", "scored"]
 
 DTYPES = typing.get_args(Dtype)
@@ -566,6 +567,12 @@ class _AuditChecks:
             raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
         if self.model is None:
             raise ParityError("audit: give --model NAME|DIR")
+        if self.server and self.rollouts:
+            raise ParityError("audit: --server samples the prompts of --task or --prompts; "
+                              "--rollouts audits answers already saved")
+        if not self.server and (self.server_model is not None
+                                or self.server_endpoint != "auto"):
+            raise ParityError("audit: --server-model and --server-endpoint apply with --server")
         if self.task and self.group < 2:
             # A task's advantages are group-relative: 0, or NaN with the std, in a group of one.
             raise ParityError(f"group={self.group}: a task's advantages are relative to the "
@@ -591,6 +598,18 @@ AuditSettings = derive("AuditSettings", [
     own("rollouts", str | None, None, "Audit completions and engine log-probs another system "
         "wrote (JSONL/parquet: prompt_token_ids, completion_token_ids, engine_logprobs[, "
         "advantage|reward]).", metavar="FILE"),
+    own("server", str | None, None, "Sample the prompts (--task or --prompts) from a running "
+        "OpenAI-compatible server (vLLM) at this address, http://HOST:PORT, instead of "
+        "parity's engine; its answers are kept as OUT/rollouts.jsonl and audited as "
+        "--rollouts audits a file (docs/serving.md).", metavar="URL"),
+    own("server_model", str | None, None, "With --server: the served model to ask, an id of "
+        "its /v1/models (default: the only one it serves).", metavar="NAME"),
+    own("server_endpoint", ServerEndpoint, "auto", "With --server: `completions` sends the "
+        "prompt's token ids to /v1/completions, `chat` the messages to /v1/chat/completions "
+        "(the server's chat template); `auto`: chat for conversations or --chat-template."),
+    own("server_timeout_s", float, 120.0, "With --server: seconds to wait for each answer (one "
+        "request asks for --group completions of a prompt) before stopping with an error.",
+        gt=0),
     shared("reward"),
     shared("chat_template"),
     own("samples", int, 256, "Completions to sample.", gt=0),

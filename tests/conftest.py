@@ -57,6 +57,23 @@ def vllm_ready():
         pytest.skip(f"vLLM is not installed here ({e})")
 
 
+@pytest.fixture(scope="session")
+def chat_model(text_model, tmp_path_factory) -> Path:
+    """text-xs with a chat template, so that chat requests can be tokenized again (and a server
+    can apply the template itself)."""
+    import shutil
+    from parity.runs import load_policy
+    d = tmp_path_factory.mktemp("chat-model")
+    for f in text_model.iterdir():
+        if f.is_file():
+            shutil.copy(f, d / f.name)
+    _, tok = load_policy(d)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                         "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.save_pretrained(d)
+    return d
+
+
 @pytest.fixture
 def tiny_lm():
     """A randomly initialised real Llama with a 16-token vocabulary: its next-token distribution

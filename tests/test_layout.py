@@ -13,9 +13,9 @@ TRAINER_USERS = {"cli", "sweep"}
 COMPONENTS = {"config", "memory", "pretrained", "objectives", "precision", "engines", "scoring", "diagnostics",
               "metrics", "checkpoints", "distributed", "async_engine", "vllm_engine", "rollouts",
               "runs", "tasks", "arith", "testbed", "errors", "files", "ui", "loggers",
-              "audit_inputs", "server_rollouts", "devices", "lora"}
-COMMANDS = {"cli", "trainer", "sweep", "reproduce", "reproduce_real", "audit", "fp16_check",
-            "reports", "claims", "claims_real"}
+              "audit_inputs", "server_rollouts", "server_client", "devices", "lora"}
+COMMANDS = {"cli", "trainer", "sweep", "reproduce", "reproduce_real", "audit", "server_audit",
+            "fp16_check", "reports", "claims", "claims_real"}
 MAX_LINES = 80
 
 

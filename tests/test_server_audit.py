@@ -5,7 +5,6 @@ tokenized again) is audited to the numbers of the same completions in the native
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,20 +18,6 @@ from parity.runs import load_policy
 
 KEYS = ("mismatch/beta_mean", "mismatch/beta_abs_mean", "mismatch/kl_k1", "mismatch/kl_k3",
         "clip/frac", "clip/phantom_frac", "mismatch/beta_adv_corr")
-
-
-@pytest.fixture(scope="module")
-def chat_model(text_model, tmp_path_factory) -> Path:
-    """text-xs with a chat template, so that chat requests can be tokenized again."""
-    d = tmp_path_factory.mktemp("chat-model")
-    for f in text_model.iterdir():
-        if f.is_file():
-            shutil.copy(f, d / f.name)
-    _, tok = load_policy(d)
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
-                         "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-    tok.save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
