@@ -94,3 +94,13 @@ def test_whole_distributions_fill_returned_tokens_and_leave_the_rest_impossible(
     assert d.shape == (3, 4)
     assert d[0, 0] == -0.5 and d[0, 2] == -1.0 and d[1, 1] == -0.1
     assert torch.isinf(d[0, 1]) and torch.isinf(d[2]).all()
+
+
+def test_settings_the_vllm_engine_cannot_honour_are_refused_before_anything_runs():
+    from parity.config import make_config
+    from parity.errors import ParityError
+    with pytest.raises(ParityError, match="lm-head-fp32 needs engine=hf"):
+        make_config({"engine": "vllm", "lm_head_fp32": True})
+    with pytest.raises(ParityError, match="asynchronous engine lives in another"):
+        make_config({"shadow_kernels": "scored", "async_engine": True})
+    make_config({"engine": "vllm", "async_engine": True, "lora_rank": 0})  # both run
