@@ -17,7 +17,9 @@ For each engine (name:dtype) it samples one batch at T = 1 on the model's own we
   attention, sdpa), `eager` (transformers' eager attention), `scored` (the engine scores the
   finished sequences itself: `--shadow-kernels scored`, including its weight load).
 
-Chat models get their prompts through the chat template. Absolute seconds drift on a shared
+On CUDA, `--reductions-off` turns cuBLAS's reduced-precision reductions in bf16/fp16 matrix
+products off (`torch.backends.cuda.matmul.allow_*_reduced_precision_reduction`), to see whether
+they are what the shadow misses. Chat models get their prompts through the chat template. Absolute seconds drift on a shared
 machine; compare the rows of one run.
 """
 
@@ -95,7 +97,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--reductions-off", action="store_true", help="CUDA: full-precision "
+                    "reductions in bf16/fp16 matrix products")
     a = ap.parse_args()
+    if a.reductions_off:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     model_dir = testbed.resolve_model(a.model)
     master, tok = load_policy(model_dir)
     master.eval().to(a.device)
