@@ -130,6 +130,26 @@ def flat(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[mask > 0]
 
 
+def sequences(packed: dict[str, Any], index: torch.Tensor, seg: torch.Tensor
+              ) -> tuple[list[list[int]], list[list[int]]]:
+    """Each sample of a packed tree row as its token ids (through its last trained token) and
+    the positions in them of its trained tokens, term order: what an independent rescoring
+    needs. A term predicts from packed position p; p lies in segment s, whose path (root to the
+    segment's end) holds the context, and the target is the label at p."""
+    ids, labels = packed["input_ids"][0].tolist(), packed["shift_labels"][0].tolist()
+    cu_q, cu_k = packed["tree_cu_seqlens_q"].tolist(), packed["tree_cu_seqlens_k"].tolist()
+    kv = packed["tree_kv_index"].tolist()
+    seqs: list[list[int]] = [[] for _ in range(int(seg.max()) + 1)]
+    where: list[list[int]] = [[] for _ in seqs]
+    for p, i in zip(index.tolist(), seg.tolist()):
+        s = next(j for j in range(len(cu_q) - 1) if cu_q[j] <= p < cu_q[j + 1])
+        path = kv[cu_k[s]:cu_k[s + 1]]
+        k = len(path) - (cu_q[s + 1] - p)
+        seqs[i] = [ids[x] for x in path[:k + 1]] + [labels[p]]
+        where[i].append(k + 1)
+    return seqs, where
+
+
 # -- options ---------------------------------------------------------------------------------
 
 class _AsyncOptionsMethods:
@@ -182,6 +202,8 @@ AsyncParityOptions = derive("AsyncParityOptions", [
     own("no_clip", bool, False, "No clipping at all (the no-clip recipe)."),
     own("weights_dir", str | None, None, "Directory the weight sync writes to, readable by the "
         "server. None: <output_dir>/.parity_weights."),
+    own("keep_tokens", bool, False, "Keep every update's sequences and log-probs (l_mu, l_pi, "
+        "l_s per trained token) in trainer.parity_tokens, for checks and dumps."),
     own("probe_tolerance", float, 0.15, "Largest mean |difference| per probe token between the "
         "server's log-probs and a forward of the synced weights in its dtype.", gt=0),
 ], _AsyncOptionsMethods, __name__,
@@ -282,6 +304,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             self.epsilon_low = p.eps_low if p.eps_low is not None else self.epsilon_low
             self.epsilon_high = p.eps_high if p.eps_high is not None else self.epsilon_high
         self._loss_call: dict[str, torch.Tensor] | None = None
+        self.parity_tokens: list[dict[str, Any]] = []
         master.register_forward_hook(self._on_forward)
 
     # -- weights ----------------------------------------------------------------------------
@@ -358,7 +381,21 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         if p.diagnostics and "pi" in call:
             for k, v in self.diagnose(call, index, seg, mu, adv).items():
                 metrics[k].append(v)
+        if p.keep_tokens and "pi" in call:
+            self._keep(packed, call, index, seg, mu)
         return loss
+
+    def _keep(self, packed: dict[str, Any], call: dict[str, torch.Tensor], index: torch.Tensor,
+              seg: torch.Tensor, mu: torch.Tensor) -> None:
+        seqs, where = sequences(packed, index.cpu(), seg.cpu())
+        pi = call["pi"][index].cpu()
+        s = call["s"][index].cpu() if "s" in call else pi
+
+        def per_sample(x: torch.Tensor) -> list[list[float]]:
+            return [x[seg.cpu() == i].tolist() for i in range(len(seqs))]
+        self.parity_tokens.append({"step": self.state.global_step + 1, "sequences": seqs,
+                                   "positions": where, "logp_mu": per_sample(mu.cpu()),
+                                   "logp_pi": per_sample(pi), "logp_s": per_sample(s)})
 
     def diagnose(self, call: dict[str, torch.Tensor], index: torch.Tensor, seg: torch.Tensor,
                  mu: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:

@@ -99,6 +99,13 @@ def reference_logprobs(model: torch.nn.Module, ids: list[int], dtype: str) -> to
     return logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
 
 
+def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Values that differ, compared as bit patterns (a float compare of bf16 is several times
+    slower on CPU; -0.0 against 0.0 counts as a change, NaN against itself does not)."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int((a.view(bits) != b.view(bits)).sum())
+
+
 class DirectoryWeightTransfer:
     """TRL's `WeightTransferProtocol` through a directory both sides can reach (module
     docstring). `reference` (a copy of the policy in the server's dtype, plain attention) and
@@ -180,9 +187,9 @@ class DirectoryWeightTransfer:
         for name, t in iterator:
             c = t.detach().to("cpu", TORCH[self.dtype]).contiguous()
             tensors[name] = c
-            if name in ref:
+            if name in ref and ref[name].dtype == c.dtype:
                 p = ref[name]
-                changed += int((p.data != c.to(p.dtype)).sum())
+                changed += _changed(p.data, c)
                 total += p.numel()
                 p.data.copy_(c)
         if self.reference is not None and not tensors.keys() & ref.keys():
