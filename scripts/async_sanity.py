@@ -167,14 +167,14 @@ def claims(rows: list[dict], steps: int) -> list[tuple[str, str, str, str]]:
     b16, b_fp16 = _by(rows, "bf16-engine", "beta_abs"), _by(rows, "fp16", "beta_abs")
     if b16 and b_fp16:
         r = (sum(b16) / len(b16)) / (sum(b_fp16) / len(b_fp16))
-        out.append(("A3", "fp16 on both sides shrinks |β| against a bf16 server",
-                    f"|β| {sum(b16) / len(b16):.3g} (bf16) vs {sum(b_fp16) / len(b_fp16):.3g} "
+        out.append(("A3", "fp16 on both sides shrinks \\|β\\| against a bf16 server",
+                    f"\\|β\\| {sum(b16) / len(b16):.3g} (bf16) vs {sum(b_fp16) / len(b_fp16):.3g} "
                     f"(fp16): {r:.1f}× smaller", "**holds**" if r > 2 else "**does not hold**"))
     gap = _by(rows, "bf16-engine", "probe_gap")
     if gap and b16:
         g, b = sum(gap) / len(gap), sum(b16) / len(b16)
         out.append(("A4", "against a real server the shadow's kernel gap is as large as β",
-                    f"probe gap {g:.3g} per token vs |β| {b:.3g}",
+                    f"probe gap {g:.3g} per token vs \\|β\\| {b:.3g}",
                     "**holds**" if g >= 0.5 * b else "**does not hold**"))
     out.append(("A5", "bf16-shadow, wide-eps and no-clip restore fp32's training",
                 measured, "**not measurable here**: A1 measured no stall to restore"
