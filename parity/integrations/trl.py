@@ -119,6 +119,16 @@ def _count_positions_as_the_engine(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def install_cpu_fp16_scaler(accelerator: Any) -> None:
+    """accelerate runs fp16 on CPU as plain fp32 with no scaler. With native_amp on, its
+    autocast() turns fp16, and clip_grad_norm_ unscales before clipping; the scaler is the one
+    AcceleratedOptimizer.step uses to skip overflowing steps."""
+    if accelerator.scaler is None:
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler(accelerator.device.type, init_scale=2.0**16,
+                                                  growth_interval=400)
+
+
 class ParityGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with parity's engine, ratio sources and diagnostics (module docstring)."""
 
@@ -173,13 +183,8 @@ class ParityGRPOTrainer(GRPOTrainer):
                               cast_lm_head_to_fp32=head32)
         self._shadow_step: int | None = None
         self._loss_call: dict[str, torch.Tensor] | None = None
-        if self.trainer_dtype == "fp16" and self.accelerator.scaler is None:
-            # accelerate runs fp16 on CPU as plain fp32 with no scaler. With native_amp on, its
-            # autocast() turns fp16, and clip_grad_norm_ unscales before clipping; the scaler
-            # is the one AcceleratedOptimizer.step uses to skip overflowing steps.
-            self.accelerator.native_amp = True
-            self.accelerator.scaler = torch.amp.GradScaler(
-                self.accelerator.device.type, init_scale=2.0**16, growth_interval=400)
+        if self.trainer_dtype == "fp16":
+            install_cpu_fp16_scaler(self.accelerator)
 
     # -- sampling --------------------------------------------------------------------------
 
