@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+
+# A run of the smallest testbed model that takes seconds a step: for the tests that run the CLI
+# in its own process to fault or resume it.
+TINY_RUN = ["--model", "text-xs", "--prompts-per-step", "2", "--samples-per-prompt", "4",
+            "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--report-to", "none"]
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`parity ARGS` in its own process, its output captured."""
+    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def assert_user_error(p: subprocess.CompletedProcess, *words: str) -> str:

@@ -7,27 +7,19 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from cli_helpers import assert_user_error
+from cli_helpers import TINY_RUN, assert_user_error, cli
 from parity import files, lora
 from parity.cli import main
 from parity.errors import ParityError
 from parity.runs import load_policy
 
-RUN = ["--model", "text-xs", "--prompts-per-step", "2", "--samples-per-prompt", "4",
-       "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--report-to", "none"]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True,
-                          text=True, timeout=600)
+RUN = TINY_RUN
 
 
 @pytest.fixture

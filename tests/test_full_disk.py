@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_user_error
+from cli_helpers import TINY_RUN, assert_user_error, cli
 from parity import checkpoints
 
-RUN = ["--model", "text-xs", "--prompts-per-step", "2", "--samples-per-prompt", "4",
-       "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--report-to", "none"]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True,
-                          text=True, timeout=600)
+RUN = TINY_RUN
 
 
 @pytest.fixture
