@@ -137,7 +137,6 @@ def _prompts(a: AuditSettings, model, tok, model_dir: Path):
 
 def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
             s: Sampling, bar: ui.Bar) -> str:
-    from parity.tasks import PromptSampler
     task, _, prompt_ids, source = _prompts(a, model, tok, model_dir)
     engine = make_engine(a.engine, EngineSpec(
         model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
