@@ -173,7 +173,7 @@ class Config:
                                        "a separate inference engine such as vLLM must) or "
                                        "`scored` (the engine scores the shadow itself on the "
                                        "current weights: a weight load and a scoring pass per "
-                                       "update; exact against vLLM, docs/vllm.md); the gap "
+                                       "update; against vLLM 0 to 1e-3, docs/vllm.md); the gap "
                                        "left is mismatch/kernel_gap_abs_mean.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
                            "inputs, float64 accumulation, fp16 output: GPU tensor cores' numerics "
