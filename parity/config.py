@@ -173,7 +173,8 @@ class Config:
                                        "a separate inference engine such as vLLM must) or "
                                        "`scored` (the engine scores the shadow itself on the "
                                        "current weights: a weight load and a scoring pass per "
-                                       "update; against vLLM 0 to 1e-3, docs/vllm.md); the gap "
+                                       "update; against vLLM 0 to 1e-3, at T = 1 without top-p/top-k "
+                                       "only, docs/vllm.md); the gap "
                                        "left is mismatch/kernel_gap_abs_mean.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
                            "inputs, float64 accumulation, fp16 output: GPU tensor cores' numerics "
@@ -336,6 +337,7 @@ class Config:
         if self.shadow_kernels == "scored" and self.async_engine:
             raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
                               "process: the asynchronous engine lives in another one")
+        check_scored_sampling(self)
         if self.correction != "none" and self.ratio_source != "recompute":
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
                               f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
@@ -558,11 +560,25 @@ def derive(cls_name: str, entries: list[tuple[str, Any, dataclasses.Field]], bas
     return cls
 
 
+
+def check_scored_sampling(c: Any) -> None:
+    """vLLM scores a sequence (`prompt_logprobs`) with the raw model, whatever the temperature,
+    top-p and top-k: an engine-scored shadow is ℓ_μ's own arithmetic only where those leave the
+    distribution as it is (measured: docs/vllm.md)."""
+    if c.shadow_kernels == "scored" and c.engine == "vllm" and (
+            c.temperature != 1.0 or c.top_p < 1.0 or c.top_k > 0):
+        raise ParityError(f"shadow_kernels=scored with engine=vllm scores with the raw model "
+                          f"(vLLM's prompt log-probs ignore temperature, top-p and top-k): "
+                          f"sample at temperature 1 without top-p/top-k (here "
+                          f"{c.temperature}/{c.top_p}/{c.top_k}), or use shadow_kernels=engine")
+
+
 class _AuditChecks:
     def validate(self) -> "AuditSettings":
         """Refuse bad settings before any work, one line naming the field, as `parity train`
         does: each field's own checks (Config's for the shared ones), then the input."""
         check_fields(self)
+        check_scored_sampling(self)
         if len([x for x in (self.task, self.prompts, self.rollouts) if x]) != 1:
             raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
         if self.model is None:

@@ -103,4 +103,10 @@ def test_settings_the_vllm_engine_cannot_honour_are_refused_before_anything_runs
         make_config({"engine": "vllm", "lm_head_fp32": True})
     with pytest.raises(ParityError, match="asynchronous engine lives in another"):
         make_config({"shadow_kernels": "scored", "async_engine": True})
+    with pytest.raises(ParityError, match="scores with the raw model"):
+        make_config({"engine": "vllm", "shadow_kernels": "scored", "temperature": 0.7})
+    with pytest.raises(ParityError, match="scores with the raw model"):
+        make_config({"engine": "vllm", "shadow_kernels": "scored", "top_k": 20})
     make_config({"engine": "vllm", "async_engine": True, "lora_rank": 0})  # both run
+    make_config({"engine": "vllm", "shadow_kernels": "scored"})
+    make_config({"engine": "hf", "shadow_kernels": "scored", "temperature": 0.7})

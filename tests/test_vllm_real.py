@@ -136,6 +136,20 @@ def test_engine_scored_shadow_is_the_samplers_own_arithmetic(master, engine):
     assert again.completions() == r.completions()
 
 
+def test_vllm_scores_with_the_raw_model_whatever_the_sampling(master, engine):
+    """Why an engine-scored shadow with vLLM is refused at T != 1 or with top-p/top-k
+    (parity/config.py): vLLM's prompt log-probs are the raw model's, not the processed
+    distribution ℓ_μ was sampled from."""
+    model, tok = master
+    s = Sampling(0.7, 1.0, 0)
+    r = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(4))
+    scored = engine.score(model, r, s)
+    raw = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id).score(model, r, Sampling())
+    mask = r.completion_mask
+    assert ((scored - r.engine_logprobs).abs() * mask).max() > 0.1
+    assert ((scored - raw).abs() * mask).sum() / mask.sum() < 0.05
+
+
 def run(args: list[str], out: Path) -> list[dict]:
     from parity.cli import main
     assert main(["train", *args, "--out", str(out)]) == 0
