@@ -283,7 +283,7 @@ def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, t
 def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, rows: int,
               gpu_memory: float, device: torch.device) -> Any:
     """vLLM's offline engine in this process. In-process (no engine-core process) and eager
-    (no graph compilation): on the CPU it starts in seconds instead of 30-100 s (docs/vllm.md),
+    (no graph compilation): on the CPU it starts in seconds, not tens of seconds (docs/vllm.md),
     and the worker is reachable for weight reloads."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     check_available()
