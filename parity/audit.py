@@ -27,6 +27,7 @@ from parity.ui import progress
 from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
                                 dump_table, exact_kl_of_rows, exact_kl_rows, kept_rows,
                                 write_dump)
+from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, stop_token_ids
 from parity.scoring import score_full
@@ -240,6 +241,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
         raise ParityError("shadow_kernels=scored needs the engine that sampled: audit a --task "
                           "or --prompts, not --rollouts")
     check_engine(a.engine)
+    fp16_fit(a.fp16_check)   # a bad file is refused now, not after the sampling
     model_dir = testbed.resolve_model(a.model)
     model, tok = load_policy(model_dir)
     if a.adapter:
@@ -278,6 +280,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
               **res, **({"server": server[0]} if server else {}),
               "seconds": time.perf_counter() - t0}
     result["verdict"] = verdict(result)
+    result["advice"] = as_json(advise(result, a.fp16_check))
     out.mkdir(parents=True, exist_ok=True)
     write_dump(out / "tokens.parquet", meas.tables)
     (out / "audit.json").write_text(json.dumps(result, indent=1))
@@ -288,7 +291,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
                    not k.startswith(("beta_by_", ))}
         audit_report(tokens, seqs, result["phantom_vs_eps"], summary, out,
                      f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
-                     f"trainer ({source})", verdict=result["verdict"])
+                     f"trainer ({source})", verdict=result["verdict"], advice=what_to_do(result))
     return result
 
 
@@ -339,6 +342,8 @@ def print_audit(result: dict[str, Any]) -> None:
     if "server" in result:
         console.print(server_lines(result["server"]), highlight=False)
     console.print(f"verdict: {result['verdict']}")
+    if "advice" in result:
+        print_advice(result, console)
 
 
 def server_lines(v: dict[str, Any]) -> str:

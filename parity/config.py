@@ -643,6 +643,9 @@ AuditSettings = derive("AuditSettings", [
     shared("cpu_fp16"),
     shared("lm_head_fp32"),
     shared("shadow_kernels"),
+    own("fp16_check", str | None, None, "A `parity fp16-check` result (its fp16_check.json or "
+        "output directory) for this model: the advice then says whether the fp16 recipe "
+        "fits (docs/diagnostics.md, What to do).", metavar="FILE"),
     own("adapter", str | None, None, "A LoRA adapter directory (peft's save_pretrained, or a "
         "LoRA run's checkpoint) to apply to --model.", metavar="DIR"),
     shared("lora_merge"),

@@ -427,8 +427,9 @@ def _phantom_vs_eps(table: list[dict], out: Path) -> Plot:
 
 def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps_table: list[dict],
                  summary: dict[str, float], out: Path, title: str,
-                 verdict: str | None = None) -> Path:
-    """Token- and sequence-level pictures of the engine–trainer gap, and `out/report.html`."""
+                 verdict: str | None = None, advice: dict[str, Any] | None = None) -> Path:
+    """Token- and sequence-level pictures of the engine–trainer gap, and `out/report.html`;
+    `advice` (advice.what_to_do) opens the page."""
     l_mu, l_pi, l_s, _pos = _arrays(tokens, ["engine_logprob", "trainer_logprob", "shadow_logprob",
                                              "position"], "audit tokens")
     length, seq_lr = _arrays(seqs, ["length", "log_ratio"], "audit seqs")
@@ -455,7 +456,7 @@ def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps
                ("mean |α|", np.abs(alpha).mean()), ("mean β", float(beta.mean())),
                ("std β", float(beta.std())), ("mean |β|", np.abs(beta).mean()),
                ("mean log r", log_r.mean()), ("kl_k1", -log_r.mean()), ("kl_k3", kl_k3.mean())]
-    sections: list[Section] = [
+    sections: list[Section] = [*_advice_sections(advice),
         *([f"Verdict: {verdict}"] if verdict else []),
         Heading("Summary"), Table(["metric", "value"], [[k, v] for k, v in summary.items()]),
         Heading("Token statistics"),
@@ -470,6 +471,16 @@ def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps
     else:
         sections.append("No ε table given: the clip-fraction plot is left out.")
     return html_page(title, sections, out)
+
+
+def _advice_sections(advice: dict[str, Any] | None) -> list[Section]:
+    if not advice:
+        return []
+    out: list[Section] = [Heading("What to do"), f"→ {advice['headline']}",
+                          *[f"· {r}" for r in advice["reasons"]]]
+    for title, head, rows, caption in advice["tables"]:
+        out += [Heading(title), Table(head, rows, caption=caption)]
+    return out
 
 
 # ---------------------------------------------------------------------------- scale reports

@@ -57,6 +57,24 @@ def test_sampled_audit_writes_everything(sampled):
     assert res["metrics"]["mismatch/kl_exact"] > 0
 
 
+def test_the_report_opens_with_what_to_do(sampled):
+    """The page's first section is the advice: its headline, the user's figures in the first
+    row of the reference table (the audit's own), then the verdict and the rest."""
+    out, res = sampled
+    adv = res["advice"]
+    assert adv["status"] in ("fine", "fix") and adv["headline"]
+    page = (out / "report.html").read_text()
+    body = page[page.index("<body>"):]
+    assert body.index("What to do") < body.index("Verdict:") < body.index("Summary")
+    assert adv["headline"].replace("'", "&#x27;") in page
+    first = body[body.index("your audit"):]
+    gap = res["metrics"]["mismatch/log_ratio_abs_mean"]
+    assert first.index(f"{gap:.3g}") < first.index("</tr>")
+    for name in ("sampling/sampling_logp_difference/mean", "training/rollout_probs_diff_mean",
+                 "train/train_rollout_logprob_abs_diff", "rollout_corr/k3_kl"):
+        assert name in page
+
+
 def test_rollouts_from_another_system_give_the_same_audit(sampled, tmp_path, text_model):
     """Write the sampled audit's completions as an audit input file, as another system would;
     `--rollouts` on it must measure the same β and clip fractions."""
@@ -232,6 +250,10 @@ REFUSED_AUDITS = {
                                            "len(c)\n"),
         ["--task", "neg-length", "--reward", "{d}/rw.py:nan", "--samples", "8", "--group", "2"],
         ["rewards must be finite"]),
+    "an fp16 check that is not one": (
+        lambda d: (d / "fp16_check.json").write_text('{"verdict": "fine"}'),
+        ["--task", "neg-length", "--fp16-check", "{d}/fp16_check.json"],
+        ["fp16_check.json", "not a `parity fp16-check` result"]),
     "scale: a model path that does not exist": (
         lambda d: None, ["--scale", "--models", "{model},{d}/nope", "--samples", "8", "--group",
                          "2"], ["nope"]),
