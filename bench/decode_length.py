@@ -36,7 +36,7 @@ def _register_strided() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    from parity.engines import engine_attention
+    from parity.engines.attention import engine_attention
 
     def strided(module, query, key, value, attention_mask, parity_kv_len=None, **kw):
         if parity_kv_len is not None:   # slice here, so engine_attention never copies
@@ -127,7 +127,9 @@ def main() -> None:
     a = ap.parse_args()
 
     from parity import testbed
-    from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling
+    from parity.engines.attention import ENGINE_ATTENTION
+    from parity.engines.hf import HFEngine
+    from parity.engines import Sampling
     _register_strided()
     from parity.runs import load_policy
     model, tok = load_policy(testbed.resolve_model(a.model))

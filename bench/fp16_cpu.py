@@ -23,8 +23,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity import arith, testbed  # noqa: E402
-from parity.engines import HFEngine, Sampling
-from parity.scoring import score  # noqa: E402
+from parity.engines.hf import HFEngine
+from parity.engines import Sampling
+from parity.engines.scoring import score  # noqa: E402
 from parity.precision import FP16MatmulOnCPU, autocast  # noqa: E402
 from parity.runs import load_policy  # noqa: E402
 

@@ -36,7 +36,7 @@ from parity import testbed
 from parity.diagnostics import Shadow
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
 from parity.runs import load_policy
-from parity.scoring import score
+from parity.engines.scoring import score
 
 
 def prompts_for(tok, n: int) -> list[list[int]]:

@@ -20,8 +20,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity import testbed  # noqa: E402
-from parity.engines import HFEngine, Sampling  # noqa: E402
-from parity.scoring import score  # noqa: E402
+from parity.engines.hf import HFEngine  # noqa: E402
+from parity.engines import Sampling  # noqa: E402
+from parity.engines.scoring import score  # noqa: E402
 from parity.runs import load_policy  # noqa: E402
 
 

@@ -26,8 +26,9 @@ import time
 import torch
 
 from parity import devices, testbed
-from parity.engines import HFEngine, Rollout, Sampling
-from parity.scoring import score_full
+from parity.engines.hf import HFEngine
+from parity.engines import Rollout, Sampling
+from parity.engines.scoring import score_full
 from parity.precision import autocast
 from parity.runs import load_policy
 

@@ -46,11 +46,12 @@ from parity import testbed  # noqa: E402
 from parity.config import Config  # noqa: E402
 from parity.diagnostics import Shadow, exact_kl_rows  # noqa: E402
 from parity.distributed import Dist  # noqa: E402
-from parity.engines import HFEngine, Rollout, Sampling, stop_token_ids  # noqa: E402
+from parity.engines.hf import HFEngine  # noqa: E402
+from parity.engines import Rollout, Sampling, stop_token_ids  # noqa: E402
 from parity.objectives import OBJECTIVES  # noqa: E402
 from parity.precision import LossScaler  # noqa: E402
 from parity.runs import load_policy  # noqa: E402
-from parity.scoring import disable_dropout  # noqa: E402
+from parity.engines.scoring import disable_dropout  # noqa: E402
 
 
 class Clock:

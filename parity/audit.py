@@ -30,7 +30,7 @@ from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, c
 from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, stop_token_ids
-from parity.scoring import score_full
+from parity.engines.scoring import score_full
 from parity.config import AuditSettings
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages

@@ -280,7 +280,7 @@ def _csv(text: str, kind=str) -> list:
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
-    from parity.sweep import SweepSpec, print_summary, run_sweep
+    from parity.experiments.sweep import SweepSpec, print_summary, run_sweep
     overrides = explicit_from_args(args, exclude=SWEEP_AXES)
     for k in SWEEP_AXES:
         if k in overrides:  # from --config: the grid sets these
@@ -299,11 +299,11 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
-    from parity.reproduce import FULL, QUICK, VLLM, print_claims, reproduce
+    from parity.experiments.reproduce import FULL, QUICK, VLLM, print_claims, reproduce
     _check_device(args.device)
     if args.model:
         from parity import pretrained
-        from parity.reproduce_real import RealPlan, reproduce_real
+        from parity.experiments.reproduce_real import RealPlan, reproduce_real
         if args.quick:
             raise ParityError("reproduce: --quick is the testbed's; --model runs the real-model "
                               "reproduction (shorten it with --steps)")

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from parity.engines import ENGINE_ATTENTION, Rollout, Sampling, processed_logits
-from parity.scoring import score
+from parity.engines.attention import ENGINE_ATTENTION
+from parity.engines import Rollout, Sampling, processed_logits
+from parity.engines.scoring import score
 from parity.objectives import clip_predicate, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 

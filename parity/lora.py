@@ -69,12 +69,11 @@ def planned_adapters(model: torch.nn.Module, rank: int, targets: str) -> int:
 
 
 def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, merge: bool,
-         base_dtype: str) -> torch.nn.Module:
+         base_dtype: torch.dtype) -> torch.nn.Module:
     """`model` with fresh LoRA adapters (B = 0: the adapted model starts as the base), its base
     frozen in `base_dtype`."""
     from peft import LoraConfig, get_peft_model
-    from parity.precision import torch_dtype
-    model.to(torch_dtype(base_dtype))
+    model.to(base_dtype)
     names = ALL_LINEAR if targets == ALL_LINEAR else [t.strip() for t in targets.split(",")]
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                         target_modules=names, lora_dropout=0.0, bias="none")

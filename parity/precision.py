@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from parity import lora
 from parity.distributed import full_tensor
 from parity.errors import ParityError
 
@@ -168,7 +169,6 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
     """Copy fp32 master weights into `target` in its own dtype; return the fraction of target
     values that changed (`sync/changed_frac`; 0.0 when not `count`ed). Small updates can leave a
     bf16 cast unchanged. A LoRA master casts its adapted weights (parity/lora.py)."""
-    from parity import lora
     if lora.is_lora(master):
         return lora.cast_into(master, target, count)
     src = master.state_dict()
@@ -207,7 +207,6 @@ def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool =
                        ) -> torch.nn.Module:
     """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's); of
     a LoRA master, the adapted weights as the master's `lora_merge` says (parity/lora.py)."""
-    from parity import lora
     if lora.is_lora(master):
         copy_ = lora.engine_copy(master, torch_dtype(dtype))
     else:

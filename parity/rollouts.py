@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from parity.async_engine import AsyncEngine, Request
+from parity.engines.async_process import AsyncEngine, Request
 from parity.checkpoints import Restored, engine_versions
 from parity.config import Config
 from parity.distributed import Dist

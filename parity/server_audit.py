@@ -33,7 +33,7 @@ from parity.engines import Sampling, logprobs_from_logits, stop_token_ids
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
-from parity.scoring import score_full
+from parity.engines.scoring import score_full
 from parity.server_client import Server, chat_request, completion_request
 from parity.server_rollouts import server_rows
 

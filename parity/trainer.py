@@ -44,12 +44,12 @@ from parity.loggers import MetricLoggers, check_backends
 from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
 from parity.objectives import (OBJECTIVES, Minibatch, Objective, ValueHead, behaviour_weights,
                                gae, grpo_advantages, log_ratio, units, whiten)
-from parity.precision import LossScaler, autocast, fp32_head
+from parity.precision import LossScaler, autocast, fp32_head, torch_dtype
 from parity.rollouts import Plan, Rollouts
 from parity.files import LineLog, write_failure
 from parity.runs import (RunClaim, check_run_dir, claim_run_dir, load_model_and_task,
                          run_dir_for, set_aside_metrics, truncate_metrics)
-from parity.scoring import (disable_dropout, pieces, score_full, score_pieces, trimmed,
+from parity.engines.scoring import (disable_dropout, pieces, score_full, score_pieces, trimmed,
                             widened)
 from parity.tasks import PromptSampler, Task
 from parity.ui import progress
@@ -175,7 +175,7 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
                                                                                   resume)
     if cfg.lora_rank:
         model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge,
-                          cfg.base_dtype)
+                          torch_dtype(cfg.base_dtype))
     if dist.main and not resume:
         claim = _start_run_dir(cfg, run, model_dir, task)
     device = dist.device

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from parity import claims as C
-from parity import claims_real as CR
-from parity.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, Plan, calibrated_eps,
+from parity.experiments import claims as C
+from parity.experiments import claims_real as CR
+from parity.experiments.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, Plan, calibrated_eps,
                               claims_markdown, eps_at_phantom, judge, phantom_at, reproduce)
 
 
@@ -238,7 +238,7 @@ def test_quick_plan_judges_the_arith_stall_and_only_what_it_ran():
 
 
 def test_full_plan_judges_every_arith_claim_and_the_algorithms():
-    from parity.reproduce import FULL, OTHER_ALGORITHMS
+    from parity.experiments.reproduce import FULL, OTHER_ALGORITHMS
     audit, f16, sc, g, _, lr = _measured(5.5e-7)
     arith = {"groups": groups(fp32=267, bf16_engine=(401, 0), bf16_shadow=243, no_clip=264,
                               wide_eps=(401, 0), recompute=250, tis=240, seq_mis=290, fp16=250,
@@ -264,7 +264,7 @@ def test_full_plan_judges_every_arith_claim_and_the_algorithms():
 
 
 def test_mismatch_over_training_from_each_runs_first_and_last_steps():
-    from parity.sweep import EARLY
+    from parity.experiments.sweep import EARLY
     assert C.EARLY_STEPS == EARLY
 
     def runs(bf, fp):
@@ -307,7 +307,7 @@ def test_what_makes_beta_large_from_hand_made_points(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from parity.reproduce import beta_by_position, extrapolate
+    from parity.experiments.reproduce import beta_by_position, extrapolate
     # |β| = sqrt(x): slope 1/2 in log-log, so 0.01 · sqrt(1024 / 4) = 0.16 at 1024
     e = extrapolate([(4, 0.01), (16, 0.02), (64, 0.04)], 1024)
     assert e["slope"] == pytest.approx(0.5) and e["at_target"] == pytest.approx(0.16)
@@ -380,7 +380,7 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     assert all(r["ok"] for r in asy["runs"].values())   # the asynchronous engine really ran
     # claim 10's position axis from the long audit's own tokens
     drivers = json.loads((tmp_path / "r" / "drivers.json").read_text())
-    from parity.reproduce import beta_by_position
+    from parity.experiments.reproduce import beta_by_position
     long_tokens = tmp_path / "r" / "audits" / "bf16-long" / "tokens.parquet"
     assert drivers["positions"] == beta_by_position(long_tokens, [0, 8, 32])
     assert set(drivers["temperatures"]) == {"0.7", "1", "1.4"}
@@ -390,7 +390,7 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     # neg-length trains another model than the audits': calibrated on its own
     assert cal["neg-length"]["audit"] == "audits/bf16-neg-length (text-gpt2-xs)"
     arith_audit = json.loads((tmp_path / "r" / "audits" / "bf16-arith" / "audit.json").read_text())
-    from parity.reproduce import calibrated_eps
+    from parity.experiments.reproduce import calibrated_eps
     assert (cal["arith"]["eps"], cal["arith"]["calibrated"]) == calibrated_eps(arith_audit)
     by = {c["id"]: c for c in res["claims"]}
     assert by["3-arith"]["measured"]["eps"] == cal["arith"]["eps"]
@@ -484,7 +484,7 @@ def test_real_gap_head_growth_and_ties_verdicts():
 
 
 def test_real_run_stats_from_a_metrics_file(tmp_path):
-    from parity.reproduce_real import WINDOW, run_stats
+    from parity.experiments.reproduce_real import WINDOW, run_stats
     assert WINDOW == 3
     lens = [60, 58, 56, 50, 40, 30, 20]
     rows = [{"step": i + 1, "completion/len_mean": n, "completion/eos_frac": i / 10,
@@ -508,7 +508,7 @@ def test_5b_arith_is_judged_over_the_long_horizon_where_the_plan_ran_one():
     only) show tis falling 0.16 from its peak against fp32's 0.005 and seq-mis stable but 50
     steps slower (the hand computation of test_fixes_fp16_and_small_lr_verdicts): 5b-arith takes
     the long runs' verdict and says over how many steps."""
-    from parity.reproduce import FULL
+    from parity.experiments.reproduce import FULL
     audit, f16, sc, g, _, lr = _measured(5.5e-7)
     arith = {"groups": groups(fp32=267, bf16_engine=(401, 0), bf16_shadow=243, no_clip=264,
                               wide_eps=(401, 0), recompute=250, tis=240, seq_mis=290, fp16=250,

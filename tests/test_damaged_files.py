@@ -63,7 +63,7 @@ def test_a_whole_safetensors_file_reads_as_written(whole):
 
 def test_a_cut_adapter_is_one_line(tmp_path, text_model):
     model, _ = load_policy(text_model)
-    adapted = lora.wrap(model, 4, None, "all-linear", True, "fp32")
+    adapted = lora.wrap(model, 4, None, "all-linear", True, torch.float32)
     adapted.save_pretrained(tmp_path / "adapter")
     f = tmp_path / "adapter" / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])

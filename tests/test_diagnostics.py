@@ -11,7 +11,7 @@ import torch
 from parity.diagnostics import (Shadow, StepDiagnostics, attribute, clip_fractions, exact_kl,
                                 kl_estimates)
 from parity.engines import Rollout, Sampling
-from parity.scoring import score
+from parity.engines.scoring import score
 from parity.objectives import clip_predicate
 
 
@@ -320,7 +320,7 @@ def test_shadow_reproduces_engine_logprobs(text_model, dtype):
     GEMM summed in another order than in the shadow's many-row products: its gap here was 6e-5
     per token, against 1e-7 for bf16."""
     from parity import testbed
-    from parity.engines import HFEngine
+    from parity.engines.hf import HFEngine
     from parity.runs import load_policy
     torch.set_num_threads(1)
     model, tok = load_policy(text_model)

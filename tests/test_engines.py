@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.engines import HFEngine, Sampling, processed_logits
-from parity.scoring import score
+from parity.engines.hf import HFEngine
+from parity.engines import Sampling, processed_logits
+from parity.engines.scoring import score
 
 PROMPT = [3, 4, 5]
 
@@ -144,7 +145,7 @@ def _attention_reference(q, k, v, mask, scaling):
 
 
 def test_engine_attention_against_a_float64_reference():
-    from parity.engines import engine_attention
+    from parity.engines.attention import engine_attention
     torch.manual_seed(0)
     module = torch.nn.Module().eval()
     B, H, kv, d, L = 2, 6, 2, 8, 9   # grouped-query: 3 query heads per key/value head

@@ -80,7 +80,7 @@ def test_the_engine_holds_the_adapted_weights_cast_as_chosen(merge, arith_model)
     from parity.runs import load_policy
     model, _ = load_policy(arith_model)
     torch.manual_seed(0)
-    peft_model = lora.wrap(model, 4, 8.0, "all-linear", merge, "fp32")
+    peft_model = lora.wrap(model, 4, 8.0, "all-linear", merge, torch.float32)
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:

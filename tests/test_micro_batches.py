@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from parity.config import make_config
-from parity.scoring import pieces, trimmed
+from parity.engines.scoring import pieces, trimmed
 from parity.trainer import train
 
 BASE = dict(task="neg-length", model="text-xs", recipe="fp32", steps=2, prompts_per_step=4,
@@ -128,9 +128,10 @@ def test_chunked_logprobs_and_checkpointing_give_the_same_step(text_model, tmp_p
 
 def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
     """The LM head sees at most `chunk` positions of a forward with gradient at a time."""
-    from parity.engines import HFEngine, Sampling
+    from parity.engines.hf import HFEngine
+    from parity.engines import Sampling
     from parity.runs import load_policy
-    from parity.scoring import score_full
+    from parity.engines.scoring import score_full
     model, tok = load_policy(text_model)
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         [tok("the cat")["input_ids"]] * 3, 10, Sampling(), torch.Generator().manual_seed(0))
@@ -197,7 +198,8 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
     """A bounded engine batch decodes the same completions with the same ℓ_μ and recorded
     distributions, and leaves the generator where the whole batch leaves it (the next step's
     rollout depends on it)."""
-    from parity.engines import HFEngine, Sampling
+    from parity.engines.hf import HFEngine
+    from parity.engines import Sampling
     from parity.runs import load_policy
     model, tok = load_policy(text_model)
     eng = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
@@ -233,7 +235,7 @@ def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
 
     from parity.engines import Rollout, Sampling
     from parity.errors import ParityError
-    from parity.scoring import score_full
+    from parity.engines.scoring import score_full
     with pytest.raises(ParityError, match="micro_batch=3: objective=online-dpo pairs completions "
                                           "of one prompt"):
         make_config({**BASE, "objective": "online-dpo", "micro_batch": 3}).validate()

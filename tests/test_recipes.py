@@ -10,7 +10,7 @@ import torch
 
 from parity.config import OBJECTIVE_NAMES, RECIPES, make_config
 from parity.engines import Rollout, Sampling
-from parity.scoring import score
+from parity.engines.scoring import score
 from parity.objectives import log_ratio
 from parity.trainer import train
 

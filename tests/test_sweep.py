@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from parity.cli import main
-from parity.sweep import EARLY, WINDOW, peak_reward, steps_to_threshold
+from parity.experiments.sweep import EARLY, WINDOW, peak_reward, steps_to_threshold
 
 GRID = ["sweep", "--recipes", "fp32,bf16-engine", "--seeds", "0,1", "--models", "text-xs",
         "--steps", "3", "--max-new-tokens", "8", "--prompts-per-step", "2",
@@ -105,7 +105,7 @@ def test_a_sweep_continues_another_sweeps_runs_as_one_longer_run(tmp_path, text_
     """`continue_from` (the reproduction's long horizon): each run starts as a copy of the
     same-named run of the earlier sweep and trains on; its metrics equal a run that had the
     longer budget from the start, and the earlier sweep is left as it was."""
-    from parity.sweep import SweepSpec, run_sweep
+    from parity.experiments.sweep import SweepSpec, run_sweep
 
     def spec(steps, **kw):
         return SweepSpec(recipes=["tis"], seeds=[0], models=["text-xs"], workers=1,

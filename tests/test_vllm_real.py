@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.engines import Engine, EngineSpec, HFEngine, Sampling, make_engine
-from parity.scoring import score
+from parity.engines.hf import HFEngine
+from parity.engines import Engine, EngineSpec, Sampling, make_engine
+from parity.engines.scoring import score
 from parity.runs import load_policy as load_model
 
 pytestmark = pytest.mark.usefixtures("vllm_ready")

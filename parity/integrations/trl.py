@@ -40,11 +40,13 @@ import torch
 
 from parity.config import RECIPES, check_fields, derive, shared
 from parity.diagnostics import StepDiagnostics, attribute
-from parity.engines import ENGINE_ATTENTION, HFEngine, Sampling, positions
+from parity.engines.attention import ENGINE_ATTENTION
+from parity.engines.hf import HFEngine
+from parity.engines import Sampling, positions
 from parity.errors import ParityError
 from parity.objectives import clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
-from parity.scoring import disable_dropout
+from parity.engines.scoring import disable_dropout
 
 try:
     from trl import GRPOTrainer

@@ -36,7 +36,7 @@ from parity.integrations.trl import _without_patched_forward, install_cpu_fp16_s
 from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
 from parity.objectives import behaviour_weights, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
-from parity.scoring import disable_dropout
+from parity.engines.scoring import disable_dropout
 
 try:
     from transformers import AttentionInterface

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from parity import claims as C
+from parity.experiments import claims as C
 from parity import testbed, ui
 from parity.files import ensure_writable, read_json
 
@@ -169,7 +169,7 @@ def _sweep(plan: Plan, out: Path, recipes: list[str], seeds: list[int], task: st
            overrides: dict[str, Any], workers: int, progress: bool,
            per_recipe: dict[str, dict[str, Any]] | None = None,
            continue_from: Path | None = None) -> dict[str, Any]:
-    from parity.sweep import SweepSpec, run_sweep
+    from parity.experiments.sweep import SweepSpec, run_sweep
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[task], models=[model],
                      overrides={**overrides, "device": plan.device, "engine": plan.engine},
                      per_recipe=per_recipe or {},

@@ -10,7 +10,7 @@
                a larger lr (1e-5): fp32, bf16-engine, fp16 × 1 seed              (table)
     → claims.json, claims.md, plots; every part reused when the command runs again.
 
-The testbed's reproduction (`parity/reproduce.py`) scales ε to its small β; here the seeds'
+The testbed's reproduction (`parity/experiments/reproduce.py`) scales ε to its small β; here the seeds'
 own ε = 0.2 applies, because a real model's β is the seeds' size (claim R1 measures it).
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity import claims as C
-from parity import claims_real as CR
+from parity.experiments import claims as C
+from parity.experiments import claims_real as CR
 from parity.files import ensure_writable, read_json
 from parity.reports import load_metrics
 
@@ -72,7 +72,7 @@ def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -
 
 def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], model: str,
            lr: float, workers: int, progress: bool) -> dict[str, Any]:
-    from parity.sweep import SweepSpec, run_sweep
+    from parity.experiments.sweep import SweepSpec, run_sweep
     common = {"steps": plan.steps, "lr": lr,
               "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
               "max_new_tokens": plan.max_new_tokens, "eps_low": 0.2, "eps_high": 0.2,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from parity.engines import Rollout, Sampling, keep_last, logprobs_from_logits, positions
+from parity.engines.rollout import Rollout, Sampling, keep_last, logprobs_from_logits, positions
 from parity.errors import ParityError
 
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from parity.engines import Rollout, Sampling, Shard, left_pad
+from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
 from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
 
@@ -135,7 +135,7 @@ def whole_distributions(steps: list[dict[int, Any]], T: int, vocab: int) -> torc
 
 
 class VLLMEngine:
-    """The `Engine` protocol (parity/engines.py) on vLLM."""
+    """The `Engine` protocol (parity/engines/) on vLLM."""
 
     def __init__(self, master: torch.nn.Module, model_dir: str, dtype: str,
                  eos_ids: list[int], pad_id: int, seed: int, max_len: int, rows: int,

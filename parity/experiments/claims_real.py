@@ -1,4 +1,4 @@
-"""The real model's claims (`parity reproduce --model`), judged as `parity.claims` judges the
+"""The real model's claims (`parity reproduce --model`), judged as `parity.experiments.claims` judges the
 testbed's. Training effects on the real model are judged on how far completions shorten in a run
 (`drop`: mean length over its first steps minus over its last), compared between recipes against
 the spread of seeds: a two-sided 95% interval from Student's t with the pooled standard
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from parity.claims import HOLDS, NOT_AT_SCALE, NOT_MEASURABLE, SEED_PHANTOM, Claim, difference
+from parity.experiments.claims import HOLDS, NOT_AT_SCALE, NOT_MEASURABLE, SEED_PHANTOM, Claim, difference
 
 
 def _fmt(v: list[float]) -> str:

@@ -1,0 +1,209 @@
+"""The `hf` engine: batched sampling with a KV cache on the engine's own engine-precision copy of
+the transformers model, attending with parity's attention (parity/engines/attention.py)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+from typing import Any, Callable
+
+import torch
+from transformers import StaticCache
+
+from parity.engines.attention import ENGINE_ATTENTION
+from parity.engines.rollout import (Rollout, Sampling, Shard, keep_last, left_pad,
+                                    logprobs_from_logits, positions, processed_logits,
+                                    sample_rows, uniforms)
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+
+
+class HFEngine:
+    """Batched sampling with a KV cache on the engine's own engine-precision copy of the model."""
+
+    def __init__(self, master: torch.nn.Module, dtype: str, eos_id: int | list[int], pad_id: int,
+                 cpu_fp16: str = "emulate", lm_head_fp32: bool = False):
+        self.dtype, self.cpu_fp16 = dtype, cpu_fp16
+        self.model = low_precision_copy(master, dtype, lm_head_fp32)
+        self._setup(eos_id, pad_id)
+
+    @classmethod
+    def of_copy(cls, model: torch.nn.Module, dtype: str, eos_id: int | list[int], pad_id: int,
+                cpu_fp16: str = "emulate") -> "HFEngine":
+        """An engine on a model that already is an engine-precision copy (the async engine
+        process receives one)."""
+        self = cls.__new__(cls)
+        self.dtype, self.cpu_fp16, self.model = dtype, cpu_fp16, model
+        self._setup(eos_id, pad_id)
+        return self
+
+    def _setup(self, eos_id: int | list[int], pad_id: int) -> None:
+        self.model.set_attn_implementation(ENGINE_ATTENTION)
+        # transformers renamed the forward's `past_key_values` to `cache` (5.24), and warns at
+        # every decode step when given the old name.
+        inner = getattr(self.model, "get_base_model", lambda: self.model)()  # an unmerged LoRA copy
+        params = inspect.signature(inner.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Chat models end a turn with their own token (<|im_end|>) besides the tokenizer's EOS.
+        self.eos_ids = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id),
+                                    device=self.device)
+        self.pad_id = pad_id
+        self.version = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sync(self, master: torch.nn.Module) -> float:
+        """Cast the fp32 master weights into the engine; returns `sync/changed_frac`."""
+        self.version += 1
+        return cast_weights_into(master, self.model)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    @torch.no_grad()
+    def score(self, master: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+        """The engine's own forward on a scratch copy (its sampled weights stay for the next
+        sync's changed_frac): the same attention and precision as its decode steps."""
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = copy.deepcopy(self.model)
+        cast_weights_into(master, self._scratch, count=False)
+        ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
+        mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
+        T = r.completion_ids.shape[1]
+        with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
+            # the logits that predict each completion token: positions P-1 .. P+T-2
+            logits = self._scratch(input_ids=ids, attention_mask=mask,
+                                   position_ids=positions(mask),
+                                   logits_to_keep=keep_last(ids.shape[1], T + 1, ids.device)
+                                   ).logits[:, :-1]
+        return logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+
+    def replica(self) -> tuple[Callable[..., HFEngine], dict[str, Any]]:
+        return _hf_replica, dict(model=copy.deepcopy(self.model).cpu(), dtype=self.dtype,
+                                 eos_id=self.eos_ids.tolist(), pad_id=self.pad_id,
+                                 cpu_fp16=self.cpu_fp16)
+
+    def close(self) -> None:
+        self._scratch = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                 generator: torch.Generator, record_rows: list[int] | None = None,
+                 shard: Shard | None = None, max_batch: int = 0) -> Rollout:
+        """Sample one completion per prompt. For the batch rows in `record_rows` the whole
+        sampling distribution at every position is kept as well (`Rollout.dists`). With a
+        `shard` the prompts are some rows of a batch sampled across ranks. `max_batch` > 0
+        decodes at most that many prompts at a time (the KV cache and the logits scale with
+        it), with the same results."""
+        shard = shard or Shard(list(range(len(prompts))), len(prompts))
+        with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
+            if not max_batch or max_batch >= len(prompts):
+                return self._generate(prompts, max_new_tokens, s, generator, record_rows or [],
+                                      shard)[0]
+            return self._in_pieces(prompts, max_new_tokens, s, generator, record_rows or [],
+                                   shard, max_batch)
+
+    def _in_pieces(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                   generator: torch.Generator, record_rows: list[int], shard: Shard,
+                   max_batch: int) -> Rollout:
+        """`_generate` on consecutive pieces of the prompts. A row's random numbers are drawn
+        per position for the whole batch (`uniforms`), so each piece starts from the same
+        generator state and takes its own rows' numbers; afterwards the generator is where
+        the whole batch would have left it: after the longest piece's positions. Every piece
+        keeps the whole batch's prompt width, so its products have the whole batch's columns.
+        Ranks hold equal numbers of rows, so they cut equal numbers of pieces and stop each
+        one together."""
+        start, width = generator.get_state(), shard.width or max(map(len, prompts))
+        parts, longest, end = [], -1, start
+        for a in range(0, len(prompts), max_batch):
+            generator.set_state(start)
+            b = min(a + max_batch, len(prompts))
+            rec = [i - a for i in record_rows if a <= i < b]
+            r, steps = self._generate(prompts[a:b], max_new_tokens, s, generator, rec,
+                                      Shard(shard.rows[a:b], shard.batch, shard.all_done, width,
+                                            shard.fixed_draws))
+            if steps > longest:
+                longest, end = steps, generator.get_state()
+            parts.append((a, r))
+        generator.set_state(end)
+        T = max(r.completion_ids.shape[1] for _, r in parts)
+        wide = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+        out = Rollout(torch.cat([r.prompt_ids for _, r in parts]),
+                      torch.cat([r.prompt_mask for _, r in parts]),
+                      torch.cat([wide(r.completion_ids, self.pad_id) for _, r in parts]),
+                      torch.cat([wide(r.completion_mask, 0.0) for _, r in parts]),
+                      torch.cat([wide(r.engine_logprobs, 0.0) for _, r in parts]),
+                      torch.cat([r.finished for _, r in parts]))
+        kept = [(a, r) for a, r in parts if r.dists is not None]
+        if kept:
+            out.dist_rows = torch.cat([r.dist_rows + a for a, r in kept])
+            out.dists = torch.cat([torch.nn.functional.pad(r.dists, (0, 0, 0, T - r.dists.shape[1]))
+                                   for _, r in kept])
+        return out
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
+                  generator: torch.Generator, record_rows: list[int], shard: Shard
+                  ) -> tuple[Rollout, int]:
+        """The rollout, and how many positions were decoded (draws taken per row)."""
+        dev = self.device
+        ids, mask = left_pad(prompts, self.pad_id, shard.width, dev)
+        B = ids.shape[0]
+        rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
+        # Preallocated: a growing cache copies every layer's keys and values at every token
+        # (what that costs an fp32 decode step: docs/performance.md).
+        with dev:  # the cache's bookkeeping tensors too, not only the keys and values
+            cache = StaticCache(config=self.model.config,
+                                max_cache_len=ids.shape[1] + max_new_tokens)
+        pos = positions(mask)
+        # Each position's random numbers are drawn and copied to the device before the forward
+        # that precedes them is queued: a copy from the host waits for the device's queue, which
+        # is empty there (after the stopping check), not in the middle of a forward.
+        u = uniforms(generator, shard.batch, rows, dev)
+        keep = torch.tensor(record_rows, dtype=torch.long, device=dev) if record_rows else None
+        scratch: dict = {}   # engine_attention's key buffer, freed with this rollout
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         **{self.cache_kw: cache}, use_cache=True,
+                         logits_to_keep=keep_last(ids.shape[1], 1, dev),
+                         parity_kv_len=ids.shape[1], parity_scratch=scratch)
+        tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+        valid = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        attn, last_pos = mask, pos[:, -1:]
+        recorded = []
+        for t in range(max_new_tokens):
+            x = processed_logits(out.logits[:, -1], s)
+            logp = torch.log_softmax(x, dim=-1)
+            if keep is not None:
+                recorded.append(logp[keep])
+            tok = sample_rows(logp, u)
+            alive = ~done
+            tokens[:, t] = torch.where(alive, tok, self.pad_id)
+            logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+            valid[:, t] = alive.float()
+            done |= alive & torch.isin(tok, self.eos_ids)
+            if shard.all_done(bool(done.all())) or t == max_new_tokens - 1:
+                break
+            # Finished rows keep decoding a pad token; their output is discarded above. Stopping
+            # is the decode loop's one wait for the device (`done.all()` above).
+            u = uniforms(generator, shard.batch, rows, dev)
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
+                             position_ids=last_pos, **{self.cache_kw: cache}, use_cache=True,
+                             parity_kv_len=attn.shape[1], parity_scratch=scratch)
+        if shard.fixed_draws:
+            for _ in range(t + 1, max_new_tokens):
+                uniforms(generator, shard.batch)
+        T = int(valid.sum(0).nonzero().max()) + 1
+        r = Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
+        if record_rows:
+            r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
+            r.dists = torch.stack(recorded[:T], dim=1)
+        return r, t + 1
+
+
+def _hf_replica(model: torch.nn.Module, device: torch.device, **kw: Any) -> HFEngine:
+    return HFEngine.of_copy(model.to(device), **kw)
