@@ -1,4 +1,5 @@
-"""Shared fixtures: a private testbed cache with the test-size models, built once per session."""
+"""Shared fixtures: a private testbed cache with the test-size models, built once per session;
+and the check that keeps models out of the fast tier (`pytest -m "not e2e"`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,33 @@ from pathlib import Path
 
 import pytest
 
+# tests/test_tiers.py runs pytest on made-up test files to check the tier rule below.
+pytest_plugins = ["pytester"]
+
+# The fixtures below that build or load a model (a testbed build takes minutes on a fresh cache)
+# or need vLLM. A test that asks for one, itself or through another fixture, is end to end: it
+# must carry the `e2e` mark (pyproject.toml's markers), or it would slow the fast tier.
+E2E_FIXTURES = frozenset({"text_model", "arith_model", "chat_model", "tiny_lm", "vllm_ready"})
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the long end-to-end runs")
 
 
+def unmarked_e2e(items) -> list[str]:
+    """The tests that ask for an E2E_FIXTURES fixture but are not marked e2e, each named with
+    the fixtures it asks for."""
+    return [f"{item.nodeid} (asks for {', '.join(sorted(used))})" for item in items
+            if (used := E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
+            and item.get_closest_marker("e2e") is None]
+
+
 def pytest_collection_modifyitems(config, items):
+    missing = unmarked_e2e(items)
+    if missing:
+        raise pytest.UsageError("tests that build or load a model must be marked "
+                                "@pytest.mark.e2e (pyproject.toml's markers):\n  "
+                                + "\n  ".join(missing))
     import torch
     no_gpu = pytest.mark.skip(reason="needs a CUDA device: torch sees none here")
     slow = pytest.mark.skip(reason="long end-to-end run: pass --runslow")
@@ -62,6 +84,7 @@ def chat_model(text_model, tmp_path_factory) -> Path:
     """text-xs with a chat template, so that chat requests can be tokenized again (and a server
     can apply the template itself)."""
     import shutil
+
     from parity.runs import load_policy
     d = tmp_path_factory.mktemp("chat-model")
     for f in text_model.iterdir():

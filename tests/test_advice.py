@@ -95,6 +95,7 @@ def test_a_bad_fp16_check_is_one_line(tmp_path, content, words):
         assert w in str(e.value)
 
 
+@pytest.mark.e2e
 def test_reference_points_are_the_committed_audits():
     """The shipped reference rows are what scripts/reference_points.py reads from the committed
     audits, figure for figure; the script's check fails on a file that differs."""

@@ -16,6 +16,8 @@ from cli_helpers import assert_user_error
 from parity.config import make_config
 from parity.trainer import train
 
+pytestmark = pytest.mark.e2e
+
 BASE = dict(task="neg-length", model="text-xs", max_new_tokens=12, prompts_per_step=4, samples_per_prompt=4,
             progress=False, report_to="none")
 

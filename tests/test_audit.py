@@ -15,6 +15,8 @@ import pytest
 from parity.audit import AuditSettings, audit, scale
 from parity.diagnostics import DUMP_COLUMNS
 
+pytestmark = pytest.mark.e2e
+
 CONTRACT_METRICS = ["clip/frac", "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
                   "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
                   "mismatch/beta_std", "mismatch/beta_adv_corr", "mismatch/kl_k1",

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_user_error
 
+pytestmark = pytest.mark.e2e
+
 REWARDS = '''
 import math
 calls = {"n": 0}

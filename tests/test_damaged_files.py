@@ -61,6 +61,7 @@ def test_a_whole_safetensors_file_reads_as_written(whole):
     assert t["b"].dtype == torch.bfloat16
 
 
+@pytest.mark.e2e
 def test_a_cut_adapter_is_one_line(tmp_path, text_model):
     model, _ = load_policy(text_model)
     adapted = lora.wrap(model, 4, None, "all-linear", True, torch.float32)
@@ -73,6 +74,7 @@ def test_a_cut_adapter_is_one_line(tmp_path, text_model):
         lora.from_adapter(fresh, str(tmp_path / "adapter"), True)
 
 
+@pytest.mark.e2e
 def test_a_model_with_cut_weights_is_refused_before_any_work(tmp_path, text_model):
     model = tmp_path / "model"
     shutil.copytree(text_model, model)
@@ -84,6 +86,7 @@ def test_a_model_with_cut_weights_is_refused_before_any_work(tmp_path, text_mode
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_a_damaged_checkpoint_that_matches_its_manifest_is_one_line(tmp_path, text_model):
     """A checkpoint written damaged (its manifest taken from the damaged bytes) passes the
     checksum; its reader still names it."""

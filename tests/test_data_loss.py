@@ -51,6 +51,7 @@ def copy_run(run: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.e2e
 def test_resume_with_checkpoints_path_a_file_is_refused_and_changes_nothing(tmp_path,
                                                                             finished_run):
     run = copy_run(finished_run, tmp_path / "run")
@@ -63,6 +64,7 @@ def test_resume_with_checkpoints_path_a_file_is_refused_and_changes_nothing(tmp_
     assert snapshot(run) == before
 
 
+@pytest.mark.e2e
 def test_checkpoints_path_that_stops_being_a_directory_mid_run_is_one_line(tmp_path,
                                                                            text_model):
     run = tmp_path / "run"
@@ -96,6 +98,7 @@ def _rewrite_in_manifest(ckpt: Path, name: str, text: str) -> None:
     (ckpt / checkpoints.MANIFEST).write_text(json.dumps(man))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("damage", ["manifest-without-files", "manifest-not-a-mapping",
                                     "state-without-prompts", "state-not-json"])
 def test_unreadable_checkpoint_is_not_valid_and_resume_falls_back(tmp_path, finished_run,
@@ -118,6 +121,7 @@ def test_unreadable_checkpoint_is_not_valid_and_resume_falls_back(tmp_path, fini
     assert "step-3 is corrupt" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_no_checkpoint_keeps_the_logged_steps_beside_the_restarted_run(tmp_path, finished_run):
     run = copy_run(finished_run, tmp_path / "run")
     logged = (run / "metrics.jsonl").read_text()
@@ -128,6 +132,7 @@ def test_no_checkpoint_keeps_the_logged_steps_beside_the_restarted_run(tmp_path,
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_with_a_non_finite_weight_is_never_written(tmp_path, text_model):
     model, tok = load_policy(text_model)
     with torch.no_grad():
@@ -167,6 +172,7 @@ def _edited_copy(text_model: Path, dest: Path, **changes) -> Path:
     return dest
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change,words", [
     (dict(num_hidden_layers=lambda n: n + 1), "are not in the files"),
     (dict(num_hidden_layers=lambda n: n - 1), "are not in config.json's model"),
@@ -179,6 +185,7 @@ def test_config_that_disagrees_with_the_weights_is_refused(tmp_path, text_model,
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.e2e
 def test_config_mismatch_ends_train_in_one_line_before_any_work(tmp_path, text_model):
     model = _edited_copy(text_model, tmp_path / "m", vocab_size=lambda n: n + 16)
     p = cli("train", "--model", str(model), "--steps", "1", "--no-progress",
@@ -188,6 +195,7 @@ def test_config_mismatch_ends_train_in_one_line_before_any_work(tmp_path, text_m
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_an_encoder_only_model_is_refused_before_any_work(tmp_path, text_model):
     from transformers import BertConfig, BertForMaskedLM
     d = tmp_path / "bert"

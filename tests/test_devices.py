@@ -49,6 +49,7 @@ def _rows(path: Path) -> list[dict]:
             for x in path.read_text().splitlines()]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(CASES))
 def test_device_cpu_gives_the_metrics_parity_gave_before_it_had_a_device(name, tmp_path, cache,
                                                                          text_model, arith_model):
@@ -65,6 +66,7 @@ def _meta_by_default(model: torch.nn.Module) -> None:
     torch.set_default_device("meta")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_run_makes_no_tensor_on_the_default_device(name, tmp_path, text_model, arith_model):
     """On a GPU, a tensor made without a device lands on the CPU beside CUDA tensors. Here the
@@ -77,6 +79,7 @@ def test_a_run_makes_no_tensor_on_the_default_device(name, tmp_path, text_model,
         torch.set_default_device(None)
 
 
+@pytest.mark.e2e
 def test_audit_and_fp16_check_make_no_tensor_on_the_default_device(tmp_path, text_model,
                                                                     monkeypatch):
     import parity.audit as audit
@@ -116,6 +119,7 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_is_refused():
             devices.resolve(setting)
 
 
+@pytest.mark.e2e
 @no_cuda
 @pytest.mark.parametrize("command", [
     ["train", "--model", "text-xs", "--steps", "1"],
@@ -133,6 +137,7 @@ def test_cuda_on_a_machine_without_cuda_is_one_line_and_exit_2(command, tmp_path
     assert not any(tmp_path.iterdir()), "nothing is written before the device is checked"
 
 
+@pytest.mark.e2e
 def test_a_run_may_resume_on_another_device(tmp_path, text_model):
     """A run started with `--device auto` continues with `--device cpu` (a GPU run on a CPU, or
     the other way round), from its checkpoint, to the same figures as one run."""

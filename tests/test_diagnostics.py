@@ -152,6 +152,7 @@ def _sharp_gap_model():
     return m
 
 
+@pytest.mark.e2e
 @torch.no_grad()
 def test_beta_mean_matches_exact_kl_by_enumeration():
     """Sampling from μ makes E_μ[ℓ_π − ℓ_μ] = −KL(μ‖π): enumerate every completion (vocab 6,
@@ -227,6 +228,7 @@ def test_beta_mean_matches_exact_kl_by_enumeration():
                                                 - m["mismatch/alpha_mean"], rel=1e-6)
 
 
+@pytest.mark.e2e
 @torch.no_grad()
 def test_shadow_follows_trainer_weights(tiny_lm):
     """ℓ_s is on the trainer's current weights: after the weights move, the shadow moves too."""
@@ -311,6 +313,7 @@ def test_cluster_standard_errors_by_hand_and_against_a_loop():
     assert m["mismatch/beta_adv_corr_se"] > math.sqrt((1 - r * r) / nt)
 
 
+@pytest.mark.e2e
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_shadow_reproduces_engine_logprobs(text_model, dtype):

@@ -66,6 +66,7 @@ def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
                 assert abs(x[k] - y[k]) <= tol * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, tmp_path,
                                                                      parallel):
@@ -109,6 +110,7 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
     assert_same_metrics(a, metrics(tmp_path / "two"), 1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_path, parallel):
     """Each rank cuts its half of the minibatch by a token budget, so the ranks' own counts of
@@ -125,6 +127,7 @@ def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_
     assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"), 1e-4)
 
 
+@pytest.mark.e2e
 def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path):
     """The default recipe: the first step's rollout, rewards, α/β split and clip attribution
     across two ranks equal one process's. (After an update, fp32 sums in another order can move
@@ -138,6 +141,7 @@ def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path):
     assert_same_metrics(a, b, 1e-4)
 
 
+@pytest.mark.e2e
 def test_two_ranks_ppo_value_matches_one_process(text_model, tmp_path):
     """PPO with a value head: GAE advantages are whitened with the whole batch's statistics
     (sums over ranks), the value loss is each rank's share of the token mean, and the value
@@ -152,6 +156,7 @@ def test_two_ranks_ppo_value_matches_one_process(text_model, tmp_path):
     assert_same_metrics(a, b, 1e-5)
 
 
+@pytest.mark.e2e
 def test_async_engines_on_two_ranks_resume_exactly(text_model, tmp_path):
     """One engine process per rank: they stop decoding at different lengths but draw the same
     random numbers, so rank 0's saved generator state serves every rank and a resumed run
@@ -176,6 +181,7 @@ def test_fsdp_with_a_value_head_is_refused():
         make_config({"objective": "ppo-value", "parallel": "fsdp"})
 
 
+@pytest.mark.e2e
 def test_fsdp_cannot_resume_a_one_process_checkpoint(text_model, tmp_path):
     cfg = COMMON + ["--parallel", "fsdp", "--recipe", "fp32", "--prompts-per-step", "4",
                     "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps", "1"]
@@ -193,6 +199,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_accelerate_launch_runs_the_same_training(text_model, tmp_path):
     """`accelerate launch` starts the ranks with torchrun's environment; on a CPU machine
     `--multi_gpu` is its multi-process launcher."""
@@ -206,6 +213,7 @@ def test_accelerate_launch_runs_the_same_training(text_model, tmp_path):
     assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"), 1e-5)
 
 
+@pytest.mark.e2e
 def test_a_batch_that_does_not_split_over_ranks_is_refused_on_every_rank(text_model, tmp_path):
     p = parity(["train", *COMMON, "--prompts-per-step", "3", "--steps", "1",
                 "--out", str(tmp_path / "run")], TORCHRUN, timeout=120)
@@ -226,6 +234,7 @@ def _rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.e2e
 def test_killing_one_rank_ends_the_run_with_a_clear_error(text_model, tmp_path):
     """SIGKILL rank 1 mid-run: the whole run stops within a minute, rank 0 says why in one
     line, and the steps already written stay intact."""
@@ -258,6 +267,7 @@ def test_killing_one_rank_ends_the_run_with_a_clear_error(text_model, tmp_path):
     assert len(lines) < 200
 
 
+@pytest.mark.e2e
 def test_multiprocess_launch_without_a_rendezvous_is_a_user_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
     p = subprocess.run([sys.executable, "-m", "parity", "train", *COMMON, "--steps", "1",

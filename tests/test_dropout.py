@@ -12,6 +12,8 @@ import pytest
 from parity import testbed
 from parity.cli import main
 
+pytestmark = pytest.mark.e2e
+
 RUN = ["--prompts-per-step", "2", "--samples-per-prompt", "8", "--max-new-tokens", "16",
        "--steps", "1", "--threads", "1", "--no-progress", "--report-to", "none",
        "--recipe", "fp32", "--eps-low", "0.05", "--eps-high", "0.05"]

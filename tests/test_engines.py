@@ -18,6 +18,7 @@ def chi2_critical(df: int, z: float = 3.72) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.6), Sampling(1.3, top_k=5),
                                Sampling(1.0, top_p=0.7), Sampling(0.8, top_p=0.9, top_k=8)])
 def test_sampling_matches_exact_softmax(tiny_lm, s):
@@ -49,6 +50,7 @@ def test_sampling_matches_exact_softmax(tiny_lm, s):
     assert torch.allclose(r.engine_logprobs[:, 0].double(), lp, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_temperature_is_not_ignored(tiny_lm):
     # The same chi-square check must reject a distribution at the wrong temperature.
     n = 40_000
@@ -61,6 +63,7 @@ def test_temperature_is_not_ignored(tiny_lm):
     assert chi2 > chi2_critical(15)
 
 
+@pytest.mark.e2e
 def test_eos_and_padding(tiny_lm):
     engine = HFEngine(tiny_lm, "fp32", eos_id=1, pad_id=0)
     prompts = [[2, 3], [4, 5, 6, 7, 8], [9]] * 50
@@ -89,6 +92,7 @@ def test_processed_logits_keeps_the_sampled_token():
     assert torch.isfinite(kept[0, 3]) and torch.isinf(kept[0, 2])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.7, top_p=0.9, top_k=20)])
 def test_engine_logprobs_match_trainer_forward_fp32_and_differ_in_bf16(text_model, s):
     """With an fp32 engine the KV-cache log-probs equal a full trainer forward within 1e-4;

@@ -116,6 +116,7 @@ def test_lost_values_that_carry_no_norm_are_no_risk():
     assert not v["reasons"]["training"]
 
 
+@pytest.mark.e2e
 def test_weight_past_fp16_range_is_flagged(scaled, tmp_path):
     out = tmp_path / "check"
     p = parity("--model", str(scaled["weight"]), "--out", str(out), "--top", "5")
@@ -132,6 +133,7 @@ def test_weight_past_fp16_range_is_flagged(scaled, tmp_path):
     assert r["fp16_forward"]["nonfinite_prompts"] == r["prompts"]["count"]
 
 
+@pytest.mark.e2e
 def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The history of the city\n\nIn mathematics, a group is\nimport os\n")
@@ -151,6 +153,7 @@ def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys
     assert "lm_head" in p.stdout and "OVERFLOW" in p.stdout
 
 
+@pytest.mark.e2e
 def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_path, capsys,
                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -178,6 +181,7 @@ def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_p
     assert g["activations"]["model.layers.0.self_attn.q_proj"]["max_abs"] > 0
 
 
+@pytest.mark.e2e
 def test_bad_model_and_bad_prompts_are_one_line_errors(text_model, tmp_path, capsys):
     one_error_line(parity("--model", str(tmp_path / "nope")), "no model directory")
     (tmp_path / "blank.txt").write_text("\n  \n")
@@ -224,6 +228,7 @@ def _fp16_gradients(model_dir, scale: float) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("c,verdict", [(3e-5, "OK"), (1e-5, "UNDERFLOW-RISK")])
 def test_the_norm_the_check_says_fp16_loses_is_what_fp16_gradients_lose(c, verdict, text_model,
                                                                         tmp_path):
@@ -252,6 +257,7 @@ def test_the_norm_the_check_says_fp16_loses_is_what_fp16_gradients_lose(c, verdi
         assert head["underflow_frac_scaled"] > 0.2   # the count rule would have refused it
 
 
+@pytest.mark.e2e
 def test_a_model_the_check_passes_trains_in_fp16_as_in_fp32(text_model):
     """Three Adam steps of the LM loss with parity's fp16 training (autocast, dynamic loss
     scaling, fp32 master weights) against fp32: the same losses to 1e-4 (5e-5 measured), the same

@@ -14,6 +14,8 @@ import pytest
 from cli_helpers import TINY_RUN, assert_user_error, cli
 from parity import checkpoints
 
+pytestmark = pytest.mark.e2e
+
 RUN = TINY_RUN
 
 

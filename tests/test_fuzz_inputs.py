@@ -248,6 +248,7 @@ CLI_CASES = st.one_of(
     st.tuples(st.just("--config"), st.binary(max_size=30).map(lambda b: b"\xff" + b)))
 
 
+@pytest.mark.e2e
 @fuzz(5)
 @given(case=CLI_CASES)
 def test_generated_bad_input_through_the_command_line(scratch, case):

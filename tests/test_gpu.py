@@ -18,7 +18,7 @@ import torch
 from parity.config import RECIPES, AuditSettings, make_config
 from parity.trainer import train
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 SMALL = dict(model="text-xs", steps=2, prompts_per_step=4, samples_per_prompt=4,
              max_new_tokens=12, lr=1e-3, progress=False)

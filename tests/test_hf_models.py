@@ -80,6 +80,7 @@ def data(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
 def test_audit_and_train_on_a_local_model_directory(kind, text_model, data, tmp_path):
     """Must-show 2: `parity audit` and `parity train` on a GPT-2-style and a Qwen2-style
@@ -113,6 +114,7 @@ def test_audit_and_train_on_a_local_model_directory(kind, text_model, data, tmp_
         assert m["mismatch/beta_abs_mean"] > 0
 
 
+@pytest.mark.e2e
 def test_chat_template_renders_conversations(text_model, tmp_path):
     from parity.tasks import prompt_token_ids
     model = _build("qwen2", text_model, tmp_path / "qwen2")
@@ -126,6 +128,7 @@ def test_chat_template_renders_conversations(text_model, tmp_path):
     assert prompt_token_ids(tok, "hello", chat_template=False) == tok("hello")["input_ids"]
 
 
+@pytest.mark.e2e
 def test_engine_stops_at_any_end_of_turn_token(text_model, tmp_path):
     """A chat model's generation config lists <|im_end|> besides EOS; the engine ends a
     completion at either."""
@@ -147,6 +150,7 @@ def test_engine_stops_at_any_end_of_turn_token(text_model, tmp_path):
     assert r.finished.all() and set(ends) <= {tok.eos_token_id, im_end} and im_end in ends
 
 
+@pytest.mark.e2e
 def test_chat_template_without_one_is_refused(text_model, data, tmp_path):
     model = _build("gpt2", text_model, tmp_path / "gpt2")
     r = _parity("train", "--model", str(model), "--task", str(data / "chat.jsonl"), "--reward",
@@ -177,6 +181,7 @@ def test_dataset_formats_read_the_same_rows(tmp_path):
         assert load_rows(str(tmp_path / src)) == rows, src
 
 
+@pytest.mark.e2e
 def test_neg_length_chat_asks_chat_questions(text_model, tmp_path):
     """`neg-length-chat`: short questions, each one user turn through the model's chat
     template (no --chat-template needed), rewarded −length; a model without a template is

@@ -23,6 +23,8 @@ import pytest
 from parity.cli import main
 from parity.server_client import LocalVLLM
 
+pytestmark = pytest.mark.e2e
+
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 CONTEXT = 128   # the servers' --max-model-len, below text-xs's 256 positions
 SAMPLING = ["--temperature", "0.8", "--top-k", "20"]

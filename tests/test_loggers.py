@@ -15,6 +15,8 @@ from cli_helpers import assert_user_error
 
 from parity.cli import main
 
+pytestmark = pytest.mark.e2e
+
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 needs_wandb = pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed: pip install "
                                  "'.[test]' (or wandb) to test the W&B backend")

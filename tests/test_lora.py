@@ -16,6 +16,8 @@ from parity.config import RECIPES, make_config
 from parity.errors import ParityError
 from parity.trainer import train
 
+pytestmark = pytest.mark.e2e
+
 SMALL = dict(model="arith-xs", task="arith", prompts_per_step=4, samples_per_prompt=4,
              lora_rank=4, lr=1e-2, progress=False, threads=1)
 TIMING = ("time/", "throughput/")

@@ -80,6 +80,7 @@ def _same_metrics(a, b, rel):
             assert math.isclose(v, y[k], rel_tol=rel, abs_tol=tol), (x["step"], k, v, y[k])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES)
 def test_micro_batches_give_the_unbatched_step(text_model, tmp_path, case):
     kw = CASES[case]
@@ -102,6 +103,7 @@ def _comparable(a, b, kw):
     return a[:n], b[:n]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["ppo-clip token-mean", "online-dpo"])
 def test_a_token_budget_packs_whole_groups_within_it(text_model, tmp_path, case):
     kw = CASES[case]
@@ -117,6 +119,7 @@ def test_a_token_budget_packs_whole_groups_within_it(text_model, tmp_path, case)
     _same_metrics(*_comparable(m0, m1, kw), 2e-3)
 
 
+@pytest.mark.e2e
 def test_chunked_logprobs_and_checkpointing_give_the_same_step(text_model, tmp_path):
     whole, m0 = _run(tmp_path, "whole", recipe="bf16-engine")
     chunked, m1 = _run(tmp_path, "chunked", recipe="bf16-engine", logprob_chunk=5,
@@ -126,6 +129,7 @@ def test_chunked_logprobs_and_checkpointing_give_the_same_step(text_model, tmp_p
     _same_metrics(*_comparable(m0, m1, {"recipe": "bf16-engine"}), 2e-3)
 
 
+@pytest.mark.e2e
 def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
     """The LM head sees at most `chunk` positions of a forward with gradient at a time."""
     from parity.engines.hf import HFEngine
@@ -169,6 +173,7 @@ def test_pieces_cover_the_batch_in_order():
             assert len(sl) == kw["count"] or all(s.stop - s.start == group for s in sl)
 
 
+@pytest.mark.e2e
 def test_a_run_too_big_for_memory_says_which_setting_to_change(text_model, monkeypatch):
     import re
 
@@ -193,6 +198,7 @@ def test_a_run_too_big_for_memory_says_which_setting_to_change(text_model, monke
         memory.check(cfg, model, 20)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
     """A bounded engine batch decodes the same completions with the same ℓ_μ and recorded
@@ -222,6 +228,7 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
     assert r0.completion_mask.sum(-1).float().std() > 0  # rows of different lengths were cut
 
 
+@pytest.mark.e2e
 def test_a_bounded_engine_batch_trains_the_same_run(text_model, tmp_path):
     whole, m0 = _run(tmp_path, "whole")
     bounded, m1 = _run(tmp_path, "bounded", rollout_batch=5)
@@ -230,6 +237,7 @@ def test_a_bounded_engine_batch_trains_the_same_run(text_model, tmp_path):
     _same_metrics(m0, m1, 2e-3)
 
 
+@pytest.mark.e2e
 def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -249,6 +257,7 @@ def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
         score_full(capped, r, Sampling(), chunk=2)
 
 
+@pytest.mark.e2e
 def test_arith_refuses_a_model_that_cannot_do_it_after_its_first_problems(text_model, tmp_path):
     """An untrained model never answers `a+b=` with the sum alone: the calibration stops after
     its first batch of samples instead of sampling all 512 problems 40 times."""

@@ -17,6 +17,8 @@ import pytest
 from cli_helpers import assert_user_error
 from parity.cli import main
 
+pytestmark = pytest.mark.e2e
+
 RUN = ["--model", "text-xs", "--prompts-per-step", "2", "--samples-per-prompt", "4",
        "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--report-to", "none"]
 

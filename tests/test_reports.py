@@ -250,6 +250,7 @@ def test_scale_report_writes_its_plot_and_page(tmp_path):
 
 # ---------------------------------------------------------------------------- a real browser
 
+@pytest.mark.e2e
 def test_headless_browser_renders_every_plot(two_runs, tmp_path):
     tokens, seqs, eps_table, summary = _audit_inputs()
     pages = {run_report(two_runs, tmp_path / "run"): len(RUN_PNGS),
@@ -285,6 +286,7 @@ def test_html_page_escapes_and_embeds(tmp_path):
 
 # ---------------------------------------------------------------------------- end to end
 
+@pytest.mark.e2e
 def test_parity_report_on_real_runs_renders(tmp_path, text_model):
     """`parity train` twice (the mismatch and the reference), then `parity report` over both:
     every figure, the page, and the browser renders each plot."""

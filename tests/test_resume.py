@@ -16,6 +16,8 @@ import pytest
 from parity.checkpoints import steps_on_disk, verify
 from parity.cli import main
 
+pytestmark = pytest.mark.e2e
+
 RUN = ["--model", "text-xs", "--prompts-per-step", "2", "--samples-per-prompt", "4",
        "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--lr", "1e-3"]
 

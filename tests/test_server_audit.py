@@ -16,6 +16,8 @@ from parity.cli import main
 from parity.config import AuditSettings
 from parity.runs import load_policy
 
+pytestmark = pytest.mark.e2e
+
 KEYS = ("mismatch/beta_mean", "mismatch/beta_abs_mean", "mismatch/kl_k1", "mismatch/kl_k3",
         "clip/frac", "clip/phantom_frac", "mismatch/beta_adv_corr")
 

@@ -20,6 +20,7 @@ GRID = ["sweep", "--recipes", "fp32,bf16-engine", "--seeds", "0,1", "--models", 
         "--samples-per-prompt", "4", "--workers", "2", "--no-progress"]
 
 
+@pytest.mark.e2e
 def test_sweep_runs_the_grid_and_skips_finished_runs(tmp_path, text_model, capsys):
     out = tmp_path / "sw"
     assert main([*GRID, "--out", str(out)]) == 0
@@ -101,6 +102,7 @@ def test_peak_reward_is_the_best_trailing_window_mean():
     assert peak_reward(rows[:4]) is None
 
 
+@pytest.mark.e2e
 def test_a_sweep_continues_another_sweeps_runs_as_one_longer_run(tmp_path, text_model):
     """`continue_from` (the reproduction's long horizon): each run starts as a copy of the
     same-named run of the earlier sweep and trains on; its metrics equal a run that had the
@@ -157,6 +159,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"   # a zombie has ended; only its exit status waits to be read
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_killing_a_sweep_stops_its_workers(tmp_path, text_model):
     """A sweep killed outright (SIGKILL: it can do nothing itself) must not leave its workers

@@ -34,6 +34,7 @@ def _weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("which", ["arith", "text"])
 def test_dir_loads_with_auto_classes(which, arith_dir, text_dir):
     path = arith_dir if which == "arith" else text_dir
@@ -52,6 +53,7 @@ def test_dir_loads_with_auto_classes(which, arith_dir, text_dir):
     assert info["spec"]["name"] == path.name and info["build_seconds"] > 0 and "final_train_loss" in info
 
 
+@pytest.mark.e2e
 def test_arith_tokenizer_is_per_character_and_round_trips(arith_dir):
     tok = AutoTokenizer.from_pretrained(arith_dir)
     for s in ["37+58=95", "1 + 2 = 3", "9*9-1=80"]:
@@ -61,6 +63,7 @@ def test_arith_tokenizer_is_per_character_and_round_trips(arith_dir):
     assert tok.decode(tok("95")["input_ids"] + [tok.eos_token_id], skip_special_tokens=True) == "95"
 
 
+@pytest.mark.e2e
 def test_text_tokenizer_round_trips(text_dir):
     tok = AutoTokenizer.from_pretrained(text_dir)
     for s in ["def f(x):\n    return x  # ünïcode ✓\n", "    class A(B):", "  a  b\t\tc\n\n"]:
@@ -68,6 +71,7 @@ def test_text_tokenizer_round_trips(text_dir):
     assert len(tok) == tb.SPECS[tb.TEST_TEXT].vocab_size
 
 
+@pytest.mark.e2e
 def test_arith_model_is_partially_trained(arith_dir):
     info = json.loads((arith_dir / "testbed.json").read_text())
     assert 0 < info["greedy_accuracy"] < 1 and 0 < info["sampled_accuracy"] < 1
@@ -77,6 +81,7 @@ def test_arith_model_is_partially_trained(arith_dir):
     assert any(0.2 <= r <= 0.8 for r in rates)  # the arith task needs problems in this band
 
 
+@pytest.mark.e2e
 def test_text_model_ends_samples_with_eos(text_dir):
     tok = AutoTokenizer.from_pretrained(text_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(text_dir)
@@ -88,6 +93,7 @@ def test_text_model_ends_samples_with_eos(text_dir):
     assert 3 <= ended < 64
 
 
+@pytest.mark.e2e
 def test_gpt2_arch_builds(cache):
     path = tb.build("text-gpt2-xs", cache, progress=False)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -95,6 +101,7 @@ def test_gpt2_arch_builds(cache):
     assert AutoTokenizer.from_pretrained(path).pad_token_id != model.config.eos_token_id
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", [tb.TEST_ARITH, tb.TEST_TEXT])
 def test_same_seed_gives_identical_weights(name, tmp_path, monkeypatch):
     _short(monkeypatch, name)
@@ -108,6 +115,7 @@ def test_same_seed_gives_identical_weights(name, tmp_path, monkeypatch):
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
 
 
+@pytest.mark.e2e
 def test_interrupted_build_leaves_nothing_ensure_accepts(tmp_path, monkeypatch):
     _short(monkeypatch, tb.TEST_ARITH)
     real_train = tb._train
@@ -130,6 +138,7 @@ def test_interrupted_build_leaves_nothing_ensure_accepts(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "models").iterdir()] == [tb.TEST_ARITH]
 
 
+@pytest.mark.e2e
 def test_ensure_and_resolve_reuse_a_built_model(cache, arith_dir):
     stamp = (arith_dir / "model.safetensors").stat().st_mtime_ns
     assert tb.ensure(tb.TEST_ARITH, cache) == arith_dir
@@ -201,6 +210,7 @@ def test_spec_tables_are_consistent():
     assert tb.SPECS[tb.DEFAULT_ARITH].kind == tb.SPECS[tb.TEST_ARITH].kind == "arith"
 
 
+@pytest.mark.e2e
 def test_ensure_rebuilds_a_model_whose_spec_changed(tmp_path, monkeypatch):
     _short(monkeypatch, tb.TEST_ARITH, steps=5)
     path = tb.ensure(tb.TEST_ARITH, tmp_path, progress=False)

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from parity.config import load_yaml, make_config
 from parity.trainer import train
 
+pytestmark = pytest.mark.e2e
+
 # The metric names docs/design.md makes a contract (every run writes these).
 CONTRACT = ["step", "reward/mean", "reward/std", "completion/len_mean", "clip/frac",
             "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",

@@ -16,6 +16,8 @@ pytest.importorskip("trl", reason="the TRL integration test needs trl (pip insta
 from parity.errors import ParityError  # noqa: E402
 from parity.integrations.trl import ParityGRPOTrainer, ParityOptions  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 PARITY_NAMES = ("clip/frac", "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
                 "mismatch/alpha_abs_mean", "mismatch/beta_abs_mean", "mismatch/beta_mean",
                 "mismatch/kl_k3", "mismatch/kernel_gap_abs_mean", "sync/changed_frac")

@@ -28,6 +28,8 @@ from parity.integrations.weight_sync import (DirectoryWeightTransfer, dev_server
                                              named_tensors, reference_logprobs)
 from parity.precision import low_precision_copy  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 def neg_length(prompts, completions, completion_ids, **_):
     return [-float(len(c)) for c in completion_ids]

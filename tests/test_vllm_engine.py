@@ -25,6 +25,7 @@ def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob_with_parity_settings
     assert sampling_kwargs(Sampling(1.0, 1.0, 20), 8, [2], 0)["top_k"] == 20
 
 
+@pytest.mark.e2e
 def test_rollout_from_outputs_lays_out_completions_as_the_hf_engine_does(tiny_lm):
     """Feed the HF engine's own completions and log-probs through the vLLM conversion: the same
     tensors come out (left-padded prompts, right-padded completions, 0 off the valid tokens)."""
@@ -61,6 +62,7 @@ def test_rollout_from_outputs_refuses_mismatched_logprobs():
         rollout_from_outputs([[1]], [[4, 5]], [[-0.1]], [False], pad_id=0)
 
 
+@pytest.mark.e2e
 def test_engine_vllm_without_vllm_is_a_user_error(tmp_path):
     try:
         import vllm  # noqa: F401

@@ -16,7 +16,7 @@ from parity.engines import Engine, EngineSpec, Sampling, make_engine
 from parity.engines.scoring import score
 from parity.runs import load_policy as load_model
 
-pytestmark = pytest.mark.usefixtures("vllm_ready")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
 
 @pytest.fixture(scope="module")
