@@ -4,6 +4,7 @@ attends the same way (parity/diagnostics.py), so the two share kernels."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 from typing import Any, Callable
 
 import torch
