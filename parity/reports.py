@@ -64,7 +64,8 @@ h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.5em;border-bottom:1px solid #
 img.plot{max-width:100%;display:block;margin:.5em 0}figure{margin:1em 0}
 figcaption{color:#555;font-size:.9em}table{border-collapse:collapse;margin:.5em 0 1em}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right;font-variant-numeric:tabular-nums}
-th{background:#f4f4f4}td:first-child,th:first-child{text-align:left;white-space:nowrap}caption{text-align:left;color:#555}"""
+th{background:#f4f4f4}td:first-child,th:first-child{text-align:left;min-width:9em}
+caption{text-align:left;color:#555}div.table{overflow-x:auto}"""
 
 # Set on load, never in the markup: a page whose script did not run must not claim success.
 _SCRIPT = """window.addEventListener("load", function () {
@@ -103,7 +104,9 @@ def _section_html(s: Section) -> str:
         head = "".join(f"<th>{e(str(h))}</th>" for h in s.headers)
         body = "".join("<tr>" + "".join(f"<td>{e(_fmt(c))}</td>" for c in row) + "</tr>"
                        for row in s.rows)
-        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        # a table wider than the page scrolls inside it, never past the page's edge
+        return (f'<div class="table"><table>{cap}<thead><tr>{head}</tr></thead>'
+                f"<tbody>{body}</tbody></table></div>")
     if isinstance(s, Heading):
         return f"<h2>{e(s.text)}</h2>"
     return f"<p>{e(str(s))}</p>"
