@@ -32,7 +32,6 @@ import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -143,11 +142,13 @@ class PeakRSS:
 def make_run(cfg: Config, model, tok, shadow, opt, params, s: Sampling) -> trainer.Run:
     """The parts of a `trainer.Run` that `update` and `prepare` use, built as `build_run`
     builds them for one process (no run directory, engine or rollout queue)."""
-    return trainer.Run(cfg, Dist(), Path("."), OBJECTIVES[cfg.objective], model, model, tok, None,
-                       None, shadow, None, None, None,
-                       LossScaler(cfg.trainer_dtype, torch.device("cpu"), cfg.loss_scale_init,
-                                  cfg.loss_scale_growth_interval),
-                       opt, params, None, s, torch.device("cpu"), 1, False)
+    return trainer.Run(cfg=cfg, dist=Dist(), dir=Path("."), objective=OBJECTIVES[cfg.objective],
+                       model=model, policy=model, tok=tok, task=None, engine=None, shadow=shadow,
+                       value_head=None, value=None, ref_model=None,
+                       scaler=LossScaler(cfg.trainer_dtype, torch.device("cpu"),
+                                         cfg.loss_scale_init, cfg.loss_scale_growth_interval),
+                       opt=opt, params=params, rollouts=None, sampling=s,
+                       device=torch.device("cpu"), first_step=1, fsdp=False)
 
 
 def instrument(clock: Clock, model, shadow: Shadow, opt, runs: list[trainer.Run]) -> None:
@@ -244,23 +245,25 @@ def main() -> None:
                              params, s) for k, c in sides.items()}
     clock = Clock()
     instrument(clock, model, shadow, opt, list(runs.values()) + list(recompute.values()))
-    plan = SimpleNamespace(rows=list(range(a.rows)))
     prep = trainer.prepare(runs["whole"], r, rewards)
+    data = trainer.StepData(step=1, rollout=r, rewards=rewards, prep=prep, minibatch=a.rows)
     do_update = clock.wrap("update", trainer.update)
     do_prepare = clock.wrap("recompute", trainer.prepare, phase="recompute")
 
     def one(side: str) -> tuple[dict[str, float], float]:
         with PeakRSS() as mem:
-            do_update(runs[side], 1, 0, 0, r, plan, prep, rewards, trainer.Updates())
+            do_update(runs[side], data, 0, 0, trainer.Updates())
         do_prepare(recompute[side], r, rewards)
         return clock.take(), mem.growth
 
     # warm-up (AdamW's state, first-call kernels) on one micro-batch's rows: a whole extra
     # update would cost minutes on a shared machine
     head = r.select(slice(0, a.micro_batch))
-    do_update(runs["whole"], 1, 0, 0, head, SimpleNamespace(rows=plan.rows[:a.micro_batch]),
-              trainer.Prepared(adv=prep.adv[:a.micro_batch]),
-              rewards[:a.micro_batch], trainer.Updates())
+    do_update(runs["whole"], trainer.StepData(step=1, rollout=head,
+                                              rewards=rewards[:a.micro_batch],
+                                              prep=trainer.Prepared(adv=prep.adv[:a.micro_batch]),
+                                              minibatch=a.micro_batch),
+              0, 0, trainer.Updates())
     clock.take()
     res: dict[str, list] = {k: [] for k in sides}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from parity.engines.attention import ENGINE_ATTENTION
-from parity.engines import Rollout, Sampling, processed_logits
+from parity.engines import Engine, Rollout, Sampling, processed_logits
 from parity.engines.scoring import score
 from parity.objectives import clip_predicate, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
@@ -44,7 +44,7 @@ class Shadow:
 
     def __init__(self, master: torch.nn.Module, engine_dtype: str, trainer_dtype: str,
                  cpu_fp16: str = "emulate", lm_head_fp32: bool = False, chunk: int = 0,
-                 kernels: str = "engine", engine: Any = None):
+                 kernels: str = "engine", engine: Engine | None = None):
         self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32" and kernels != "scored"
         self.dtype, self.cpu_fp16, self.chunk = engine_dtype, cpu_fp16, chunk
         self.model = None
@@ -74,7 +74,7 @@ class Shadow:
             return score(self.model, r, s, chunk=self.chunk)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Attribution:
     """Per-token decomposition and clip attribution of one update, [B, T]; 0/False on padding."""
     alpha: torch.Tensor
@@ -99,7 +99,8 @@ def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor
     if clipped is None:
         clipped = clipped_tokens(alpha + beta, adv, mask, eps_low, eps_high, sequence)
     c = clipped & (mask > 0)
-    return Attribution(alpha, beta, c, c & ~c_alpha, ~c & c_alpha, c_alpha)
+    return Attribution(alpha=alpha, beta=beta, clipped=c, phantom=c & ~c_alpha,
+                       hidden=~c & c_alpha, alpha_clipped=c_alpha)
 
 
 def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor

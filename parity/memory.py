@@ -10,10 +10,13 @@ SmolLM2-135M's unbatched 64 x 64 step but 39% under a 16 x 1024 step with checkp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity import lora
 from parity.errors import ParityError
+
+if TYPE_CHECKING:
+    from parity.config import Config
 
 # Bytes a forward with gradient keeps per token per layer, in units of the width in fp32: the
 # residual stream, norms, projections, MLP and attention outputs. 32 fits SmolLM2-135M's
@@ -25,7 +28,7 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _RUNTIME = 0.5 * 2 ** 30
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Estimate:
     weights: float       # bytes: master weights, gradients, optimizer state, engine/shadow copies
     forward: float       # bytes: the largest forward with gradient (activations and logits)
@@ -97,7 +100,7 @@ def _which(device: Any, free: float) -> str:
     return f"free under {name}"
 
 
-def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
+def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
              micro_batch: int | None = None) -> Estimate:
     c = model.config
     n_params = sum(p.numel() for p in model.parameters())
@@ -144,8 +147,8 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     kv_width = getattr(c, "num_key_value_heads", None) or getattr(c, "n_head", 1)
     head = width // (getattr(c, "num_attention_heads", None) or getattr(c, "n_head", 1))
     kv = 2 * layers * decoding * kv_width * head * length * _BYTES[cfg.engine_dtype]
-    return Estimate(weights + dists, max(rows * length * act + logits, kv), rows,
-                    kv >= rows * length * act + logits, adapters)
+    return Estimate(weights=weights + dists, forward=max(rows * length * act + logits, kv),
+                    rows=rows, sampling=kv >= rows * length * act + logits, adapters=adapters)
 
 
 # A run estimated at more than this many times the memory free is refused rather than warned
@@ -153,7 +156,7 @@ def estimate(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
 REFUSE_FACTOR = 2.0
 
 
-def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
+def check(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
           device: Any = None) -> str | None:
     """None when the run fits the memory free to it now on `device` (the CPU when None: the
     tightest of the machine's, the cgroup's and `ulimit -v`'s limits); else a warning naming the
@@ -185,12 +188,12 @@ def check(cfg: Any, model: Any, longest_prompt: int, world: int = 1,
     return f"{need}; if it is killed, use {advice}"
 
 
-def _decoding(cfg: Any, world: int) -> int:
+def _decoding(cfg: Config, world: int) -> int:
     sampled = cfg.prompts_per_step * cfg.samples_per_prompt // world
     return min(sampled, cfg.rollout_batch) if cfg.rollout_batch else sampled
 
 
-def _advice(cfg: Any, model: Any, longest_prompt: int, world: int, e: Estimate,
+def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimate,
             free: float) -> str:
     """The setting to lower, and the value that fits where one does."""
     fits = lambda total: total <= 0.9 * free  # noqa: E731
@@ -220,7 +223,7 @@ def out_of_memory(e: BaseException) -> bool:
                                             or "out of memory" in str(e).lower())
 
 
-def oom_message(cfg: Any, e: BaseException) -> str:
+def oom_message(cfg: Config, e: BaseException) -> str:
     """One line for an allocation that failed mid-run: the settings that scale memory, as this
     run set them, the first to lower named first."""
     lower = []

@@ -48,7 +48,7 @@ def _reduce(dicts: list[dict[str, float]], weights: list[float]) -> dict[str, fl
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepPart:
     """What one rank saw of a step; rank 0 turns all ranks' parts into the step's metrics."""
     rewards: list[float]

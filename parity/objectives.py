@@ -292,6 +292,8 @@ def dpo_loss(logp_pi: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
 # instead of testing its name. `share(loss, n, unit)` turns a mean over n items (tokens,
 # sequences or pairs) of this piece of the minibatch into its share of the mean over the
 # minibatch's items on every rank; for the whole minibatch in one process it is the identity.
+# `cfg` is the run's Config, typed Any: parity/config.py imports this table to check clip
+# ranges, so importing Config here would make a cycle.
 
 Share = Callable[[torch.Tensor, float, str], torch.Tensor]
 
@@ -304,7 +306,7 @@ def units(mask: torch.Tensor, rewards: torch.Tensor, group: int, pairs: bool) ->
     return n
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Minibatch:
     """One minibatch as the objectives see it: [B, T] per token, [B] per completion."""
     log_r: torch.Tensor                      # log r per the ratio source
@@ -383,7 +385,7 @@ def _online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
     return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), m)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Objective:
     name: str
     loss: Callable[[Any, Minibatch, Share], Loss]
@@ -401,9 +403,9 @@ class Objective:
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in [
-    Objective("ppo-clip", _ppo_clip, clip="token"),
-    Objective("gspo", _gspo, clip="sequence"),
-    Objective("pg-is", _pg_is, clip=None),
-    Objective("ppo-value", _ppo_value, clip="token", value_head=True),
-    Objective("online-dpo", _online_dpo, clip=None, reference=True, pairs=True),
+    Objective(name="ppo-clip", loss=_ppo_clip, clip="token"),
+    Objective(name="gspo", loss=_gspo, clip="sequence"),
+    Objective(name="pg-is", loss=_pg_is, clip=None),
+    Objective(name="ppo-value", loss=_ppo_value, clip="token", value_head=True),
+    Objective(name="online-dpo", loss=_online_dpo, clip=None, reference=True, pairs=True),
 ]}

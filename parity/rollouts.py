@@ -23,8 +23,8 @@ from parity.engines import Engine, Rollout, Sampling, Shard
 from parity.tasks import PromptSampler, Task
 
 
-@dataclass
-class Plan:
+@dataclass(kw_only=True)
+class StepPlan:
     """The prompts of one step and this rank's part of them."""
     rows: list[int]            # prompt rows of this rank's completions, one per completion
     sample_ids: list[int]      # their positions in the step's whole batch
@@ -35,21 +35,23 @@ class Plan:
 
 
 def make_plan(cfg: Config, task: Task, prompts: PromptSampler, dist: Dist,
-              kl_rows: list[int]) -> Plan:
+              kl_rows: list[int]) -> StepPlan:
     G = cfg.samples_per_prompt
     step_rows = prompts.next(cfg.prompts_per_step)
     mine = dist.shard(cfg.prompts_per_step, cfg.minibatches)
     sample_ids = [i * G + g for i in mine for g in range(G)]
     local = {sid: j for j, sid in enumerate(sample_ids)}
-    return Plan([step_rows[i] for i in mine for _ in range(G)], sample_ids,
-                [task.prompt_ids[step_rows[i]] for i in mine for _ in range(G)],
-                [local[k] for k in kl_rows if k in local], cfg.prompts_per_step * G,
-                max(len(task.prompt_ids[i]) for i in step_rows))
+    return StepPlan(rows=[step_rows[i] for i in mine for _ in range(G)], sample_ids=sample_ids,
+                    prompts=[task.prompt_ids[step_rows[i]] for i in mine for _ in range(G)],
+                    record_rows=[local[k] for k in kl_rows if k in local],
+                    batch=cfg.prompts_per_step * G,
+                    width=max(len(task.prompt_ids[i]) for i in step_rows))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Delivery:
-    plan: Plan
+    """A step's rollout as the trainer receives it, from either source, with its plan."""
+    plan: StepPlan
     rollout: Rollout
     changed: float                     # sync/changed_frac of the weights it was sampled with
     rollout_s: float | None = None     # the engine process's own sampling time (async)
@@ -65,7 +67,7 @@ class Rollouts:
                  first_step: int, restored: Restored | None):
         self.cfg, self.task, self.engine, self.dist, self.s = cfg, task, engine, dist, s
         self.prompts, self.gen, self.kl_rows = prompts, gen, kl_rows
-        self.plans: dict[int, Plan] = {}
+        self.plans: dict[int, StepPlan] = {}
         self.prompt_states: dict[int, dict] = {first_step - 1: prompts.state_dict()}
         self.gen_after: dict[int, torch.Tensor] = {first_step - 1: gen.get_state()}
         self.aeng: AsyncEngine | None = None
@@ -79,7 +81,7 @@ class Rollouts:
                                     a_state, engine_versions(restored) if a_state else None)
             self._submit_ready()
 
-    def _plan(self, step: int) -> Plan:
+    def _plan(self, step: int) -> StepPlan:
         self.plans[step] = make_plan(self.cfg, self.task, self.prompts, self.dist, self.kl_rows)
         self.prompt_states[step] = self.prompts.state_dict()
         return self.plans[step]
@@ -88,11 +90,13 @@ class Rollouts:
         """Request every rollout whose weights the engine process already has."""
         while self.next_request <= self.cfg.steps and \
                 (v := self.aeng.version_for(self.next_request)) is not None:
-            p = self._plan(self.next_request)
+            plan = self._plan(self.next_request)
             self.aeng.submit(Request(
-                self.next_request, v, p.prompts, p.record_rows,
-                Shard(p.sample_ids, p.batch, width=p.width, fixed_draws=self.dist.on),
-                self.cfg.rollout_batch))
+                step=self.next_request, version=v, prompts=plan.prompts,
+                record_rows=plan.record_rows,
+                shard=Shard(plan.sample_ids, plan.batch, width=plan.width,
+                            fixed_draws=self.dist.on),
+                max_batch=self.cfg.rollout_batch))
             self.next_request += 1
 
     def get(self, step: int, master: torch.nn.Module) -> Delivery:
@@ -100,19 +104,22 @@ class Rollouts:
         if self.aeng is None:
             changed = self.engine.sync(master)
             sync_s = time.perf_counter() - t0
-            p = self._plan(step)
-            r = self.engine.generate(p.prompts, self.cfg.max_new_tokens, self.s, self.gen,
-                                     p.record_rows, Shard(p.sample_ids, p.batch,
-                                                          self.dist.all_true, p.width),
+            plan = self._plan(step)
+            r = self.engine.generate(plan.prompts, self.cfg.max_new_tokens, self.s, self.gen,
+                                     plan.record_rows, Shard(plan.sample_ids, plan.batch,
+                                                             self.dist.all_true, plan.width),
                                      self.cfg.rollout_batch)
             self.gen_after[step] = self.gen.get_state()
-            return Delivery(p, r, changed, metrics={"time/sync_s": sync_s})
-        d = self.aeng.get(step)
-        self.gen_after[step] = d.gen_state
-        return Delivery(self.plans.pop(step), d.rollout, self.aeng.changed.get(d.version, 0.0),
-                        d.rollout_s, {"async/staleness": step - 1 - d.version,
-                                      "async/engine_version": d.version,
-                                      "async/wait_s": time.perf_counter() - t0})
+            return Delivery(plan=plan, rollout=r, changed=changed,
+                            metrics={"time/sync_s": sync_s})
+        sampled = self.aeng.get(step)
+        self.gen_after[step] = sampled.gen_state
+        return Delivery(plan=self.plans.pop(step), rollout=sampled.rollout,
+                        changed=self.aeng.changed.get(sampled.version, 0.0),
+                        rollout_s=sampled.rollout_s,
+                        metrics={"async/staleness": step - 1 - sampled.version,
+                                 "async/engine_version": sampled.version,
+                                 "async/wait_s": time.perf_counter() - t0})
 
     def after_update(self, step: int, master: torch.nn.Module) -> None:
         if self.aeng is not None:

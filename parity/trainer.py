@@ -10,8 +10,10 @@
         overflow)
     metrics.jsonl, rollout dumps, progress bar, checkpoints
 
-`build_run` makes everything a run holds (model, engine, shadow, optimizer, a resumed run's
-state, the ranks' wrappers); `rl_step` is one step; `train` drives them.
+The file reads in that order: `train` builds the run and drives the loop (`_train`), `rl_step`
+is one step, `prepare` and `update` its two halves; then what the loop stands on: the `Run`,
+`build_run` (everything a run holds: model, engine, shadow, optimizer, a resumed run's state,
+the ranks' wrappers) and `save`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,10 +44,10 @@ from parity.engines import (Engine, EngineSpec, Rollout, Sampling, check_engine,
 from parity.errors import ParityError
 from parity.loggers import MetricLoggers, check_backends
 from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
-from parity.objectives import (OBJECTIVES, Minibatch, Objective, ValueHead, behaviour_weights,
-                               gae, grpo_advantages, log_ratio, units, whiten)
+from parity.objectives import (OBJECTIVES, Loss, Minibatch, Objective, ValueHead,
+                               behaviour_weights, gae, grpo_advantages, log_ratio, units, whiten)
 from parity.precision import LossScaler, autocast, fp32_head, torch_dtype
-from parity.rollouts import Plan, Rollouts
+from parity.rollouts import Rollouts
 from parity.files import LineLog, write_failure
 from parity.runs import (RunClaim, check_run_dir, claim_run_dir, load_model_and_task,
                          run_dir_for, set_aside_metrics, truncate_metrics)
@@ -55,410 +57,7 @@ from parity.tasks import PromptSampler, Task
 from parity.ui import progress
 
 
-def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
-    return torch.optim.SGD(params, lr=cfg.lr)
-
-
-# ---- a run: everything it holds between steps ------------------------------------------------
-
-@dataclass
-class Run:
-    cfg: Config
-    dist: Dist
-    dir: Path
-    objective: Objective
-    model: torch.nn.Module              # fp32 master weights (FSDP-sharded under fsdp)
-    policy: Any                         # the model as forwards with gradient see it (DDP)
-    tok: Any
-    task: Task
-    engine: Engine
-    shadow: Shadow | None
-    value_head: ValueHead | None
-    value: Any                          # the value head as forwards with gradient see it
-    ref_model: torch.nn.Module | None   # online-dpo's frozen initial policy
-    scaler: LossScaler
-    opt: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-    rollouts: Rollouts
-    sampling: Sampling
-    device: torch.device
-    first_step: int
-    fsdp: bool
-    backends: list[str] = field(default_factory=list)
-    claim: RunClaim | None = None       # rank 0: the run directory, held for the run's life
-
-
-def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
-    """Rank 0 checks the run directory and builds the testbed's caches; the others follow, and
-    a refusal on rank 0 stops every rank. Every check, the memory check included, comes before
-    a new run's directory exists; a resumed run's directory is held before it is read. Returns
-    (run dir, checkpoint to resume from or None, logging backends, (model, tokenizer, model
-    dir, task), the resumed directory's claim)."""
-    run = run_dir_for(cfg) if dist.main else Path()
-    run = Path(dist.gather(str(run))[0])
-    error, restored, ctx, backends, claim = None, None, None, [], None
-    if dist.main:
-        try:
-            claim = claim_run_dir(run, new=False) if resume else None
-            restored = checkpoints.latest_valid(run) if resume else None
-            if not resume:
-                check_run_dir(run)
-            backends = check_backends(cfg.report_to)  # a requested one not installed fails here
-            check_engine(cfg.engine)   # before a model is loaded or built
-            ctx = load_model_and_task(cfg)
-            check_engine(cfg.engine, ctx[0].config)
-            if warning := memory.check(cfg, ctx[0], max(map(len, ctx[3].prompt_ids)),
-                                       dist.world, dist.device):
-                print(f"parity: warning: {warning}", file=sys.stderr)
-        except ParityError as e:
-            error = str(e)
-            if claim is not None:
-                claim.close()
-    dist.agree(error)
-    restored = dist.gather(restored)[0]
-    if ctx is None:
-        ctx = load_model_and_task(cfg)
-    return run, restored, backends, ctx, claim
-
-
-def _start_run_dir(cfg: Config, run: Path, model_dir: Path, task: Task) -> RunClaim:
-    claim = claim_run_dir(run, new=True)
-    try:
-        dump_yaml(cfg, run / "config.yaml")
-        (run / "task.json").write_text(json.dumps({"task": task.name, "model_dir": str(model_dir),
-                                                   "rows": len(task.rows), **task.info}, indent=1))
-    except OSError as e:
-        raise write_failure(e, run, 1 << 16, "the run directory") from None
-    return claim
-
-
-def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any, task: Task,
-                 world: int) -> Engine:
-    rows = cfg.prompts_per_step * cfg.samples_per_prompt // world
-    return make_engine(cfg.engine, EngineSpec(
-        model, str(model_dir), cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-        cfg.seed, max(map(len, task.prompt_ids)) + cfg.max_new_tokens,
-        min(rows, cfg.rollout_batch or rows), cfg.cpu_fp16, cfg.lm_head_fp32,
-        cfg.vllm_gpu_memory))
-
-
-def _load_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module, state: dict,
-                          fsdp: bool, restored: checkpoints.Restored) -> None:
-    if not fsdp:
-        opt.load_state_dict(state)
-    elif any(isinstance(k, int) for k in state.get("state", {})):
-        raise ParityError(f"{restored.path} was written by a one-process run, whose optimizer "
-                          f"state FSDP cannot load: resume it with one process, as it was "
-                          f"started")
-    else:
-        set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
-
-
-def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] | None,
-              resume: bool) -> Run:
-    """Everything a run needs before its first step, on the rank's device (`dist.device`).
-    The order of construction is the order the random streams are drawn in: a resumed or
-    repeated run depends on it."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if cfg.prompts_per_step % (cfg.minibatches * dist.world):
-        raise ParityError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by "
-                          f"minibatches x ranks = {cfg.minibatches} x {dist.world}: every rank "
-                          f"takes whole prompt groups of every minibatch")
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    run, restored, backends, (model, tok, model_dir, task), claim = _check_and_load(cfg, dist,
-                                                                                  resume)
-    if cfg.lora_rank:
-        model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge,
-                          torch_dtype(cfg.base_dtype))
-    if dist.main and not resume:
-        claim = _start_run_dir(cfg, run, model_dir, task)
-    device = dist.device
-    model.to(device)  # before the copies: the engine, shadow and reference are made from it
-    obj = OBJECTIVES[cfg.objective]
-    if cfg.lm_head_fp32:
-        fp32_head(model)
-    if on_model is not None:
-        on_model(model)
-    engine = _make_engine(cfg, model, model_dir, tok, task, dist.world)
-    model.train()
-    if not cfg.keep_dropout:
-        disable_dropout(model)
-    value_head = ValueHead(model.config.hidden_size, device) if obj.value_head else None
-    ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
-                 if obj.reference and cfg.dpo_ref == "initial" else None)
-    scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
-                        cfg.loss_scale_growth_interval)
-    prompts = PromptSampler(len(task.rows), cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)  # on the CPU on every device: devices.py
-    # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
-    needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
-    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
-                     cfg.logprob_chunk, cfg.shadow_kernels, engine)
-              if cfg.diagnostics or needs_shadow else None)
-    if cfg.gradient_checkpointing:  # after the copies: they only ever run without gradient
-        # transformers 5 renamed it; the project still accepts 4.x, which has the old name only
-        enable = (getattr(model, "activation_checkpointing_enable", None)
-                  or model.gradient_checkpointing_enable)
-        enable({"use_reentrant": False})
-    first_step, train_state = 1, None
-    if resume and restored is None and dist.main and (kept := set_aside_metrics(run)):
-        print(f"parity: warning: the steps {run} had logged are kept in {kept.name}",
-              file=sys.stderr)
-    if restored is not None:
-        train_state = checkpoints.load_into(restored, model, engine.model, gen, value_head)
-        scaler.load_state_dict(train_state["scaler"])
-        prompts.load_state_dict(restored.state["prompts"])
-        engine.version = restored.state["engine_version"]
-        first_step = restored.step + 1
-        if dist.main:
-            truncate_metrics(run / "metrics.jsonl", restored.step)
-            for stale in (run / "checkpoints").glob(".tmp-step-*"):
-                shutil.rmtree(stale, ignore_errors=True)  # a write the crash interrupted
-    # Forward passes with gradient go through DDP (or the FSDP-sharded model itself), which
-    # averages the gradients over ranks.
-    fsdp = dist.on and cfg.parallel == "fsdp"
-    if fsdp:
-        dist.fully_shard(model)  # before the optimizer: its state lives on the shards
-    params = [p for p in model.parameters() if p.requires_grad]
-    params += list(value_head.parameters()) if value_head is not None else []
-    opt = make_optimizer(cfg, params)
-    if train_state is not None:
-        _load_optimizer_state(opt, model, train_state["optimizer"], fsdp, restored)
-    s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    kl_rows = exact_kl_rows(cfg.prompts_per_step * cfg.samples_per_prompt, cfg.kl_exact_rows)
-    rollouts = Rollouts(cfg, task, engine, dist, s, prompts, gen, kl_rows, first_step, restored)
-    return Run(cfg, dist, run, obj, model, model if fsdp else dist.wrap(model), tok, task, engine,
-               shadow, value_head, dist.wrap(value_head), ref_model, scaler, opt, params, rollouts,
-               s, device, first_step, fsdp, backends, claim)
-
-
-# ---- one step --------------------------------------------------------------------------------
-
-@dataclass
-class Prepared:
-    """What the objective needs from θ_old, computed once per step before the first update."""
-    adv: torch.Tensor                      # [B] GRPO advantages, or [B, T] from GAE
-    old: torch.Tensor | None = None        # ℓ_old, recompute
-    weights: torch.Tensor | None = None    # behaviour weights, recompute + correction
-    old_values: torch.Tensor | None = None  # ppo-value
-    returns: torch.Tensor | None = None    # ppo-value
-    ref: torch.Tensor | None = None        # online-dpo reference log-probs
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@torch.no_grad()
-def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
-    cfg, mask, value_head = run.cfg, r.completion_mask, run.value_head
-    p = Prepared(adv=grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards))
-    slices = _pieces(run, r)
-    if cfg.ratio_source == "recompute" or value_head is not None:
-        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
-            sc = score_pieces(run.model, r, run.sampling, slices, hidden=value_head is not None,
-                              chunk=cfg.logprob_chunk)
-        if cfg.ratio_source == "recompute":
-            p.old = sc.logp
-            p.weights, p.metrics = behaviour_weights(p.old, r.engine_logprobs, mask,
-                                                     cfg.correction, cfg.is_cap, cfg.geo_cap)
-            if cfg.correction == "none":
-                p.weights = None
-        if value_head is not None:
-            p.old_values = value_head(sc.hidden) * mask
-            adv, p.returns = gae(rewards, p.old_values, mask, cfg.gae_gamma, cfg.gae_lambda)
-            p.adv = whiten(adv, mask, total=run.dist.sum)
-            p.metrics["value/mean"] = float(p.old_values.sum() / mask.sum())
-    if run.objective.reference:
-        if cfg.dpo_ref == "engine":
-            p.ref = r.engine_logprobs
-        else:
-            with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
-                p.ref = score_pieces(run.ref_model, r, run.sampling, slices,
-                                     chunk=cfg.logprob_chunk).logp
-    return p
-
-
-def _rows(x: torch.Tensor | None, idx: slice, t: int | None = None) -> torch.Tensor | None:
-    """Rows `idx` of a per-completion ([B]) or per-token ([B, T]) tensor; a per-token one cut
-    to the first `t` columns, as a trimmed piece has them."""
-    if x is None:
-        return None
-    return x[idx] if t is None or x.dim() == 1 else x[idx, :t]
-
-
-def _pieces(run: Run, r: Rollout) -> list[slice]:
-    """The micro-batches a forward over `r` is cut into (one slice: all of it at once). DPO
-    pairs are made inside a group, so its pieces hold whole groups; every rank runs as many
-    forwards as the most cut one, for the collectives of FSDP and of the last backward."""
-    cfg = run.cfg
-    if not (cfg.micro_batch or cfg.micro_batch_tokens):
-        return [slice(0, r.completion_ids.shape[0])]
-    group = cfg.samples_per_prompt if run.objective.pairs else 1
-    slices = pieces(r, cfg.micro_batch, cfg.micro_batch_tokens, group)
-    if run.dist.on:
-        slices = pieces(r, cfg.micro_batch, cfg.micro_batch_tokens, group,
-                        count=int(run.dist.max(len(slices))))
-    return slices
-@dataclass
-class Updates:
-    """What a step's updates leave behind for its metrics and its rollout dump."""
-    diag: StepDiagnostics = field(default_factory=StepDiagnostics)
-    policy_losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    metrics: list[dict[str, float]] = field(default_factory=list)
-    dump: list = field(default_factory=list)
-    # the rows' sample and prompt ids as tensors, built once per step; None when not dumping
-    dump_ids: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def update(run: Run, step: int, epoch: int, start: int, r: Rollout, p: Plan, prep: Prepared,
-           rewards: torch.Tensor, u: Updates) -> None:
-    """One minibatch, rows [start, start + minibatch): forward and backward piece by piece
-    (micro-batches, gradients accumulating), then the loss, attribution and metrics over the
-    whole minibatch, and one optimizer step."""
-    cfg, s = run.cfg, run.sampling
-    idx = slice(start, start + len(p.rows) // cfg.minibatches)
-    mb, adv = r.select(idx), prep.adv[idx]
-    share = run.dist.sharer(units(mb.completion_mask, rewards[idx], cfg.samples_per_prompt,
-                                  run.objective.pairs))
-    slices = _pieces(run, mb)
-    whole = len(slices) == 1
-    T = mb.completion_ids.shape[1]
-    done: list[Minibatch] = []
-    for k, sl in enumerate(slices):
-        g = slice(start + sl.start, start + sl.stop)  # the piece's rows in the step's numbering
-        piece = mb if whole else trimmed(mb.select(sl))
-        t = piece.completion_ids.shape[1]
-        kl_rows = kept_rows(r, g) if epoch == 0 and start == 0 else []
-        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
-            sc = score_full(run.policy, piece, s, hidden=run.value_head is not None,
-                            keep_logits=[row - g.start for row in kl_rows],
-                            chunk=cfg.logprob_chunk)
-        logp_pi = sc.logp
-        # ℓ_s on the weights ℓ_π just saw, before this update moves them.
-        logp_s = (run.shadow.logprobs(run.model, piece, s, logp_pi, cast=k == 0)
-                  if run.shadow else logp_pi.detach())
-        log_r = log_ratio(cfg.ratio_source, logp_pi, piece.engine_logprobs, logp_s,
-                          _rows(prep.old, g, t))
-        batch = Minibatch(log_r, logp_pi, logp_s, piece.completion_mask, _rows(prep.adv, g, t),
-                          rewards[g], _rows(prep.weights, g, t),
-                          run.value(sc.hidden) if run.value_head is not None else None,
-                          _rows(prep.old_values, g, t), _rows(prep.returns, g, t),
-                          _rows(prep.ref, g, t))
-        loss = run.objective.loss(cfg, batch, share)
-        if kl_rows:
-            local = [row - g.start for row in kl_rows]
-            u.diag.add_exact_kl(exact_kl_of_rows(r, sc.logits, kl_rows,
-                                                 piece.completion_mask[local], s))
-        del sc
-        with run.dist.accumulating([run.policy, run.value], last=k == len(slices) - 1):
-            run.scaler.backward(loss.total)
-        done.append(_detached(batch, T))
-    if not whole:  # the loss's figures over the whole minibatch, as one forward gives them
-        batch = _joined(done, mb, prep.adv[idx], rewards[idx])
-        with torch.no_grad():
-            loss = run.objective.loss(cfg, batch, share)
-    logp_pi, logp_s = batch.logp_pi.detach(), batch.logp_s
-    eps_low, eps_high = run.objective.clip_range(cfg)
-    att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask, eps_low,
-                    eps_high, loss.clipped, sequence=run.objective.clip == "sequence")
-    # The mismatch figures (KL, sequence log-ratio, exact KL) only where the weights still
-    # equal those the engine sampled with: after the step's first update they would carry the
-    # policy's own move.
-    u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask,
-               first=epoch == 0 and start == 0)
-    if u.dump_ids is not None:
-        sample_ids, prompt_ids = u.dump_ids
-        u.dump.append(dump_table(step, len(u.policy_losses), epoch, sample_ids[idx],
-                                 prompt_ids[idx], mb, adv, logp_pi, logp_s, att, eps_low,
-                                 eps_high))
-    _, norm = run.scaler.step(run.opt, run.params, cfg.max_grad_norm)
-    u.policy_losses.append(loss.policy)
-    u.grad_norms.append(norm)
-    u.metrics.append(loss.metrics)
-
-
-def _detached(b: Minibatch, T: int) -> Minibatch:
-    """A piece's per-token tensors without gradient, widened back to the minibatch's T."""
-    w = lambda x: widened(x.detach(), T) if x is not None and x.dim() == 2 else x  # noqa: E731
-    return Minibatch(w(b.log_r), w(b.logp_pi), w(b.logp_s), w(b.mask), w(b.adv), b.rewards,
-                     w(b.weights), w(b.values), w(b.old_values), w(b.returns), w(b.ref))
-
-
-def _joined(parts: list[Minibatch], mb: Rollout, adv: torch.Tensor,
-            rewards: torch.Tensor) -> Minibatch:
-    """The pieces of a minibatch put back together, in row order."""
-    cat = lambda name: (torch.cat([getattr(q, name) for q in parts])  # noqa: E731
-                        if getattr(parts[0], name) is not None else None)
-    return Minibatch(cat("log_r"), cat("logp_pi"), cat("logp_s"), mb.completion_mask, adv,
-                     rewards, cat("weights"), cat("values"), cat("old_values"), cat("returns"),
-                     cat("ref"))
-
-
-def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
-    """Rollout → rewards → prepare → epochs × minibatches of updates. Returns this rank's part
-    of the step's metrics, the step's own figures (rank 0 adds them) and its updates."""
-    cfg, t0 = run.cfg, time.perf_counter()
-    d = run.rollouts.get(step, run.model)
-    p, r = d.plan, d.rollout
-    if run.dist.on:
-        r = r.pad_to(int(run.dist.max(r.completion_ids.shape[1])), run.tok.pad_token_id)
-    comp_ids = r.completions()
-    texts = run.tok.batch_decode(comp_ids, skip_special_tokens=True)
-    total, parts = run.task.reward_parts(p.rows, texts, comp_ids)
-    rewards = torch.tensor(total, device=run.device)
-    prep = prepare(run, r, rewards)
-    devices.synchronize(run.device)  # the stage times are the device's work, not its queueing
-    t1 = time.perf_counter()
-    u, skipped_before = Updates(), run.scaler.skipped
-    if cfg.dump_rollouts and step % cfg.dump_rollouts == 0:
-        u.dump_ids = (torch.tensor(p.sample_ids, device=run.device),
-                      torch.tensor(p.rows, device=run.device))
-    for epoch in range(cfg.epochs):
-        for start in range(0, len(p.rows), len(p.rows) // cfg.minibatches):
-            update(run, step, epoch, start, r, p, prep, rewards, u)
-    run.rollouts.after_update(step, run.model)
-    devices.synchronize(run.device)
-    t2 = time.perf_counter()
-    times = {"time/rollout_s": d.rollout_s if d.rollout_s is not None else t1 - t0,
-             "time/train_s": t2 - t1, "time/step_s": t2 - t0}
-    part = StepPart(total, parts, float(r.completion_mask.sum()), int(r.finished.sum()), u.diag,
-                    prep.metrics, mean_dicts(u.metrics),
-                    sum(u.policy_losses) / len(u.policy_losses), times, u.dump)
-    applied = [n for n in u.grad_norms if math.isfinite(n)]
-    own = {**d.metrics, "sync/changed_frac": d.changed, "loss/scale": run.scaler.scale,
-           # over applied updates; null when the step's every update was skipped
-           "train/grad_norm": sum(applied) / len(applied) if applied else None,
-           "train/skipped_updates": run.scaler.skipped,
-           "train/skipped_this_step": run.scaler.skipped - skipped_before}
-    return part, own, u
-
-
-# ---- checkpoints and the loop ----------------------------------------------------------------
-
-def save(run: Run, step: int) -> None:
-    """Called on every rank: under FSDP each gathers its shards first; rank 0 writes."""
-    model_state = opt_state = None
-    if run.fsdp:
-        model_state = {k: full_tensor(v) for k, v in run.model.state_dict().items()}
-        opt_state = get_optimizer_state_dict(run.model, run.opt, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-    if not run.dist.main:
-        return
-    checkpoints.save(run.dir, step, run.model, run.tok, run.engine.model, run.engine.version,
-                     run.opt, run.scaler.state_dict(), value_head=run.value_head,
-                     keep=run.cfg.keep_checkpoints, model_state=model_state, opt_state=opt_state,
-                     **run.rollouts.saved_states(step))
-
-
-def _step_line(m: dict[str, Any]) -> str:
-    return (f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
-            f"clip {m['clip/frac']:.3f}")
-
+# ---- the loop --------------------------------------------------------------------------------
 
 def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None,
           resume: bool = False) -> Path:
@@ -528,3 +127,471 @@ def _train(run: Run, resume: bool) -> Path:
     if run.first_step <= cfg.steps:  # else a finished run was "resumed": its final checkpoint stands
         save(run, cfg.steps)
     return run.dir
+
+
+def _step_line(m: dict[str, Any]) -> str:
+    return (f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
+            f"clip {m['clip/frac']:.3f}")
+
+
+# ---- one step --------------------------------------------------------------------------------
+
+def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
+    """Rollout → rewards → prepare → epochs × minibatches of updates. Returns this rank's part
+    of the step's metrics, the step's own figures (rank 0 adds them) and its updates."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    delivery = run.rollouts.get(step, run.model)
+    plan, r = delivery.plan, delivery.rollout
+    if run.dist.on:
+        r = r.pad_to(int(run.dist.max(r.completion_ids.shape[1])), run.tok.pad_token_id)
+    comp_ids = r.completions()
+    texts = run.tok.batch_decode(comp_ids, skip_special_tokens=True)
+    total, parts = run.task.reward_parts(plan.rows, texts, comp_ids)
+    rewards = torch.tensor(total, device=run.device)
+    data = StepData(step=step, rollout=r, rewards=rewards, prep=prepare(run, r, rewards),
+                    minibatch=len(plan.rows) // cfg.minibatches)
+    devices.synchronize(run.device)  # the stage times are the device's work, not its queueing
+    t1 = time.perf_counter()
+    u, skipped_before = Updates(), run.scaler.skipped
+    if cfg.dump_rollouts and step % cfg.dump_rollouts == 0:
+        u.dump_ids = (torch.tensor(plan.sample_ids, device=run.device),
+                      torch.tensor(plan.rows, device=run.device))
+    for epoch in range(cfg.epochs):
+        for start in range(0, len(plan.rows), data.minibatch):
+            update(run, data, epoch, start, u)
+    run.rollouts.after_update(step, run.model)
+    devices.synchronize(run.device)
+    t2 = time.perf_counter()
+    times = {"time/rollout_s": delivery.rollout_s if delivery.rollout_s is not None else t1 - t0,
+             "time/train_s": t2 - t1, "time/step_s": t2 - t0}
+    part = StepPart(rewards=total, parts=parts, n_tok=float(r.completion_mask.sum()),
+                    finished=int(r.finished.sum()), diag=u.diag, prep=data.prep.metrics,
+                    extras=mean_dicts(u.metrics),
+                    policy_loss=sum(u.policy_losses) / len(u.policy_losses), times=times,
+                    dump=u.dump)
+    applied = [n for n in u.grad_norms if math.isfinite(n)]
+    own = {**delivery.metrics, "sync/changed_frac": delivery.changed,
+           "loss/scale": run.scaler.scale,
+           # over applied updates; null when the step's every update was skipped
+           "train/grad_norm": sum(applied) / len(applied) if applied else None,
+           "train/skipped_updates": run.scaler.skipped,
+           "train/skipped_this_step": run.scaler.skipped - skipped_before}
+    return part, own, u
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """What the objective needs from θ_old, computed once per step before the first update."""
+    adv: torch.Tensor                      # [B] GRPO advantages, or [B, T] from GAE
+    old: torch.Tensor | None = None        # ℓ_old, recompute
+    weights: torch.Tensor | None = None    # behaviour weights, recompute + correction
+    old_values: torch.Tensor | None = None  # ppo-value
+    returns: torch.Tensor | None = None    # ppo-value
+    ref: torch.Tensor | None = None        # online-dpo reference log-probs
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
+    cfg, mask, value_head = run.cfg, r.completion_mask, run.value_head
+    prep = Prepared(adv=grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards))
+    slices = _pieces(run, r)
+    if cfg.ratio_source == "recompute" or value_head is not None:
+        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+            sc = score_pieces(run.model, r, run.sampling, slices, hidden=value_head is not None,
+                              chunk=cfg.logprob_chunk)
+        if cfg.ratio_source == "recompute":
+            prep.old = sc.logp
+            prep.weights, prep.metrics = behaviour_weights(prep.old, r.engine_logprobs, mask,
+                                                           cfg.correction, cfg.is_cap,
+                                                           cfg.geo_cap)
+            if cfg.correction == "none":
+                prep.weights = None
+        if value_head is not None:
+            prep.old_values = value_head(sc.hidden) * mask
+            adv, prep.returns = gae(rewards, prep.old_values, mask, cfg.gae_gamma, cfg.gae_lambda)
+            prep.adv = whiten(adv, mask, total=run.dist.sum)
+            prep.metrics["value/mean"] = float(prep.old_values.sum() / mask.sum())
+    if run.objective.reference:
+        if cfg.dpo_ref == "engine":
+            prep.ref = r.engine_logprobs
+        else:
+            with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+                prep.ref = score_pieces(run.ref_model, r, run.sampling, slices,
+                                        chunk=cfg.logprob_chunk).logp
+    return prep
+
+
+def _pieces(run: Run, r: Rollout) -> list[slice]:
+    """The micro-batches a forward over `r` is cut into (one slice: all of it at once). DPO
+    pairs are made inside a group, so its pieces hold whole groups; every rank runs as many
+    forwards as the most cut one, for the collectives of FSDP and of the last backward."""
+    cfg = run.cfg
+    if not (cfg.micro_batch or cfg.micro_batch_tokens):
+        return [slice(0, r.completion_ids.shape[0])]
+    group = cfg.samples_per_prompt if run.objective.pairs else 1
+    slices = pieces(r, cfg.micro_batch, cfg.micro_batch_tokens, group)
+    if run.dist.on:
+        slices = pieces(r, cfg.micro_batch, cfg.micro_batch_tokens, group,
+                        count=int(run.dist.max(len(slices))))
+    return slices
+
+
+@dataclass(kw_only=True)
+class StepData:
+    """What every update of a step reads: its rollout, rewards, and what `prepare` made of them."""
+    step: int
+    rollout: Rollout
+    rewards: torch.Tensor
+    prep: Prepared
+    minibatch: int                         # rows per minibatch
+
+
+@dataclass(kw_only=True)
+class Updates:
+    """What a step's updates leave behind for its metrics and its rollout dump."""
+    diag: StepDiagnostics = field(default_factory=StepDiagnostics)
+    policy_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    dump: list = field(default_factory=list)
+    # the rows' sample and prompt ids as tensors, built once per step; None when not dumping
+    dump_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def update(run: Run, data: StepData, epoch: int, start: int, u: Updates) -> None:
+    """One minibatch, rows [start, start + data.minibatch): its forward and backward, then what
+    it leaves in `u` (the clip attribution, the diagnostics, the rollout dump, the loss and
+    gradient norm), and one optimizer step."""
+    cfg = run.cfg
+    idx = slice(start, start + data.minibatch)
+    mb, adv = data.rollout.select(idx), data.prep.adv[idx]
+    # The mismatch figures (KL, sequence log-ratio, exact KL) only where the weights still
+    # equal those the engine sampled with: after the step's first update they would carry the
+    # policy's own move.
+    first = epoch == 0 and start == 0
+    batch, loss, exact_kl = _forward_backward(run, data, idx, mb, first)
+    for kl in exact_kl:
+        u.diag.add_exact_kl(kl)
+    logp_pi, logp_s = batch.logp_pi.detach(), batch.logp_s
+    eps_low, eps_high = run.objective.clip_range(cfg)
+    att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask, eps_low,
+                    eps_high, loss.clipped, sequence=run.objective.clip == "sequence")
+    u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask, first=first)
+    if u.dump_ids is not None:
+        sample_ids, prompt_ids = u.dump_ids
+        u.dump.append(dump_table(data.step, len(u.policy_losses), epoch, sample_ids[idx],
+                                 prompt_ids[idx], mb, adv, logp_pi, logp_s, att, eps_low,
+                                 eps_high))
+    _, norm = run.scaler.step(run.opt, run.params, cfg.max_grad_norm)
+    u.policy_losses.append(loss.policy)
+    u.grad_norms.append(norm)
+    u.metrics.append(loss.metrics)
+
+
+def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: bool
+                      ) -> tuple[Minibatch, Loss, list[torch.Tensor]]:
+    """The minibatch `mb`, rows `idx` of the step, piece by piece (micro-batches, gradients
+    accumulating): ℓ_π, ℓ_s, log r, the objective's loss and its backward. Returns the minibatch
+    and its loss as one forward over it gives them, and, at the step's `first` update, the
+    exact KL of the rows whose distribution the engine kept."""
+    cfg, s, prep = run.cfg, run.sampling, data.prep
+    share = run.dist.sharer(units(mb.completion_mask, data.rewards[idx], cfg.samples_per_prompt,
+                                  run.objective.pairs))
+    slices = _pieces(run, mb)
+    whole = len(slices) == 1
+    done: list[Minibatch] = []
+    exact_kl: list[torch.Tensor] = []
+    for k, sl in enumerate(slices):
+        g = slice(idx.start + sl.start, idx.start + sl.stop)  # the piece's rows in the step
+        piece = mb if whole else trimmed(mb.select(sl))
+        t = piece.completion_ids.shape[1]
+        kl_rows = kept_rows(data.rollout, g) if first else []
+        local = [row - g.start for row in kl_rows]
+        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+            sc = score_full(run.policy, piece, s, hidden=run.value_head is not None,
+                            keep_logits=local, chunk=cfg.logprob_chunk)
+        logp_pi = sc.logp
+        # ℓ_s on the weights ℓ_π just saw, before this update moves them.
+        logp_s = (run.shadow.logprobs(run.model, piece, s, logp_pi, cast=k == 0)
+                  if run.shadow else logp_pi.detach())
+        log_r = log_ratio(cfg.ratio_source, logp_pi, piece.engine_logprobs, logp_s,
+                          _rows(prep.old, g, t))
+        batch = Minibatch(
+            log_r=log_r, logp_pi=logp_pi, logp_s=logp_s, mask=piece.completion_mask,
+            adv=_rows(prep.adv, g, t), rewards=data.rewards[g], weights=_rows(prep.weights, g, t),
+            values=run.value(sc.hidden) if run.value_head is not None else None,
+            old_values=_rows(prep.old_values, g, t), returns=_rows(prep.returns, g, t),
+            ref=_rows(prep.ref, g, t))
+        loss = run.objective.loss(cfg, batch, share)
+        if kl_rows:
+            exact_kl.append(exact_kl_of_rows(data.rollout, sc.logits, kl_rows,
+                                             piece.completion_mask[local], s))
+        del sc  # its kept logits, freed before the backward
+        with run.dist.accumulating([run.policy, run.value], last=k == len(slices) - 1):
+            run.scaler.backward(loss.total)
+        done.append(_detached(batch, mb.completion_ids.shape[1]))
+    if whole:
+        return batch, loss, exact_kl
+    batch = _joined(done, mb, prep.adv[idx], data.rewards[idx])
+    with torch.no_grad():  # the loss's figures over the whole minibatch
+        loss = run.objective.loss(cfg, batch, share)
+    return batch, loss, exact_kl
+
+
+def _rows(x: torch.Tensor | None, idx: slice, t: int | None = None) -> torch.Tensor | None:
+    """Rows `idx` of a per-completion ([B]) or per-token ([B, T]) tensor; a per-token one cut
+    to the first `t` columns, as a trimmed piece has them."""
+    if x is None:
+        return None
+    return x[idx] if t is None or x.dim() == 1 else x[idx, :t]
+
+
+def _detached(b: Minibatch, T: int) -> Minibatch:
+    """A piece's per-token tensors without gradient, widened back to the minibatch's T."""
+    w = lambda x: widened(x.detach(), T) if x is not None and x.dim() == 2 else x  # noqa: E731
+    return Minibatch(**{f.name: w(getattr(b, f.name)) for f in fields(Minibatch)})
+
+
+def _joined(parts: list[Minibatch], mb: Rollout, adv: torch.Tensor,
+            rewards: torch.Tensor) -> Minibatch:
+    """The pieces of a minibatch put back together, in row order."""
+    cat = lambda name: (torch.cat([getattr(q, name) for q in parts])  # noqa: E731
+                        if getattr(parts[0], name) is not None else None)
+    return Minibatch(log_r=cat("log_r"), logp_pi=cat("logp_pi"), logp_s=cat("logp_s"),
+                     mask=mb.completion_mask, adv=adv, rewards=rewards, weights=cat("weights"),
+                     values=cat("values"), old_values=cat("old_values"),
+                     returns=cat("returns"), ref=cat("ref"))
+
+
+# ---- a run: everything it holds between steps, and how it is built -----------------------------
+
+@dataclass(kw_only=True)
+class Run:
+    cfg: Config
+    dist: Dist
+    dir: Path
+    objective: Objective
+    model: torch.nn.Module              # fp32 master weights (FSDP-sharded under fsdp)
+    policy: Any                         # the model as forwards with gradient see it (DDP)
+    tok: Any
+    task: Task
+    engine: Engine
+    shadow: Shadow | None
+    value_head: ValueHead | None
+    value: Any                          # the value head as forwards with gradient see it
+    ref_model: torch.nn.Module | None   # online-dpo's frozen initial policy
+    scaler: LossScaler
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    rollouts: Rollouts
+    sampling: Sampling
+    device: torch.device
+    first_step: int
+    fsdp: bool
+    backends: list[str] = field(default_factory=list)
+    claim: RunClaim | None = None       # rank 0: the run directory, held for the run's life
+
+
+def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] | None,
+              resume: bool) -> Run:
+    """Everything a run needs before its first step, on the rank's device (`dist.device`).
+    The order of construction is the order the random streams are drawn in: a resumed or
+    repeated run depends on it."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.prompts_per_step % (cfg.minibatches * dist.world):
+        raise ParityError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by "
+                          f"minibatches x ranks = {cfg.minibatches} x {dist.world}: every rank "
+                          f"takes whole prompt groups of every minibatch")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run_dir, restored, backends, (model, tok, model_dir, task), claim = _check_and_load(
+        cfg, dist, resume)
+    if cfg.lora_rank:
+        model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge,
+                          torch_dtype(cfg.base_dtype))
+    if dist.main and not resume:
+        claim = _start_run_dir(cfg, run_dir, model_dir, task)
+    model.to(dist.device)  # before the copies: the engine, shadow and reference are made from it
+    obj = OBJECTIVES[cfg.objective]
+    if cfg.lm_head_fp32:
+        fp32_head(model)
+    if on_model is not None:
+        on_model(model)
+    engine = _make_engine(cfg, model, model_dir, tok, task, dist.world)
+    value_head, ref_model, shadow = _model_copies(cfg, model, obj, engine, dist.device)
+    scaler, prompts, gen, opt_state = _loop_state(cfg, task, dist.device, restored, model,
+                                                  engine, value_head)
+    if dist.main and resume:
+        _rewind_run_dir(run_dir, restored)
+    # Forward passes with gradient go through DDP (or the FSDP-sharded model itself), which
+    # averages the gradients over ranks.
+    fsdp = dist.on and cfg.parallel == "fsdp"
+    if fsdp:
+        dist.fully_shard(model)  # before the optimizer: its state lives on the shards
+    params = [p for p in model.parameters() if p.requires_grad]
+    params += list(value_head.parameters()) if value_head is not None else []
+    opt = make_optimizer(cfg, params)
+    if opt_state is not None:
+        _load_optimizer_state(opt, model, opt_state, fsdp, restored)
+    s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    kl_rows = exact_kl_rows(cfg.prompts_per_step * cfg.samples_per_prompt, cfg.kl_exact_rows)
+    first_step = restored.step + 1 if restored is not None else 1
+    rollouts = Rollouts(cfg, task, engine, dist, s, prompts, gen, kl_rows, first_step, restored)
+    return Run(cfg=cfg, dist=dist, dir=run_dir, objective=obj, model=model,
+               policy=model if fsdp else dist.wrap(model), tok=tok, task=task, engine=engine,
+               shadow=shadow, value_head=value_head, value=dist.wrap(value_head),
+               ref_model=ref_model, scaler=scaler, opt=opt, params=params, rollouts=rollouts,
+               sampling=s, device=dist.device, first_step=first_step, fsdp=fsdp,
+               backends=backends, claim=claim)
+
+
+def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
+    """Rank 0 checks the run directory and builds the testbed's caches; the others follow, and
+    a refusal on rank 0 stops every rank. Every check, the memory check included, comes before
+    a new run's directory exists; a resumed run's directory is held before it is read. Returns
+    (run dir, checkpoint to resume from or None, logging backends, (model, tokenizer, model
+    dir, task), the resumed directory's claim)."""
+    run_dir = run_dir_for(cfg) if dist.main else Path()
+    run_dir = Path(dist.gather(str(run_dir))[0])
+    error, restored, ctx, backends, claim = None, None, None, [], None
+    if dist.main:
+        try:
+            claim = claim_run_dir(run_dir, new=False) if resume else None
+            restored = checkpoints.latest_valid(run_dir) if resume else None
+            if not resume:
+                check_run_dir(run_dir)
+            backends = check_backends(cfg.report_to)  # a requested one not installed fails here
+            check_engine(cfg.engine)   # before a model is loaded or built
+            ctx = load_model_and_task(cfg)
+            check_engine(cfg.engine, ctx[0].config)
+            if warning := memory.check(cfg, ctx[0], max(map(len, ctx[3].prompt_ids)),
+                                       dist.world, dist.device):
+                print(f"parity: warning: {warning}", file=sys.stderr)
+        except ParityError as e:
+            error = str(e)
+            if claim is not None:
+                claim.close()
+    dist.agree(error)
+    restored = dist.gather(restored)[0]
+    if ctx is None:
+        ctx = load_model_and_task(cfg)
+    return run_dir, restored, backends, ctx, claim
+
+
+def _start_run_dir(cfg: Config, run_dir: Path, model_dir: Path, task: Task) -> RunClaim:
+    claim = claim_run_dir(run_dir, new=True)
+    try:
+        dump_yaml(cfg, run_dir / "config.yaml")
+        (run_dir / "task.json").write_text(json.dumps(
+            {"task": task.name, "model_dir": str(model_dir), "rows": len(task.rows), **task.info},
+            indent=1))
+    except OSError as e:
+        raise write_failure(e, run_dir, 1 << 16, "the run directory") from None
+    return claim
+
+
+def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any, task: Task,
+                 world: int) -> Engine:
+    rows = cfg.prompts_per_step * cfg.samples_per_prompt // world
+    return make_engine(cfg.engine, EngineSpec(
+        model, str(model_dir), cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
+        cfg.seed, max(map(len, task.prompt_ids)) + cfg.max_new_tokens,
+        min(rows, cfg.rollout_batch or rows), cfg.cpu_fp16, cfg.lm_head_fp32,
+        cfg.vllm_gpu_memory))
+
+
+def _model_copies(cfg: Config, model: torch.nn.Module, obj: Objective, engine: Engine,
+                  device: torch.device
+                  ) -> tuple[ValueHead | None, torch.nn.Module | None, Shadow | None]:
+    """The master model in training mode, and what is made beside it: the value head
+    (ppo-value), the frozen initial policy (online-dpo) and the shadow."""
+    model.train()
+    if not cfg.keep_dropout:
+        disable_dropout(model)
+    value_head = ValueHead(model.config.hidden_size, device) if obj.value_head else None
+    ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
+                 if obj.reference and cfg.dpo_ref == "initial" else None)
+    # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
+    needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
+    shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
+                     cfg.logprob_chunk, cfg.shadow_kernels, engine)
+              if cfg.diagnostics or needs_shadow else None)
+    if cfg.gradient_checkpointing:  # after the copies: they only ever run without gradient
+        # transformers 5 renamed it; the project still accepts 4.x, which has the old name only
+        enable = (getattr(model, "activation_checkpointing_enable", None)
+                  or model.gradient_checkpointing_enable)
+        enable({"use_reentrant": False})
+    return value_head, ref_model, shadow
+
+
+def _loop_state(cfg: Config, task: Task, device: torch.device,
+                restored: checkpoints.Restored | None, model: torch.nn.Module, engine: Engine,
+                value_head: ValueHead | None
+                ) -> tuple[LossScaler, PromptSampler, torch.Generator, dict | None]:
+    """The loss scaler, the data order and the sampling generator, new or as `restored` left
+    them (its weights loaded into the model, the engine and the value head on the way); and the
+    optimizer state to load once the optimizer exists (None for a new run)."""
+    scaler = LossScaler(cfg.trainer_dtype, device, cfg.loss_scale_init,
+                        cfg.loss_scale_growth_interval)
+    prompts = PromptSampler(len(task.rows), cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)  # on the CPU on every device: devices.py
+    if restored is None:
+        return scaler, prompts, gen, None
+    train_state = checkpoints.load_into(restored, model, engine.model, gen, value_head)
+    scaler.load_state_dict(train_state["scaler"])
+    prompts.load_state_dict(restored.state["prompts"])
+    engine.version = restored.state["engine_version"]
+    return scaler, prompts, gen, train_state["optimizer"]
+
+
+def _rewind_run_dir(run_dir: Path, restored: checkpoints.Restored | None) -> None:
+    """A resumed run's directory as its checkpoint left it: the steps logged after it dropped and
+    a checkpoint write the crash interrupted removed; with no checkpoint to resume from, the
+    steps logged are set aside and the run starts again."""
+    if restored is None:
+        if kept := set_aside_metrics(run_dir):
+            print(f"parity: warning: the steps {run_dir} had logged are kept in {kept.name}",
+                  file=sys.stderr)
+        return
+    truncate_metrics(run_dir / "metrics.jsonl", restored.step)
+    for stale in (run_dir / "checkpoints").glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr)
+    return torch.optim.SGD(params, lr=cfg.lr)
+
+
+def _load_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module, state: dict,
+                          fsdp: bool, restored: checkpoints.Restored) -> None:
+    if not fsdp:
+        opt.load_state_dict(state)
+    elif any(isinstance(k, int) for k in state.get("state", {})):
+        raise ParityError(f"{restored.path} was written by a one-process run, whose optimizer "
+                          f"state FSDP cannot load: resume it with one process, as it was "
+                          f"started")
+    else:
+        set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+def save(run: Run, step: int) -> None:
+    """Called on every rank: under FSDP each gathers its shards first; rank 0 writes."""
+    model_state = opt_state = None
+    if run.fsdp:
+        model_state = {k: full_tensor(v) for k, v in run.model.state_dict().items()}
+        opt_state = get_optimizer_state_dict(run.model, run.opt, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+    if not run.dist.main:
+        return
+    checkpoints.save(run.dir, step, run.model, run.tok, run.engine.model, run.engine.version,
+                     run.opt, run.scaler.state_dict(), value_head=run.value_head,
+                     keep=run.cfg.keep_checkpoints, model_state=model_state, opt_state=opt_state,
+                     **run.rollouts.saved_states(step))

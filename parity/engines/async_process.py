@@ -35,8 +35,9 @@ from parity.engines import Engine, Rollout, Sampling, Shard
 from parity.errors import ParityError
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Request:
+    """A rollout the engine process is asked for: step `step`'s prompts, on weights `version`."""
     step: int
     version: int
     prompts: list[list[int]]
@@ -46,7 +47,8 @@ class Request:
 
 
 @dataclass
-class Delivered:
+class Sampled:
+    """A rollout as the engine process sends it back, with what it was sampled from."""
     rollout: Rollout
     version: int          # the weights it was sampled from
     rollout_s: float      # the engine's time on it
@@ -91,9 +93,8 @@ def _serve(build: Any, spec: dict[str, Any], s: Sampling, max_new_tokens: int, t
             t0 = time.perf_counter()
             r = engine.generate(req.prompts, max_new_tokens, s, gen, req.record_rows, req.shard,
                                 req.max_batch)
-            outbox.put(("rollout", req.step, Delivered(r.to(torch.device("cpu")), req.version,
-                                                       time.perf_counter() - t0,
-                                                       gen.get_state())))
+            outbox.put(("rollout", req.step, Sampled(r.to(torch.device("cpu")), req.version,
+                                                     time.perf_counter() - t0, gen.get_state())))
     except Exception:
         outbox.put(("error", traceback.format_exc()))
 
@@ -123,7 +124,7 @@ class AsyncEngine:
         self.proc.start()
         for v in sorted(self.pushed):
             self.inbox.put(("weights", v, self.pushed[v]))
-        self.ready: dict[int, Delivered] = {}
+        self.ready: dict[int, Sampled] = {}
 
     def version_for(self, step: int) -> int | None:
         """v(step), or None while no pushed version is new enough yet."""
@@ -149,7 +150,7 @@ class AsyncEngine:
     def submit(self, request: Request) -> None:
         self.inbox.put(("generate", request))
 
-    def get(self, step: int) -> Delivered:
+    def get(self, step: int) -> Sampled:
         """Rollout `step`, waiting for it; a dead or failed engine process is an error, not a
         hang."""
         while step not in self.ready:
