@@ -26,6 +26,7 @@ what the weight sync cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,10 +37,14 @@ from transformers import AutoTokenizer
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from parity import testbed
+from parity.config import TASK_DEFAULTS
 from parity.errors import ParityError
 from parity.integrations.trl_async import (AsyncParityOptions, ParityAsyncGRPOTrainer,
                                            plain_response_template)
 from parity.tasks import chat_questions
+
+LEARNING_RATE = next(f.default for f in dataclasses.fields(AsyncGRPOConfig)
+                     if f.name == "learning_rate")
 
 
 def neg_length(prompts, completions, completion_ids, **_):
@@ -49,11 +54,12 @@ def neg_length(prompts, completions, completion_ids, **_):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help="model directory the server serves")
+    ap.add_argument("--model", default=TASK_DEFAULTS["neg-length-chat"]["model"],
+                    help="model directory the server serves")
     ap.add_argument("--server", default="http://127.0.0.1:8000")
     ap.add_argument("--recipe", default="bf16-engine")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=1e-6, help="AsyncGRPOConfig's default")
+    ap.add_argument("--lr", type=float, default=LEARNING_RATE, help="AsyncGRPOConfig's default")
     ap.add_argument("--batch", type=int, default=16, help="completions per optimizer step")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=128, help="max_completion_length")

@@ -12,6 +12,7 @@ Prints, per step, TRL's own clip count next to parity's attribution of it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import datasets
 import torch
@@ -19,7 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
 
 from parity import testbed
+from parity.config import TASK_DEFAULTS
 from parity.integrations.trl import ParityGRPOTrainer, ParityOptions
+
+# The testbed's neg-length task, on its own model, lr and completion length.
+TASK = TASK_DEFAULTS["neg-length"]
+EPSILON = next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == "epsilon")
 
 
 def neg_length(prompts, completions, completion_ids, **_):
@@ -29,14 +35,15 @@ def neg_length(prompts, completions, completion_ids, **_):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="text", help="testbed model or HF model directory")
+    ap.add_argument("--model", default=TASK["model"], help="testbed model or HF model directory")
     ap.add_argument("--recipe", default="bf16-engine")
-    ap.add_argument("--eps", type=float, default=0.2, help="GRPOConfig.epsilon")
+    ap.add_argument("--eps", type=float, default=EPSILON, help="GRPOConfig.epsilon")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=TASK["lr"])
     ap.add_argument("--batch", type=int, default=32, help="completions per step")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
-    ap.add_argument("--max-tokens", type=int, default=24, help="max_completion_length")
+    ap.add_argument("--max-tokens", type=int, default=TASK["max_new_tokens"],
+                    help="max_completion_length")
     ap.add_argument("--iterations", type=int, default=1,
                     help="GRPOConfig.num_iterations: updates per batch of completions")
     ap.add_argument("--shadow-kernels", default="engine", choices=("engine", "independent"),

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from parity.config import Config
 from parity.errors import ParityError
 from parity.files import read_json
 
@@ -64,8 +65,8 @@ FIXES = {
                    "precision: one no-grad forward per update, at the engine's precision",
     "recompute": "β out of the ratio by the trainer's own old log-probs (decoupled PPO): one "
                  "no-grad forward per step, at the trainer's precision",
-    "tis": "recompute, plus a truncated importance weight min(ρ, 2) for the engine's "
-           "remaining off-policy gap: the recompute forward, nothing more",
+    "tis": f"recompute, plus a truncated importance weight min(ρ, {Config.is_cap:g}) for the "
+           f"engine's remaining off-policy gap: the recompute forward, nothing more",
     "fp16": "the gap itself about 8× smaller (fp16 engine and trainer, loss scaling): fp16 "
             "arithmetic on both sides, as fast as bf16 on GPUs, slower on CPUs without fp16 "
             "units",
@@ -93,7 +94,7 @@ METRIC_NAMES = [
 ]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Advice:
     """The recommendation an audit ends with (audit.json's `advice`)."""
     status: str                       # fine | fix
@@ -202,7 +203,8 @@ def advise(result: dict[str, Any], fp16_check: str | None = None) -> Advice:
         also = " (or fp16, which the model fits)" if fits16 and recipe != "fp16" else ""
         headline = (f"take β out of the ratio: numerics clip {phantom:.2%} of tokens at "
                     f"ε = {eps:g}; switch to --recipe {recipe}{also}")
-    return Advice(status, headline, recipe, reasons, options, refs)
+    return Advice(status=status, headline=headline, recipe=recipe, reasons=reasons,
+                  options=options, references=refs)
 
 
 def as_json(a: Advice) -> dict[str, Any]:

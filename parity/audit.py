@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,13 +30,18 @@ from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, c
                                 write_dump)
 from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, stop_token_ids
+from parity.engines import (Engine, EngineSpec, Rollout, Sampling, check_engine, make_engine,
+                            stop_token_ids)
 from parity.engines.scoring import score_full
 from parity.config import AuditSettings
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast, fp32_head
 from parity.runs import check_run_dir, free_dir, load_policy, max_positions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from parity.tasks import Task
 
 
 # ---- measurement ---------------------------------------------------------------------------
@@ -113,7 +119,8 @@ class Measurement:
         return tokens, seqs
 
 
-def _prompts(a: AuditSettings, model, tok, model_dir: Path):
+def _prompts(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+             model_dir: Path) -> tuple[Task | None, list[Any], list[list[int]], str]:
     """(the task or None, each prompt as given, its token ids, where the prompts come from)."""
     from parity.tasks import build_task, prompt_token_ids
     if a.prompts:
@@ -136,8 +143,8 @@ def _prompts(a: AuditSettings, model, tok, model_dir: Path):
     return task, [r["prompt"] for r in task.rows], task.prompt_ids, f"task {a.task}"
 
 
-def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, shadow: Shadow,
-            s: Sampling, bar: ui.Bar) -> str:
+def _sample(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+            model_dir: Path, meas: Measurement, shadow: Shadow, s: Sampling, bar: ui.Bar) -> str:
     task, _, prompt_ids, source = _prompts(a, model, tok, model_dir)
     engine = make_engine(a.engine, EngineSpec(
         model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
@@ -151,8 +158,9 @@ def _sample(a: AuditSettings, model, tok, model_dir: Path, meas: Measurement, sh
         engine.close()
 
 
-def _sample_with(a: AuditSettings, engine, prompt_ids: list[list[int]], task, source: str,
-                 model, tok, meas: Measurement, shadow: Shadow, s: Sampling,
+def _sample_with(a: AuditSettings, engine: Engine, prompt_ids: list[list[int]],
+                 task: Task | None, source: str, model: torch.nn.Module,
+                 tok: PreTrainedTokenizerBase, meas: Measurement, shadow: Shadow, s: Sampling,
                  bar: ui.Bar) -> str:
     from parity.tasks import PromptSampler
     order = PromptSampler(len(prompt_ids), a.seed)
@@ -179,8 +187,8 @@ def _sample_with(a: AuditSettings, engine, prompt_ids: list[list[int]], task, so
     return source
 
 
-def _serve(a: AuditSettings, model, tok, model_dir: Path, s: Sampling, path: Path
-           ) -> tuple[dict[str, Any], str]:
+def _serve(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+           model_dir: Path, s: Sampling, path: Path) -> tuple[dict[str, Any], str]:
     """Sample from the server into the rollouts file `path`; what was found about the server,
     and where the prompts came from."""
     from parity import server_audit
@@ -195,7 +203,8 @@ def _serve(a: AuditSettings, model, tok, model_dir: Path, s: Sampling, path: Pat
     return info, f"server {server.url} ({info['model']}), {source}"
 
 
-def _rows(path: Path, model, tok) -> list[dict[str, Any]]:
+def _rows(path: Path, model: torch.nn.Module, tok: PreTrainedTokenizerBase
+          ) -> list[dict[str, Any]]:
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = read_rollouts(path, vocab, tok)
     limit = max_positions(model)
@@ -207,8 +216,8 @@ def _rows(path: Path, model, tok) -> list[dict[str, Any]]:
     return rows
 
 
-def _replay(a: AuditSettings, path: Path, model, tok, meas: Measurement, shadow: Shadow,
-            s: Sampling, bar: ui.Bar) -> str:
+def _replay(a: AuditSettings, path: Path, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+            meas: Measurement, shadow: Shadow, s: Sampling, bar: ui.Bar) -> str:
     rows = _rows(path, model, tok)
     adv = rollout_advantages(rows)
     keys = {}
@@ -231,6 +240,34 @@ def default_out(a: AuditSettings) -> Path:
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
     """Run one audit; returns audit.json's content. Input is checked before `out` is written."""
     t0 = time.perf_counter()
+    device, out = _refuse_early(a, out)
+    model_dir, model, tok = _policy(a, device)
+    torch.manual_seed(a.seed)
+    s = Sampling(a.temperature, a.top_p, a.top_k)
+    if a.lm_head_fp32:
+        fp32_head(model)
+    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, a.lm_head_fp32,
+                    chunk=a.logprob_chunk, kernels=a.shadow_kernels)
+    meas = Measurement(a, device)
+    source, server = _measure(a, out, model, tok, model_dir, meas, shadow, s)
+    result = {"model": a.model, "model_dir": str(model_dir),
+              "n_params": sum(p.numel() for p in model.parameters()),
+              "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
+              "lm_head_fp32": a.lm_head_fp32, "input": source, "eps": a.eps,
+              "max_new_tokens": a.max_new_tokens,
+              "seed": a.seed, "device": devices.describe(device),
+              "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
+              **meas.results(), **({"server": server} if server else {}),
+              "seconds": time.perf_counter() - t0}
+    result["verdict"] = verdict(result)
+    result["advice"] = as_json(advise(result, a.fp16_check))
+    _write(a, out, result, meas, report)
+    return result
+
+
+def _refuse_early(a: AuditSettings, out: Path | None) -> tuple[torch.device, Path]:
+    """Every check that needs no model: the settings, the device, the output directory, the
+    engine and the fp16-check file. Returns the device and the output directory."""
     a.validate()
     device = devices.resolve(a.device)
     if a.threads:
@@ -242,24 +279,31 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
                           "or --prompts, not --rollouts")
     check_engine(a.engine)
     fp16_fit(a.fp16_check)   # a bad file is refused now, not after the sampling
+    return device, out
+
+
+def _policy(a: AuditSettings, device: torch.device
+            ) -> tuple[Path, torch.nn.Module, PreTrainedTokenizerBase]:
+    """The trainer's model (with the LoRA adapter, if any) on `device`, and its tokenizer."""
     model_dir = testbed.resolve_model(a.model)
     model, tok = load_policy(model_dir)
     if a.adapter:
         model = lora.from_adapter(model, a.adapter, a.lora_merge)
     model.eval().to(device)  # before the engine's and the shadow's copies are made from it
-    torch.manual_seed(a.seed)
-    s = Sampling(a.temperature, a.top_p, a.top_k)
-    if a.lm_head_fp32:
-        fp32_head(model)
-    shadow = Shadow(model, a.engine_dtype, a.trainer_dtype, a.cpu_fp16, a.lm_head_fp32,
-                    chunk=a.logprob_chunk, kernels=a.shadow_kernels)
-    meas = Measurement(a, device)
-    total = None if a.rollouts else a.samples
+    return model_dir, model, tok
+
+
+def _measure(a: AuditSettings, out: Path, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+             model_dir: Path, meas: Measurement, shadow: Shadow, s: Sampling
+             ) -> tuple[str, dict[str, Any] | None]:
+    """Sample or read the completions into `meas`: where they came from, and what was found
+    about the server where one sampled them."""
     with tempfile.TemporaryDirectory() as staging:
         # A server's answers are kept as a rollouts file and audited as --rollouts reads one;
         # it is moved into `out` with the rest, so a refusal leaves nothing behind.
         saved = Path(staging) / "rollouts.jsonl"
         server = _serve(a, model, tok, model_dir, s, saved) if a.server else None
+        total = None if a.rollouts else a.samples
         with progress("audit", total, a.progress, transient=True) as bar:
             if a.rollouts or server:
                 source = _replay(a, saved if server else Path(a.rollouts), model, tok, meas,
@@ -267,20 +311,15 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
             else:
                 source = _sample(a, model, tok, model_dir, meas, shadow, s, bar)
         if server:
-            source = server[1]
             out.mkdir(parents=True, exist_ok=True)
             shutil.move(saved, out / "rollouts.jsonl")
-    res = meas.results()
-    result = {"model": a.model, "model_dir": str(model_dir),
-              "n_params": sum(p.numel() for p in model.parameters()),
-              "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
-              "lm_head_fp32": a.lm_head_fp32, "input": source, "eps": a.eps, "max_new_tokens": a.max_new_tokens,
-              "seed": a.seed, "device": devices.describe(device),
-              "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
-              **res, **({"server": server[0]} if server else {}),
-              "seconds": time.perf_counter() - t0}
-    result["verdict"] = verdict(result)
-    result["advice"] = as_json(advise(result, a.fp16_check))
+            return server[1], server[0]
+    return source, None
+
+
+def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measurement,
+           report: bool) -> None:
+    """audit.json, tokens.parquet and, with `report`, the plots and report.html."""
     out.mkdir(parents=True, exist_ok=True)
     write_dump(out / "tokens.parquet", meas.tables)
     (out / "audit.json").write_text(json.dumps(result, indent=1))
@@ -291,8 +330,8 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
                    not k.startswith(("beta_by_", ))}
         audit_report(tokens, seqs, result["phantom_vs_eps"], summary, out,
                      f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
-                     f"trainer ({source})", verdict=result["verdict"], advice=what_to_do(result))
-    return result
+                     f"trainer ({result['input']})", verdict=result["verdict"],
+                     advice=what_to_do(result))
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -401,7 +440,7 @@ def _ladder_points(a: AuditSettings, out: Path, models: list[str],
     for name in models:
         if name in testbed.SPECS:
             testbed.ensure(name, progress=a.progress)
-        sub = AuditSettings(**{**a.__dict__, "model": name})
+        sub = dataclasses.replace(a, model=name)
         res = (done or {}).get(name)
         if res is None or not _same_audit(res, sub):
             res = audit(sub, out / "models" / Path(name).name, report=False)

@@ -13,10 +13,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from parity.errors import ParityError
 from parity.files import ensure_writable, json_lines
+
+if TYPE_CHECKING:
+    from parity.config import Config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +72,7 @@ def explicit_from_args(args: argparse.Namespace, exclude: tuple[str, ...] = ()
     return explicit
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace) -> Config:
     from parity.config import make_config
     return make_config(explicit_from_args(args))
 
@@ -79,7 +82,7 @@ RESUME_MAY_CHANGE = ("steps", "progress", "threads", "save_every", "keep_checkpo
                      "dump_rollouts", "report_to", "engine_threads", "dist_timeout_s", "device")
 
 
-def resume_config(args: argparse.Namespace):
+def resume_config(args: argparse.Namespace) -> Config:
     """The run's own config.yaml; a resumed run may only run longer or report differently."""
     from parity.config import load_yaml, make_config
     run = Path(args.resume)
@@ -208,27 +211,71 @@ def cmd_testbed(args: argparse.Namespace) -> None:
             print(testbed.build(name, cache, force=args.force))
 
 
+def _clip(low: float | None, high: float | None) -> str:
+    if low is None and high is None:
+        return "none"
+    return f"{low:g}" if low == high else f"{low:g} / {high:g}"
+
+
+def recipe_table() -> tuple[list[str], list[list[str]]]:
+    """Every recipe and what it sets, from RECIPES (README.md's table is this one)."""
+    from parity.config import RECIPES, Config
+    head = ["recipe", "engine", "trainer", "ratio", "clip", "GSPO clip", "correction",
+            "what it is"]
+    rows = [[f"`{r.name}`" + (" (default)" if r.name == Config.recipe else ""),
+             r.settings["engine_dtype"], r.settings["trainer_dtype"], r.settings["ratio_source"],
+             _clip(r.settings["eps_low"], r.settings["eps_high"]),
+             _clip(r.settings["seq_eps_low"], r.settings["seq_eps_high"]),
+             r.settings["correction"], r.description] for r in RECIPES.values()]
+    return head, rows
+
+
+def objective_table() -> tuple[list[str], list[list[str]]]:
+    """Every objective and its loss, from OBJECTIVE_LOSSES (README.md's table is this one)."""
+    from parity.config import OBJECTIVE_LOSSES, Config
+    head = ["objective", "loss (notation: [docs/design.md](docs/design.md); "
+                         "`parity/objectives.py` has each next to its equation)"]
+    return head, [[f"`{name}`" + (" (default)" if name == Config.objective else ""), loss]
+                  for name, loss in OBJECTIVE_LOSSES.items()]
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+    return "\n".join([line(head), "|" + "---|" * len(head), *map(line, rows)]) + "\n"
+
+
+def readme_tables() -> dict[str, str]:
+    """README.md's recipe and objective tables as the code renders them (`parity recipes
+    --markdown`; tests/test_readme_tables.py holds README.md to them)."""
+    return {"recipe": markdown_table(*recipe_table()),
+            "objective": markdown_table(*objective_table())}
+
+
 def cmd_recipes(args: argparse.Namespace) -> None:
+    if args.markdown:
+        print("\n".join(readme_tables().values()), end="")
+        return
     from rich.table import Table
     from parity import ui
-    from parity.config import RECIPES, Config
+    from parity.config import FIELDS
     console = ui.console()
-    t = Table(title="recipes (parity train --recipe NAME; flags override)")
-    for col in ("recipe", "description", "sets"):
-        t.add_column(col)
-    base = RECIPES["bf16-engine"].settings
-    for r in RECIPES.values():
-        own = {k: v for k, v in r.settings.items() if r.name == "bf16-engine" or base.get(k) != v}
-        t.add_row(r.name, r.description, " ".join(f"{k}={v}" for k, v in own.items()))
-    t.caption = "each recipe sets every field bf16-engine sets; `sets` shows where it differs"
-    console.print(t)
-    o = Table(title="objectives (parity train --objective NAME; combine with any recipe)")
-    o.add_column("field")
-    o.add_column("choices and meaning")
-    for f in dataclasses.fields(Config):
-        if f.name in ("objective", "loss_agg", "ratio_source", "correction"):
-            o.add_row(f.name, f.metadata["help"])
-    console.print(o)
+    for title, (head, rows) in (
+            ("recipes (parity train --recipe NAME; flags override)", recipe_table()),
+            ("objectives (parity train --objective NAME; combine with any recipe)",
+             objective_table())):
+        t = Table(title=title)
+        for col in head:
+            t.add_column(col)
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+    f = Table(title="what the recipes and objectives set")
+    f.add_column("field")
+    f.add_column("choices and meaning")
+    for name in ("ratio_source", "correction", "loss_agg"):
+        f.add_row(name, FIELDS[name].metadata["help"])
+    console.print(f)
     console.print("LoRA: add --lora-rank R to any recipe and objective; nothing else changes. "
                   "The engine and the shadow see the adapted weights in the recipe's engine "
                   "dtype (--lora-merge / --no-lora-merge), docs/lora.md.")
@@ -236,11 +283,11 @@ def cmd_recipes(args: argparse.Namespace) -> None:
 
 def cmd_audit(args: argparse.Namespace) -> None:
     from parity import audit as au
-    from parity.config import TASK_DEFAULTS, coerce, field_specs
+    from parity.config import TASK_DEFAULTS, Config, coerce, field_specs
     given = {k: coerce(k, getattr(args, k), au.AuditSettings)
              for k in field_specs(au.AuditSettings) if getattr(args, k) is not None}
     if not any(given.get(k) for k in AUDIT_INPUTS):
-        given["task"] = "neg-length"
+        given["task"] = Config.task
     if args.scale:
         if given.get("rollouts"):
             raise ParityError("--scale audits the testbed ladder; it does not take --rollouts")
@@ -257,7 +304,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
         print(f"wrote {out}/scale.json, {out}/scale.png, {out}/report.html")
         return
     if given.get("model") is None:  # a built-in task's own testbed model, as `train` picks it
-        given["model"] = TASK_DEFAULTS.get(given.get("task") or "neg-length", {}).get("model")
+        given["model"] = TASK_DEFAULTS.get(given.get("task") or Config.task, {}).get("model")
     a = au.AuditSettings(**given).validate()
     out = Path(args.out) if args.out else au.default_out(a)
     result = au.audit(a, out)
@@ -359,10 +406,24 @@ def cmd_fp16_check(args: argparse.Namespace) -> int:
     return 0 if set(result["verdict"].values()) == {"OK"} else 1
 
 
-def _add_device_flag(p: argparse.ArgumentParser) -> None:
-    from parity.config import FIELDS
-    p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help=FIELDS["device"].metadata["help"] + " (auto)")
+def _add_config_option(p: argparse.ArgumentParser, name: str) -> None:
+    """A command's flag for Config's field `name` (`--device`, `--threads`, `--progress` of the
+    commands that are no run): its default and help are Config's, a value is checked as
+    Config's is, and the command reads it as given (`args.NAME`)."""
+    from parity.config import FIELDS, Config, check_value, coerce, field_specs
+    f = FIELDS[name]
+    flag = "--" + name.replace("_", "-")
+    doc = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")
+    if field_specs(Config)[name].kind is bool:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
+        return
+
+    def checked(text: str) -> Any:
+        value = coerce(name, text)
+        check_value(Config, name, value)
+        return value
+    p.add_argument(flag, type=checked, default=f.default,
+                   metavar=f.metadata.get("metavar", name.upper()), help=doc)
 
 
 def _check_device(setting: str) -> None:
@@ -375,10 +436,11 @@ def _check_device(setting: str) -> None:
 def _add_pool_flags(p: argparse.ArgumentParser, workers_help: str) -> None:
     """The flags of commands that run several trainings in worker processes."""
     p.add_argument("--workers", type=int, default=0, help=workers_help)
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    _add_config_option(p, "progress")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from parity.config import ENGINES, Config
     p = _Parser(prog="parity", description="Precision-consistent RL for language models.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     tr = sub.add_parser("train", help="GRPO training with precision as a setting.")
@@ -395,7 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--force", action="store_true", help="rebuild even if cached")
     tb.add_argument("--json", action="store_true", help="list: the models as JSON (for scripts)")
     tb.set_defaults(func=cmd_testbed)
-    rc = sub.add_parser("recipes", help="List the recipes and what they set.")
+    rc = sub.add_parser("recipes", help="List the recipes and what they set, and the "
+                        "objectives.")
+    rc.add_argument("--markdown", action="store_true", help="the tables as README.md shows "
+                    "them (Markdown)")
     rc.set_defaults(func=cmd_recipes)
     _add_audit_parser(sub)
     _add_fp16_check_parser(sub)
@@ -403,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "parallel processes, with a summary and an overlay report.")
     sw.add_argument("--recipes", required=True, help="comma-separated recipes")
     sw.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    sw.add_argument("--tasks", default="neg-length", help="comma-separated tasks")
+    sw.add_argument("--tasks", default=Config.task, help="comma-separated tasks")
     sw.add_argument("--models", default=None, help="comma-separated models (default: each "
                     "task's own)")
     sw.add_argument("--out", required=True, help="sweep directory; rerunning skips finished runs")
@@ -417,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--quick", action="store_true", help="the few-minute version (README)")
     rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
                     "pretrained model (smollm2-135m) instead of the testbed")
-    rq.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+    rq.add_argument("--engine", default=Config.engine, choices=ENGINES,
                     help="vllm: the testbed's arith stall, its fixes and the text audits with "
                     "vLLM's CPU build as the engine, at ε calibrated on vLLM's own β "
                     "(docs/vllm.md)")
@@ -426,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "
                     "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")
-    _add_device_flag(rq)
+    _add_config_option(rq, "device")
     rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
                         "directories, overlaid.")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
@@ -466,9 +531,8 @@ def _add_fp16_check_parser(sub) -> None:
     fc.add_argument("--top", type=int, default=10, help="rows per table (10)")
     fc.add_argument("--out", default=None, help="output directory (default: "
                     "audits/<model>-fp16-check[-N])")
-    _add_device_flag(fc)
-    fc.add_argument("--threads", type=int, default=0)
-    fc.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    for name in ("device", "threads", "progress"):
+        _add_config_option(fc, name)
     fc.set_defaults(func=cmd_fp16_check)
 
 

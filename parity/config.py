@@ -97,7 +97,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Config:
     # -- what to train
     recipe: str = _f("bf16-engine", "Named preset of precision, ratio source, clip and correction "
@@ -307,6 +307,22 @@ class Config:
                               f"{', '.join(RECIPES)}")
         check_fields(self)
         objective = OBJECTIVES[self.objective]
+        self._check_scale(objective.value_head)
+        self._check_lora()
+        self._check_engine()
+        self._check_groups(objective.pairs, objective.value_head)
+        if self.model is None:
+            raise ParityError(f"task {self.task!r} has no default model: give --model NAME|DIR")
+        self._check_batches(objective.pairs)
+        self.reward_weight_list()
+        for name in self.report_to.split(","):
+            if name.strip() not in REPORT_TO:
+                raise ParityError(f"report_to: {name.strip()!r} is not one of: "
+                                  f"{', '.join(REPORT_TO)}")
+        return self
+
+    def _check_scale(self, value_head: bool) -> None:
+        """The asynchronous engine's and FSDP's rules."""
         if not 1 <= self.sync_every <= self.max_staleness + 1:
             raise ParityError(f"sync_every={self.sync_every} must be in [1, max_staleness + 1 = "
                               f"{self.max_staleness + 1}]: rarer pushes would leave rollouts "
@@ -314,9 +330,12 @@ class Config:
         if self.sync_every != 1 and not self.async_engine:
             raise ParityError(f"sync_every={self.sync_every} applies to the asynchronous engine: "
                               f"add --async-engine")
-        if self.parallel == "fsdp" and objective.value_head:
+        if self.parallel == "fsdp" and value_head:
             raise ParityError(f"objective={self.objective} keeps its value head outside the "
                               f"FSDP-sharded model: use parallel=ddp")
+
+    def _check_lora(self) -> None:
+        """LoRA's settings apply with a rank, and a LoRA run with what supports it."""
         if self.lora_rank and (self.async_engine or self.parallel == "fsdp"):
             what = "--async-engine" if self.async_engine else "--parallel fsdp"
             raise ParityError(f"lora_rank={self.lora_rank}: LoRA runs do not support {what} yet "
@@ -331,6 +350,9 @@ class Config:
                               f"--lora-rank R (a full fine-tune keeps fp32 master weights)")
         if self.base_dtype == "fp16":
             raise ParityError("base_dtype=fp16: the base is held in fp32 or bf16")
+
+    def _check_engine(self) -> None:
+        """What the engine, the shadow and the ratio's denominator can do together."""
         if self.engine == "vllm" and self.lm_head_fp32:
             raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
                               "--lm-head-fp32 needs engine=hf")
@@ -342,30 +364,28 @@ class Config:
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
                               f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
                               f"the `tis` and `seq-mis` recipes set both")
-        if self.samples_per_prompt < 2 and objective.pairs:
+
+    def _check_groups(self, pairs: bool, value_head: bool) -> None:
+        """A group holds what the objective's advantages or pairs need."""
+        if self.samples_per_prompt < 2 and pairs:
             raise ParityError(f"objective={self.objective} pairs completions of one prompt: "
                               f"samples_per_prompt must be >= 2")
-        if self.samples_per_prompt < 2 and not objective.value_head:
+        if self.samples_per_prompt < 2 and not value_head:
             # A_i = (R_i - mean) / (std + eps) over a group of one: 0, or NaN with the std.
             raise ParityError(f"samples_per_prompt={self.samples_per_prompt}: the group-relative "
                               f"advantage of objective={self.objective} is always 0 for a group "
                               f"of one completion (NaN with scale_rewards); samples_per_prompt "
                               f"must be >= 2")
-        if self.model is None:
-            raise ParityError(f"task {self.task!r} has no default model: give --model NAME|DIR")
-        if objective.pairs and self.micro_batch % self.samples_per_prompt:
+
+    def _check_batches(self, pairs: bool) -> None:
+        """Micro-batches and minibatches hold whole groups where the objective needs them."""
+        if pairs and self.micro_batch % self.samples_per_prompt:
             raise ParityError(f"micro_batch={self.micro_batch}: objective={self.objective} pairs "
                               f"completions of one prompt, so a micro-batch holds whole groups: "
                               f"a multiple of samples_per_prompt={self.samples_per_prompt}")
         if self.prompts_per_step % self.minibatches:
             raise ParityError(f"prompts_per_step={self.prompts_per_step} must be divisible by "
                               f"minibatches={self.minibatches} (minibatches hold whole groups)")
-        self.reward_weight_list()
-        for name in self.report_to.split(","):
-            if name.strip() not in REPORT_TO:
-                raise ParityError(f"report_to: {name.strip()!r} is not one of: "
-                                  f"{', '.join(REPORT_TO)}")
-        return self
 
     def reward_specs(self) -> list[str]:
         return [x.strip() for x in self.reward.split(",")] if self.reward else []
@@ -398,11 +418,16 @@ class Recipe:
     settings: dict[str, Any]
 
 
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# What every recipe sets.
+RECIPE_FIELDS = ("engine_dtype", "trainer_dtype", "ratio_source", "eps_low", "eps_high",
+                 "seq_eps_low", "seq_eps_high", "correction")
+
+
 def _mismatch(**kw: Any) -> dict[str, Any]:
-    """bf16 engine against an fp32 trainer, with the fix's own settings on top."""
-    base = dict(engine_dtype="bf16", trainer_dtype="fp32", ratio_source="engine", eps_low=0.2,
-                eps_high=0.2, seq_eps_low=3e-4, seq_eps_high=4e-4, correction="none")
-    return {**base, **kw}
+    """bf16 engine against an fp32 trainer, as Config's defaults have it (bf16-engine is the
+    default recipe), with the fix's own settings on top."""
+    return {**{k: FIELDS[k].default for k in RECIPE_FIELDS}, **kw}
 
 
 # docs/design.md's table: the mismatch, the fixes, and the references.
@@ -414,7 +439,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            _mismatch(ratio_source="shadow")),
     Recipe("wide-eps", "The mismatch with a wider clip range (DAPO's clip-higher 0.28; GSPO's "
            "doubled); set eps_high/eps_low to taste.",
-           _mismatch(eps_high=0.28, seq_eps_high=8e-4)),
+           _mismatch(eps_high=0.28, seq_eps_high=2 * FIELDS["seq_eps_high"].default)),
     Recipe("no-clip", "The mismatch without clipping (token and sequence).",
            _mismatch(eps_low=None, eps_high=None, seq_eps_low=None, seq_eps_high=None)),
     Recipe("recompute", "Decoupled PPO: old log-probs recomputed by the fp32 trainer, beta "
@@ -435,6 +460,27 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            _mismatch(engine_dtype="fp32")),
 ]}
 
+# Each objective's loss as README.md's table and `parity recipes` show it (notation:
+# docs/design.md; parity/objectives.py has each next to its equation), with Config's defaults.
+OBJECTIVE_LOSSES: dict[ObjectiveName, str] = {
+    "ppo-clip": "−min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A) per token, GRPO group advantages, "
+                "times the behaviour weight; `--loss-agg seq-mean` (GRPO), `token-mean` (DAPO), "
+                "`token-sum` (Dr.GRPO: over B × max_new_tokens)",
+    "gspo": f"the same on the sequence's geometric-mean ratio exp(mean_t log r), with its own clip "
+            f"range `seq_eps_low/high` ({Config.seq_eps_low:g} / {Config.seq_eps_high:g}); "
+            f"setting `eps_low/eps_high` with it is refused",
+    "pg-is": "REINFORCE: −sg(min(ρ_i, C))·A_i·ℓ_π per token, ρ_i = exp(Σ_t log r), no clip "
+             "(`pg_is/*` metrics)",
+    "ppo-value": f"PPO-clip with token advantages from GAE (`gae_gamma` {Config.gae_gamma:g}, "
+                 f"`gae_lambda` {Config.gae_lambda:g}, whitened) and a zero-initialised linear "
+                 f"value head on the last hidden state, clipped value loss × `value_coef` "
+                 f"{Config.value_coef:g}; saved as `value_head.safetensors` in each checkpoint",
+    "online-dpo": f"each group's best- and worst-rewarded completions as a pair, −log σ(b·margin) "
+                  f"(b = `dpo_scale` {Config.dpo_scale:g}); reference `initial` (the frozen "
+                  f"starting policy) or `engine` (ℓ_μ stands in, so the precision gap enters the "
+                  f"margin: `dpo/margin_beta`, `dpo/margin_beta_abs`)",
+}
+
 # The built-in tasks' own defaults, applied over the recipe and under YAML and flag values. The
 # model names are testbed models (parity/testbed.py SPECS) or built-in pretrained ones
 # (parity/pretrained.py); the chat task's lr is TRL's GRPOConfig default.
@@ -444,7 +490,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "arith": dict(model="arith", lr=3e-4, steps=800, prompts_per_step=16, max_new_tokens=8),
 }
 
-FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
 @dataclass(frozen=True)
@@ -479,24 +524,29 @@ def field_specs(cls: type) -> dict[str, FieldSpec]:
 def check_fields(obj: Any) -> None:
     """Refuse a field value outside its type, its Literal's choices or its range, with one line
     naming the field. Floats must be finite: NaN and inf pass no comparison a run relies on."""
-    for name, sp in field_specs(type(obj)).items():
-        v = getattr(obj, name)
-        if v is None:
-            if not sp.optional:
-                raise ParityError(f"{name} cannot be empty")
-        elif sp.choices is not None:
-            if v not in sp.choices:
-                raise ParityError(f"{name}={v!r} is not one of: {', '.join(sp.choices)}")
-        elif sp.kind in (int, float):
-            want = numbers.Integral if sp.kind is int else numbers.Real
-            if isinstance(v, bool) or not isinstance(v, want):
-                raise ParityError(f"{name}={v!r} is not a valid {sp.kind.__name__}")
-            must = sp.range.complaint(v, sp.kind is float)
-            if must is not None:
-                null = " (or null)" if sp.optional else ""
-                raise ParityError(f"{name}={v} must be {must}{null}")
-        elif (pattern := sp.field.metadata.get("pattern")) and not re.fullmatch(pattern, str(v)):
-            raise ParityError(f"{name}={v!r} must be {sp.field.metadata['pattern_text']}")
+    for name in field_specs(type(obj)):
+        check_value(type(obj), name, getattr(obj, name))
+
+
+def check_value(cls: type, name: str, v: Any) -> None:
+    """`check_fields` for one value of field `name` of `cls`."""
+    sp = field_specs(cls)[name]
+    if v is None:
+        if not sp.optional:
+            raise ParityError(f"{name} cannot be empty")
+    elif sp.choices is not None:
+        if v not in sp.choices:
+            raise ParityError(f"{name}={v!r} is not one of: {', '.join(sp.choices)}")
+    elif sp.kind in (int, float):
+        want = numbers.Integral if sp.kind is int else numbers.Real
+        if isinstance(v, bool) or not isinstance(v, want):
+            raise ParityError(f"{name}={v!r} is not a valid {sp.kind.__name__}")
+        must = sp.range.complaint(v, sp.kind is float)
+        if must is not None:
+            null = " (or null)" if sp.optional else ""
+            raise ParityError(f"{name}={v} must be {must}{null}")
+    elif (pattern := sp.field.metadata.get("pattern")) and not re.fullmatch(pattern, str(v)):
+        raise ParityError(f"{name}={v!r} must be {sp.field.metadata['pattern_text']}")
 
 
 def coerce(name: str, value: Any, cls: type | None = None) -> Any:
@@ -532,36 +582,22 @@ def coerce(name: str, value: Any, cls: type | None = None) -> Any:
         raise ParityError(f"{name}={value!r} is not a valid {sp.kind.__name__}") from None
 
 
-def shared(name: str, *, optional: bool = False, default: Any = dataclasses.MISSING,
-           help: str | None = None) -> tuple[str, Any, dataclasses.Field]:
-    """Config's field `name` as an entry of `derive`, for settings that repeat it (the audit's,
-    the TRL integration's): type, default, help and checks come from Config. `default` and
-    `help` replace Config's only where the field means something else there; `optional`
-    admits None."""
+def shared(name: str, *, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
+    """Config's field `name`, for settings that repeat it (the audit's, the TRL integrations'):
+    its default, help and checks come from Config, its type is declared beside it (and
+    tests/test_settings.py holds it to Config's). `default` and `help` replace Config's only
+    where the field means something else there."""
     f = FIELDS[name]
-    hint = typing.get_type_hints(Config)[name]
     meta = {**f.metadata, **({"help": help} if help is not None else {})}
-    return (name, hint | None if optional else hint,
-            field(default=f.default if default is dataclasses.MISSING else default,
-                  metadata=meta))
+    return field(default=f.default if default is dataclasses.MISSING else default, metadata=meta)
 
 
-def own(name: str, kind: Any, default: Any, help: str, **checks: Any
-        ) -> tuple[str, Any, dataclasses.Field]:
+def own(default: Any, help: str, **checks: Any) -> Any:
     """A field of such settings that Config does not have, checked as Config's are (`_f`)."""
-    return name, kind, _f(default, help, **checks)
+    return _f(default, help, **checks)
 
 
-def derive(cls_name: str, entries: list[tuple[str, Any, dataclasses.Field]], base: type,
-           module: str, doc: str) -> type:
-    """A dataclass of `shared` and `own` fields, with `base`'s methods."""
-    cls = dataclasses.make_dataclass(cls_name, entries, bases=(base,), namespace={"__doc__": doc})
-    cls.__module__ = module  # pickling and repr find it where it is defined
-    return cls
-
-
-
-def check_scored_sampling(c: Any) -> None:
+def check_scored_sampling(c: Config | AuditSettings) -> None:
     """vLLM scores a sequence (`prompt_logprobs`) with the raw model, whatever the temperature,
     top-p and top-k: an engine-scored shadow is ℓ_μ's own arithmetic only where those leave the
     distribution as it is (measured: docs/vllm.md)."""
@@ -573,8 +609,74 @@ def check_scored_sampling(c: Any) -> None:
                           f"{c.temperature}/{c.top_p}/{c.top_k}), or use shadow_kernels=engine")
 
 
-class _AuditChecks:
-    def validate(self) -> "AuditSettings":
+# The fields an audit shares with a run are Config's, so their defaults, help and checks are
+# written once. A help differs where the audit uses the field differently (built-in tasks set no
+# max_new_tokens here; kl_exact_rows counts per batch), and `task` defaults to None because it is
+# one of three inputs.
+@dataclass(kw_only=True)
+class AuditSettings:
+    """What `parity audit` measures, on which input, and how it samples."""
+    model: str | None = shared("model")
+    engine: EngineName = shared("engine")
+    engine_dtype: Dtype = shared("engine_dtype")
+    trainer_dtype: Dtype = shared("trainer_dtype")
+    task: str | None = shared(
+        "task", default=None,
+        help=f"Sample prompts of a task: `neg-length`, `neg-length-chat`, `arith`, or a dataset "
+             f"file (JSONL/parquet with a `prompt` column) with `--reward` (default: "
+             f"{FIELDS['task'].default}).")
+    prompts: str | None = own(None, "Sample these prompts: a .txt file, one per line, or "
+                              "JSONL/parquet with a `prompt` column.", metavar="FILE")
+    rollouts: str | None = own(None, "Audit completions and engine log-probs another system "
+                               "wrote (JSONL/parquet: prompt_token_ids, completion_token_ids, "
+                               "engine_logprobs[, advantage|reward]).", metavar="FILE")
+    server: str | None = own(None, "Sample the prompts (--task or --prompts) from a running "
+                             "OpenAI-compatible server (vLLM) at this address, http://HOST:PORT, "
+                             "instead of parity's engine; its answers are kept as "
+                             "OUT/rollouts.jsonl and audited as --rollouts audits a file "
+                             "(docs/serving.md).", metavar="URL")
+    server_model: str | None = own(None, "With --server: the served model to ask, an id of its "
+                                   "/v1/models (default: the only one it serves).",
+                                   metavar="NAME")
+    server_endpoint: ServerEndpoint = own(
+        "auto", "With --server: `completions` sends the prompt's token ids to /v1/completions, "
+        "`chat` the messages to /v1/chat/completions (the server's chat template); `auto`: chat "
+        "for conversations or --chat-template.")
+    server_timeout_s: float = own(120.0, "With --server: seconds to wait for each answer (one "
+                                  "request asks for --group completions of a prompt) before "
+                                  "stopping with an error.", gt=0)
+    reward: str | None = shared("reward")
+    chat_template: bool = shared("chat_template")
+    samples: int = own(256, "Completions to sample.", gt=0)
+    group: int = own(8, "Completions per prompt (the GRPO group of the advantages).", gt=0)
+    max_new_tokens: int = shared("max_new_tokens", help="Max completion tokens, EOS included.")
+    temperature: float = shared("temperature")
+    top_p: float = shared("top_p")
+    top_k: int = shared("top_k")
+    # The recipes' clip range, so that the headline is the share a run's clip would see.
+    eps: float = own(FIELDS["eps_low"].default, "Clip range of the headline fractions (a sweep "
+                     "over eps is always added).", gt=0, lt=1)
+    batch_size: int = own(64, "Completions per trainer forward.", gt=0)
+    logprob_chunk: int = shared("logprob_chunk")
+    kl_exact_rows: int = shared("kl_exact_rows", help="Completions per batch whose whole engine "
+                                "distribution is kept for the exact KL(mu||pi) over the "
+                                "vocabulary (0 disables).")
+    cpu_fp16: CpuFp16 = shared("cpu_fp16")
+    lm_head_fp32: bool = shared("lm_head_fp32")
+    shadow_kernels: ShadowKernels = shared("shadow_kernels")
+    fp16_check: str | None = own(None, "A `parity fp16-check` result (its fp16_check.json or "
+                                 "output directory) for this model: the advice then says whether "
+                                 "the fp16 recipe fits (docs/diagnostics.md, What to do).",
+                                 metavar="FILE")
+    adapter: str | None = own(None, "A LoRA adapter directory (peft's save_pretrained, or a LoRA "
+                              "run's checkpoint) to apply to --model.", metavar="DIR")
+    lora_merge: bool = shared("lora_merge")
+    seed: int = shared("seed")
+    device: str = shared("device")
+    threads: int = shared("threads")
+    progress: bool = shared("progress")
+
+    def validate(self) -> AuditSettings:
         """Refuse bad settings before any work, one line naming the field, as `parity train`
         does: each field's own checks (Config's for the shared ones), then the input."""
         check_fields(self)
@@ -594,66 +696,6 @@ class _AuditChecks:
             raise ParityError(f"group={self.group}: a task's advantages are relative to the "
                               f"group of completions of one prompt; group must be >= 2")
         return self
-
-
-# The fields an audit shares with a run are Config's, so their defaults, help and checks are
-# written once. A help differs where the audit uses the field differently (built-in tasks set no
-# max_new_tokens here; kl_exact_rows counts per batch), and `task` defaults to None because it is
-# one of three inputs.
-AuditSettings = derive("AuditSettings", [
-    shared("model"),
-    shared("engine"),
-    shared("engine_dtype"),
-    shared("trainer_dtype"),
-    shared("task", optional=True, default=None,
-           help="Sample prompts of a task: `neg-length`, `neg-length-chat`, `arith`, or a "
-                "dataset file "
-                "(JSONL/parquet with a `prompt` column) with `--reward` (default: neg-length)."),
-    own("prompts", str | None, None, "Sample these prompts: a .txt file, one per line, or "
-        "JSONL/parquet with a `prompt` column.", metavar="FILE"),
-    own("rollouts", str | None, None, "Audit completions and engine log-probs another system "
-        "wrote (JSONL/parquet: prompt_token_ids, completion_token_ids, engine_logprobs[, "
-        "advantage|reward]).", metavar="FILE"),
-    own("server", str | None, None, "Sample the prompts (--task or --prompts) from a running "
-        "OpenAI-compatible server (vLLM) at this address, http://HOST:PORT, instead of "
-        "parity's engine; its answers are kept as OUT/rollouts.jsonl and audited as "
-        "--rollouts audits a file (docs/serving.md).", metavar="URL"),
-    own("server_model", str | None, None, "With --server: the served model to ask, an id of "
-        "its /v1/models (default: the only one it serves).", metavar="NAME"),
-    own("server_endpoint", ServerEndpoint, "auto", "With --server: `completions` sends the "
-        "prompt's token ids to /v1/completions, `chat` the messages to /v1/chat/completions "
-        "(the server's chat template); `auto`: chat for conversations or --chat-template."),
-    own("server_timeout_s", float, 120.0, "With --server: seconds to wait for each answer (one "
-        "request asks for --group completions of a prompt) before stopping with an error.",
-        gt=0),
-    shared("reward"),
-    shared("chat_template"),
-    own("samples", int, 256, "Completions to sample.", gt=0),
-    own("group", int, 8, "Completions per prompt (the GRPO group of the advantages).", gt=0),
-    shared("max_new_tokens", help="Max completion tokens, EOS included."),
-    shared("temperature"),
-    shared("top_p"),
-    shared("top_k"),
-    own("eps", float, 0.2, "Clip range of the headline fractions (a sweep over eps is always "
-        "added).", gt=0, lt=1),
-    own("batch_size", int, 64, "Completions per trainer forward.", gt=0),
-    shared("logprob_chunk"),
-    shared("kl_exact_rows", help="Completions per batch whose whole engine distribution is kept "
-           "for the exact KL(mu||pi) over the vocabulary (0 disables)."),
-    shared("cpu_fp16"),
-    shared("lm_head_fp32"),
-    shared("shadow_kernels"),
-    own("fp16_check", str | None, None, "A `parity fp16-check` result (its fp16_check.json or "
-        "output directory) for this model: the advice then says whether the fp16 recipe "
-        "fits (docs/diagnostics.md, What to do).", metavar="FILE"),
-    own("adapter", str | None, None, "A LoRA adapter directory (peft's save_pretrained, or a "
-        "LoRA run's checkpoint) to apply to --model.", metavar="DIR"),
-    shared("lora_merge"),
-    shared("seed"),
-    shared("device"),
-    shared("threads"),
-    shared("progress"),
-], _AuditChecks, __name__, "What `parity audit` measures, on which input, and how it samples.")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

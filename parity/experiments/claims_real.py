@@ -26,10 +26,12 @@ def real_gap(beta_abs: float, phantom_02: float, model: str) -> Claim:
     near = SEED_PHANTOM / 3 <= phantom_02 <= SEED_PHANTOM * 3
     detail = f"|β| = {beta_abs:.3g}, {phantom_02:.2%} phantom-clipped at ε = 0.2"
     if in_range and near:
-        return Claim("R1", s, seeds, m, HOLDS, detail)
+        return Claim(id="R1", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
     why = [] if in_range else ["|β| outside 1e-2..1e-1"]
     why += [] if near else ["the phantom share is outside a factor 3 of 18%"]
-    return Claim("R1", s, seeds, m, NOT_AT_SCALE, f"{detail}: {'; '.join(why)}")
+    return Claim(id="R1", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"{detail}: {'; '.join(why)}")
 
 
 def fp32_head_helps(kl_bf16: float, kl_head: float, beta_bf16: float, beta_head: float,
@@ -44,10 +46,11 @@ def fp32_head_helps(kl_bf16: float, kl_head: float, beta_bf16: float, beta_head:
     detail = (f"KL {kl_bf16:.2g} → {kl_head:.2g} ({ratio:.2g}× lower), |β| {beta_bf16:.3g} → "
               f"{beta_head:.3g}")
     if ratio >= min_ratio:
-        return Claim("R3", s, seeds, m, HOLDS, detail)
-    return Claim("R3", s, seeds, m, NOT_AT_SCALE,
-                 f"{detail}: less than {min_ratio:g}× (the rest of the network's bf16 "
-                 f"arithmetic dominates)")
+        return Claim(id="R3", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="R3", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"{detail}: less than {min_ratio:g}× (the rest of the network's bf16 "
+                        f"arithmetic dominates)")
 
 
 def sanity_check(drops: dict[str, list[float]], lr: float, steps: int) -> Claim:
@@ -60,16 +63,19 @@ def sanity_check(drops: dict[str, list[float]], lr: float, steps: int) -> Claim:
     s = f"neg-length-chat at ε = 0.2, lr {lr:g}: bf16-engine stalls or lags against fp32"
     seeds = "GRPO with a bf16 engine stalls or collapses; fp32/fp16 train"
     if d is None:
-        return Claim("R4", s, seeds, m, NOT_MEASURABLE,
-                     "fewer than two finished seeds of fp32 or bf16-engine")
+        return Claim(id="R4", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="fewer than two finished seeds of fp32 or bf16-engine")
     detail = (f"length drop over {steps} steps, per seed: bf16-engine {_fmt(bf16)}, fp32 "
               f"{_fmt(fp32)}; difference {d[0]:+.1f} ± {d[1]:.1f} tokens (95%)")
     if d[0] < -d[1]:
-        return Claim("R4", s, seeds, m, HOLDS, f"bf16-engine lags: {detail}")
+        return Claim(id="R4", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"bf16-engine lags: {detail}")
     if d[0] > d[1]:
-        return Claim("R4", s, seeds, m, NOT_AT_SCALE,
-                     f"the opposite: bf16-engine shortens completions faster than fp32: {detail}")
-    return Claim("R4", s, seeds, m, NOT_MEASURABLE, f"within the seed spread: {detail}")
+        return Claim(id="R4", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                     reason=f"the opposite: bf16-engine shortens completions faster than fp32: "
+                            f"{detail}")
+    return Claim(id="R4", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                 reason=f"within the seed spread: {detail}")
 
 
 def _like(x: float, a: list[float], b: list[float]) -> str:
@@ -93,16 +99,19 @@ def fixes_on_real_model(drops: dict[str, list[float]], lag: Claim) -> Claim:
     s = "bf16-shadow, no-clip and recompute restore fp32's training"
     seeds = "removing β from the ratio, or the clip, restores convergence"
     if len(fixes) < 3 or not fp32 or not bf16:
-        return Claim("R5", s, seeds, m, NOT_MEASURABLE, "a recipe's runs are missing")
+        return Claim(id="R5", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a recipe's runs are missing")
     sides = {r: _like(sum(drops[r]) / len(drops[r]), fp32, bf16) for r in fixes}
     m["sides"] = sides
     detail = ", ".join(f"{r} {_fmt(drops[r])} ({sides[r]})" for r in fixes)
     if lag.verdict != HOLDS:
-        return Claim("R5", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine does not lag, so there is nothing to restore: {detail}")
+        return Claim(id="R5", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"bf16-engine does not lag, so there is nothing to restore: {detail}")
     if all(v == "like fp32" for v in sides.values()):
-        return Claim("R5", s, seeds, m, HOLDS, detail)
-    return Claim("R5", s, seeds, m, NOT_AT_SCALE, detail)
+        return Claim(id="R5", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="R5", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=detail)
 
 
 def fp16_like_fp32(drops: dict[str, list[float]]) -> Claim:
@@ -115,15 +124,19 @@ def fp16_like_fp32(drops: dict[str, list[float]]) -> Claim:
     s = "fp16 trains as fp32 does, where bf16 does not"
     seeds = "FP16 paper: every algorithm reaches ~0.97 in fp16; bf16 GRPO collapses"
     if d_bf is None or d_f16 is None:
-        return Claim("R6", s, seeds, m, NOT_MEASURABLE, "fewer than two seeds of a recipe")
+        return Claim(id="R6", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="fewer than two seeds of a recipe")
     detail = (f"fp16 {_fmt(fp16)} against fp32 {_fmt(fp32)}: {d_f16[0]:+.1f} ± {d_f16[1]:.1f}; "
               f"bf16-engine {d_bf[0]:+.1f} ± {d_bf[1]:.1f}")
     if abs(d_bf[0]) <= d_bf[1]:
-        return Claim("R6", s, seeds, m, NOT_MEASURABLE,
-                     f"bf16-engine does not differ from fp32 beyond the seed spread: {detail}")
+        return Claim(id="R6", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"bf16-engine does not differ from fp32 beyond the seed spread: "
+                            f"{detail}")
     if abs(d_f16[0]) <= d_f16[1]:
-        return Claim("R6", s, seeds, m, HOLDS, detail)
-    return Claim("R6", s, seeds, m, NOT_AT_SCALE, f"fp16 differs from fp32 too: {detail}")
+        return Claim(id="R6", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="R6", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"fp16 differs from fp32 too: {detail}")
 
 
 def gap_grows(first: list[float], last: list[float], what: str, cid: str) -> Claim:
@@ -133,11 +146,14 @@ def gap_grows(first: list[float], last: list[float], what: str, cid: str) -> Cla
     s = f"the bf16 engine's {what} grows during training"
     seeds = "users of the FP16 paper's code ask why the bf16 mismatch KL grows in training"
     if not first or len(first) != len(last):
-        return Claim(cid, s, seeds, m, NOT_MEASURABLE, "no finished bf16-engine run")
+        return Claim(id=cid, statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="no finished bf16-engine run")
     pairs = ", ".join(f"{a:.3g} → {b:.3g}" for a, b in zip(first, last))
     if all(b > 1.2 * a for a, b in zip(first, last)):
-        return Claim(cid, s, seeds, m, HOLDS, f"first step → last steps, per seed: {pairs}")
-    return Claim(cid, s, seeds, m, NOT_AT_SCALE, f"not in every seed: {pairs}")
+        return Claim(id=cid, statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=f"first step → last steps, per seed: {pairs}")
+    return Claim(id=cid, statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"not in every seed: {pairs}")
 
 
 def ties_make_the_gap_grow(ties: float | None, first_sync: dict[str, float | None],
@@ -157,13 +173,16 @@ def ties_make_the_gap_grow(ties: float | None, first_sync: dict[str, float | Non
          "ties")
     seeds = "(parity's own explanation of the growth users of the FP16 paper's code ask about)"
     if not g_deq or not g_rnd or deq is None or rnd is None or ties is None:
-        return Claim("R8", s, seeds, m, NOT_MEASURABLE,
-                     "a bf16-engine run of the dequantised or the bf16-rounded weights is missing")
+        return Claim(id="R8", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason="a bf16-engine run of the dequantised or the bf16-rounded weights is "
+                            "missing")
     detail = (f"{ties:.1%} of the dequantised weights are bf16 ties; the first sync changes "
               f"{deq:.2%} of the engine's bf16 weights there and {rnd:.2%} on the bf16-rounded "
               f"copy; KL after the first sync / KL at step 1, per seed: dequantised "
               f"{', '.join(f'{x:.1f}×' for x in g_deq)}, bf16-rounded "
               f"{', '.join(f'{x:.1f}×' for x in g_rnd)}")
     if min(g_deq) > 2 and max(g_rnd) < 1.5 and deq > 5 * rnd:
-        return Claim("R8", s, seeds, m, HOLDS, detail)
-    return Claim("R8", s, seeds, m, NOT_AT_SCALE, detail)
+        return Claim(id="R8", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="R8", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=detail)

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 from parity.experiments import claims as C
 from parity import testbed, ui
+from parity.config import TASK_DEFAULTS, AuditSettings, Config
 from parity.files import ensure_writable, read_json
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
@@ -51,8 +52,9 @@ LORA_RECIPES = ["fp32", "bf16-engine", "fp16"]
 HORIZON_RECIPES = ["fp32", "tis", "seq-mis"]
 
 
-@dataclass
-class Plan:
+@dataclass(kw_only=True)
+class ReproductionPlan:
+    """One testbed reproduction: what each of its parts audits and trains, and for how long."""
     name: str
     audit_model: str
     samples: int
@@ -75,17 +77,18 @@ class Plan:
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
-    audit_tokens: int = 24    # as neg-length trains (its task default)
-    device: str = "auto"      # every audit and run computes there (parity/devices.py)
-    engine: str = "hf"        # every audit and run samples with it (docs/design.md, engines)
+    # neg-length's audits sample as long completions as it trains with
+    audit_tokens: int = TASK_DEFAULTS["neg-length"]["max_new_tokens"]
+    device: str = Config.device   # every audit and run computes there (parity/devices.py)
+    engine: str = Config.engine   # every audit and run samples with it (docs/design.md, engines)
 
 
 # The quick run spends its minutes on the headline, the arith stall and two fixes, rather than
 # on neg-length, where nothing lags (the full run has both).
-QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
-             scale_models=[testbed.TEST_TEXT, testbed.DEFAULT_TEXT],
-             sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0, arith_steps=400,
-             arith_seeds=[0, 1], arith_recipes=STALL_RECIPES)
+QUICK = ReproductionPlan(name="quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
+                         scale_models=[testbed.TEST_TEXT, testbed.DEFAULT_TEXT],
+                         sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0, arith_steps=400,
+                         arith_seeds=[0, 1], arith_recipes=STALL_RECIPES)
 # The full run must stay within 90 minutes on 2 cores. Claim 5b-arith's horizon (fp32, tis and
 # seq-mis trained on to 800 steps: 8.1 minutes in docs/reproduce/timing.json) was paid for with
 # a seed each of the neg-length sweep (where nothing lags) and the LoRA sweep.
@@ -93,13 +96,15 @@ QUICK = Plan("quick", audit_model=testbed.DEFAULT_TEXT, samples=128,
 # vLLM's own β; the text audits against it. Not part of the full run, which must stay within
 # 90 minutes on 2 cores: `parity reproduce --engine vllm` (docs/vllm.md).
 VLLM_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "recompute", "tis", "fp16"]
-VLLM = Plan("vllm", audit_model=testbed.DEFAULT_TEXT, samples=128, scale_models=[],
-            sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0, arith_steps=400,
-            arith_seeds=[0, 1, 2], arith_recipes=VLLM_RECIPES, engine="vllm")
-FULL = Plan("full", audit_model=testbed.LARGEST, samples=512, scale_models=list(testbed.LADDER),
-            sweep_model=testbed.DEFAULT_TEXT, seeds=[0, 1], steps=30, arith_steps=400,
-            arith_seeds=[0, 1, 2], algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1],
-            async_seeds=[0, 1], drivers=True, lora_seeds=[0, 1], horizon_steps=800)
+VLLM = ReproductionPlan(name="vllm", audit_model=testbed.DEFAULT_TEXT, samples=128,
+                        scale_models=[], sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0,
+                        arith_steps=400, arith_seeds=[0, 1, 2], arith_recipes=VLLM_RECIPES,
+                        engine="vllm")
+FULL = ReproductionPlan(name="full", audit_model=testbed.LARGEST, samples=512,
+                        scale_models=list(testbed.LADDER), sweep_model=testbed.DEFAULT_TEXT,
+                        seeds=[0, 1], steps=30, arith_steps=400, arith_seeds=[0, 1, 2],
+                        algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1], async_seeds=[0, 1],
+                        drivers=True, lora_seeds=[0, 1], horizon_steps=800)
 
 
 def eps_at_phantom(table: list[dict[str, float]], target: float) -> float | None:
@@ -129,10 +134,10 @@ def phantom_at(table: list[dict[str, float]], eps: float) -> float:
 KL_ROWS = 8
 
 
-def _audit(plan: Plan, engine: str, out: Path, progress: bool, model: str | None = None,
-           task: str = "neg-length", tokens: int | None = None,
-           temperature: float = 1.0) -> dict[str, Any]:
-    from parity.audit import AuditSettings, audit
+def _audit(plan: ReproductionPlan, engine: str, out: Path, progress: bool,
+           model: str | None = None, task: str = "neg-length", tokens: int | None = None,
+           temperature: float = AuditSettings.temperature) -> dict[str, Any]:
+    from parity.audit import audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
     # neg-length at the length it trains with; a built-in task's own length otherwise
@@ -155,8 +160,9 @@ def calibrated_eps(audit: dict[str, Any]) -> tuple[float, bool]:
     return (float(f"{eps:.2g}"), True) if eps is not None else (FALLBACK_EPS, False)
 
 
-def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict[str, Any]:
-    from parity.audit import AuditSettings, scale
+def _scale(plan: ReproductionPlan, out: Path, progress: bool, done: dict[str, dict]
+           ) -> dict[str, Any]:
+    from parity.audit import scale
     if (out / "scale.json").is_file():
         return read_json(out / "scale.json", "earlier scale audit")
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
@@ -165,8 +171,8 @@ def _scale(plan: Plan, out: Path, progress: bool, done: dict[str, dict]) -> dict
                  plan.scale_models, done)
 
 
-def _sweep(plan: Plan, out: Path, recipes: list[str], seeds: list[int], task: str, model: str,
-           overrides: dict[str, Any], workers: int, progress: bool,
+def _sweep(plan: ReproductionPlan, out: Path, recipes: list[str], seeds: list[int], task: str,
+           model: str, overrides: dict[str, Any], workers: int, progress: bool,
            per_recipe: dict[str, dict[str, Any]] | None = None,
            continue_from: Path | None = None) -> dict[str, Any]:
     from parity.experiments.sweep import SweepSpec, run_sweep
@@ -229,8 +235,9 @@ def beta_drivers(sc: dict[str, Any], positions: list[dict[str, float]]) -> dict[
     return axes
 
 
-def _drivers(plan: Plan, a16: dict, sc: dict, out: Path, progress: bool) -> dict[str, Any]:
-    temps = {1.0: a16["metrics"]["mismatch/beta_abs_mean"]}
+def _drivers(plan: ReproductionPlan, a16: dict, sc: dict, out: Path, progress: bool
+             ) -> dict[str, Any]:
+    temps = {AuditSettings.temperature: a16["metrics"]["mismatch/beta_abs_mean"]}
     for t in DRIVER_TEMPERATURES:
         a = _audit(plan, "bf16", out / "audits" / f"bf16-T{t:g}", progress, temperature=t)
         temps[t] = a["metrics"]["mismatch/beta_abs_mean"]
@@ -277,7 +284,7 @@ class _Stages:
             print(f"[reproduce] {name}: {self.timing[name] / 60:.1f} min", flush=True)
 
 
-def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
+def _arith(plan: ReproductionPlan, out: Path, workers: int, progress: bool, stage: _Stages,
            calibration: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], float | None]:
     """The arith sweeps at arith's own calibrated ε: the recipes, their long horizon, the other
     objectives, the asynchronous regime, LoRA. Returns the sweeps' summaries by name ("arith",
@@ -321,7 +328,8 @@ def _arith(plan: Plan, out: Path, workers: int, progress: bool, stage: _Stages,
     return sw, eps
 
 
-def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) -> dict[str, Any]:
+def reproduce(plan: ReproductionPlan, out: Path, workers: int = 0, progress: bool = True
+              ) -> dict[str, Any]:
     t_start = time.perf_counter()
     for sub in (out, out / "audits", out / "scale", out / "sweeps"):  # every stage's, at once
         ensure_writable(sub, "reproduce --out")
@@ -350,9 +358,9 @@ def reproduce(plan: Plan, out: Path, workers: int = 0, progress: bool = True) ->
                                                     progress, model=plan.sweep_model))
             calibration["neg-length"] = {"eps": eps_run, "calibrated": ok, "audit": where}
         with stage("neg-length sweep"):
-            main = _sweep(plan, out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds, "neg-length",
-                          plan.sweep_model, {"steps": plan.steps, "eps_low": eps_run,
-                                             "eps_high": eps_run},
+            main = _sweep(plan, out / "sweeps" / "neg-length", MAIN_RECIPES, plan.seeds,
+                          "neg-length", plan.sweep_model,
+                          {"steps": plan.steps, "eps_low": eps_run, "eps_high": eps_run},
                           workers, progress, scaled_clip(eps_run))
     sw, eps_arith = _arith(plan, out, workers, progress, stage, calibration)
     with stage("small-lr runs"):
@@ -403,7 +411,7 @@ def _groups(summary: dict[str, Any]) -> dict[str, dict]:
 
 
 def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None, lr: dict,
-          eps_run: float, plan: Plan, eps_arith: float | None = None,
+          eps_run: float, plan: ReproductionPlan, eps_arith: float | None = None,
           algos: dict[str, dict] | None = None, drivers: dict | None = None,
           asy: dict | None = None, lora_sweep: dict | None = None,
           long_sweep: dict | None = None) -> list[C.Claim]:
@@ -411,12 +419,37 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     the plan did not run (`None`), or a recipe it left out, judges none of its claims. 5b-arith
     is judged over the long horizon where the plan ran one, else over the sweep's steps."""
     m16, mf16 = a16["metrics"], f16["metrics"]
+    eps_arith = eps_run if eps_arith is None else eps_arith
+    ran = set(plan.arith_recipes) if arith is not None else set()
+    out = _audit_claims(a16, sc)
+    if main is not None:
+        out.append(C.stall_and_fixes("neg-length", _groups(main), eps_run))
+    if arith is not None:
+        out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_arith), "3-arith"))
+    if asy is not None:
+        out.append(C.async_stall_and_fixes(_groups(asy), eps_arith, ASYNC_SETTING))
+    out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), m16["mismatch/beta_abs_mean"],
+                                  mf16["mismatch/beta_abs_mean"]))
+    out += _fix_claims(main, arith, long_sweep, ran, eps_run, eps_arith, plan)
+    out += _fp16_claims(arith, algos, ran, m16, mf16)
+    if drivers is not None:
+        out.append(C.what_makes_beta_large(drivers["axes"], drivers["temperatures"]))
+    if lora_sweep is not None:
+        out.append(C.fp16_helps_with_lora(_groups(lora_sweep), eps_arith, LORA_SETTING))
+    # A failed run, or one that reported no figure, is missing here, never a 0.
+    changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
+    out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
+                                     changed.get("fp32"), plan.small_lr))
+    return out
+
+
+def _audit_claims(a16: dict, sc: dict) -> list[C.Claim]:
+    """Claims 1a–2b: the bf16 audit's β and phantom clipping, and β against size."""
+    m16 = a16["metrics"]
     fit = sc.get("fits", {}).get("beta_abs_mean")
     beta_abs = m16["mismatch/beta_abs_mean"]
     eps_m = C.matched_eps(beta_abs)
-    eps_arith = eps_run if eps_arith is None else eps_arith
-    ran = set(plan.arith_recipes) if arith is not None else set()
-    out = [
+    return [
         C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16.get("mismatch/beta_mean_se"),
                            a16["completions"], _kl(m16)),
         C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr"),
@@ -428,13 +461,12 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
         C.phantom_at_matched_eps(eps_m, phantom_at(a16["phantom_vs_eps"], eps_m),
                                  eps_at_phantom(a16["phantom_vs_eps"], C.SEED_PHANTOM)),
     ]
-    if main is not None:
-        out.append(C.stall_and_fixes("neg-length", _groups(main), eps_run))
-    if arith is not None:
-        out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_arith), "3-arith"))
-    if asy is not None:
-        out.append(C.async_stall_and_fixes(_groups(asy), eps_arith, ASYNC_SETTING))
-    out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), beta_abs, mf16["mismatch/beta_abs_mean"]))
+
+
+def _fix_claims(main: dict | None, arith: dict | None, long_sweep: dict | None, ran: set[str],
+                eps_run: float, eps_arith: float, plan: ReproductionPlan) -> list[C.Claim]:
+    """Claims 5a and 5b: a wider clip range, and the recompute family, on each task."""
+    out = []
     if main is not None:
         out.append(C.wide_eps_helps(_groups(main), eps_run, round(1.4 * eps_run, 6),
                                     "neg-length"))
@@ -449,9 +481,16 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     elif {"recompute", "tis", "seq-mis"} <= ran:
         out.append(_renamed(C.recompute_family(_groups(arith), "arith", plan.arith_steps),
                             "5b-arith"))
+    return out
+
+
+def _fp16_claims(arith: dict | None, algos: dict[str, dict] | None, ran: set[str],
+                 m16: dict[str, float], mf16: dict[str, float]) -> list[C.Claim]:
+    """Claims 7–9 on arith: fp16 restores training, the mismatch over training, and fp16
+    across the other algorithms."""
+    out = []
     if {"bf16-engine", "fp16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
-    if {"bf16-engine", "fp16"} <= ran:
         slopes = {"bf16": m16.get("mismatch/seq_log_ratio_slope"),
                   "fp16": mf16.get("mismatch/seq_log_ratio_slope")}
         out.append(_renamed(C.mismatch_over_training(arith.get("runs", {}), "arith", slopes),
@@ -459,18 +498,10 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     if algos and set(ALGORITHM_RECIPES) <= ran:
         by = {"ppo-clip (GRPO)": _groups(arith), **{o: _groups(a) for o, a in algos.items()}}
         out.append(_renamed(C.fp16_across_algorithms(by, "arith"), "9-arith"))
-    if drivers is not None:
-        out.append(C.what_makes_beta_large(drivers["axes"], drivers["temperatures"]))
-    if lora_sweep is not None:
-        out.append(C.fp16_helps_with_lora(_groups(lora_sweep), eps_arith, LORA_SETTING))
-    # A failed run, or one that reported no figure, is missing here, never a 0.
-    changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
-    out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
-                                     changed.get("fp32"), plan.small_lr))
     return out
 
 
-def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
+def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: float,
                     calibration: dict[str, dict[str, Any]], out: Path) -> str:
     sweeps = []
     if plan.steps:
@@ -503,7 +534,8 @@ def claims_markdown(claims: list[C.Claim], plan: Plan, seconds: float,
     pre = (f"`parity reproduce{' --quick' if plan.name == 'quick' else ''}`: {seconds / 60:.1f} "
            f"min on this machine. Audits on `{plan.audit_model}` ({plan.samples} completions "
            f"each); sweeps: {'; '.join(sweeps)}. Clip ranges: {'; '.join(eps)}. The small-lr "
-           f"runs use ε = 0.2. `claims.json` has every measured number.")
+           f"runs use ε = {Config.eps_low:g}. `claims.json` has every measured "
+           f"number.")
     md = C.to_markdown(claims, "Claims of the seeds, measured on the CPU testbed", pre)
     figs = [("sweeps/neg-length/sweep.png", "neg-length: recipes at the scaled ε"),
             ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),

@@ -16,16 +16,19 @@ own ε = 0.2 applies, because a real model's β is the seeds' size (claim R1 mea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from parity.config import TASK_DEFAULTS, Config
 from parity.experiments import claims as C
 from parity.experiments import claims_real as CR
+from parity.experiments.reproduce import KL_ROWS
 from parity.files import ensure_writable, read_json
 from parity.reports import load_metrics
 
@@ -35,24 +38,29 @@ WINDOW = 3
 TASK = "neg-length-chat"
 
 
-@dataclass
+# The seed's sanity check is the neg-length-chat task as parity trains it by default: its model,
+# learning rate (TRL's GRPOConfig default, the seed's setting), steps and completion length.
+CHAT = TASK_DEFAULTS[TASK]
+
+
+@dataclass(kw_only=True)
 class RealPlan:
     """One real-model reproduction. Every field is the workload of all its runs."""
-    model: str = "smollm2-135m"
+    model: str = CHAT["model"]
     audit_samples: int = 64         # completions per audit
     # Small steps, many of them: at a fixed lr Adam moves the weights as far per step whatever
     # the batch, so for the time of 10 steps of 16 completions this moves the policy further.
     prompts_per_step: int = 2
     group: int = 4                  # completions per prompt: 8 per step
-    max_new_tokens: int = 64
-    steps: int = 20
-    lr: float = 1e-6                # TRL's GRPOConfig default, the seed's setting
+    max_new_tokens: int = CHAT["max_new_tokens"]
+    steps: int = CHAT["steps"]
+    lr: float = CHAT["lr"]
     large_lr: float = 1e-5
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     control_seeds: list[int] = field(default_factory=lambda: [0, 1])
     main: tuple[str, ...] = ("fp32", "bf16-engine", "fp16")
     fixes: tuple[str, ...] = ("bf16", "bf16-shadow", "no-clip", "recompute")
-    device: str = "auto"            # every audit and run computes there (parity/devices.py)
+    device: str = Config.device     # every audit and run computes there (parity/devices.py)
 
     @property
     def control_model(self) -> str:
@@ -66,17 +74,18 @@ def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -
     return audit(AuditSettings(model=plan.model, engine_dtype=engine, task=TASK,
                                samples=plan.audit_samples,
                                group=plan.group, max_new_tokens=plan.max_new_tokens,
-                               kl_exact_rows=8, lm_head_fp32=head, progress=progress,
+                               kl_exact_rows=KL_ROWS, lm_head_fp32=head, progress=progress,
                                device=plan.device), out)
 
 
 def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], model: str,
            lr: float, workers: int, progress: bool) -> dict[str, Any]:
     from parity.experiments.sweep import SweepSpec, run_sweep
+    # The seeds' ε is Config's default clip range, set on every run but no-clip's.
     common = {"steps": plan.steps, "lr": lr,
               "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
-              "max_new_tokens": plan.max_new_tokens, "eps_low": 0.2, "eps_high": 0.2,
-              "device": plan.device}
+              "max_new_tokens": plan.max_new_tokens, "eps_low": Config.eps_low,
+              "eps_high": Config.eps_high, "device": plan.device}
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[TASK], models=[model],
                      overrides=common, per_recipe={"no-clip": {"eps_low": None,
                                                                "eps_high": None}},
@@ -119,6 +128,28 @@ def run_stats(path: Path) -> dict[str, Any]:
             "step_s": mean("time/step_s", rows)}
 
 
+class _Phases:
+    """Times each part of a reproduction into timing.json. A part's time is the one of the
+    invocation that did its work: a rerun that reuses a part in seconds keeps the earlier
+    figure, so the total stays the reproduction's cost."""
+
+    def __init__(self, out: Path, model: str, progress: bool):
+        self.out, self.model, self.progress = out, model, progress
+        self.timing: dict[str, float] = (read_json(out / "timing.json", "earlier timing")
+                                         if (out / "timing.json").is_file() else {})
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        took = time.perf_counter() - t0
+        if took > 30 or name not in self.timing:
+            self.timing[name] = took
+        (self.out / "timing.json").write_text(json.dumps(self.timing, indent=1))
+        if self.progress:
+            print(f"[reproduce {self.model}] {name}: {took / 60:.1f} min", flush=True)
+
+
 def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool = True
                    ) -> dict[str, Any]:
     from parity import testbed
@@ -126,28 +157,33 @@ def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool =
     out.mkdir(parents=True, exist_ok=True)
     for name in (plan.model, plan.control_model):   # conversions first, with their own bars
         testbed.resolve_model(name)
-    # Each part's time from the invocation that did its work: a rerun that reuses a part in
-    # seconds keeps the earlier figure, so the total stays the reproduction's cost.
-    timing: dict[str, float] = (read_json(out / "timing.json", "earlier timing")
-                                if (out / "timing.json").is_file() else {})
-
-    def phase(name: str, t0: float) -> None:
-        took = time.perf_counter() - t0
-        if took > 30 or name not in timing:
-            timing[name] = took
-        (out / "timing.json").write_text(json.dumps(timing, indent=1))
-        if progress:
-            print(f"[reproduce {plan.model}] {name}: {took / 60:.1f} min", flush=True)
-
+    phase = _Phases(out, plan.model, progress)
     audits = {}
     for key, eng, head in (("bf16", "bf16", False), ("fp16", "fp16", False),
                            ("bf16-fp32-head", "bf16", True)):
-        t0 = time.perf_counter()
-        audits[key] = _audit(plan, eng, head, out / "audits" / key, progress)
-        phase(f"audit {key}", t0)
-    # Ordered so that an interrupted reproduction has the most telling runs first: one seed of
-    # every recipe, the bf16-rounded control, the larger lr, then the remaining seeds.
-    sw = out / "sweeps"
+        with phase(f"audit {key}"):
+            audits[key] = _audit(plan, eng, head, out / "audits" / key, progress)
+    summaries = _sweeps(plan, out / "sweeps", workers, progress, phase)
+    t_judge = time.perf_counter()
+    runs, claims = _judged(plan, audits, summaries, out)
+    seconds = sum(phase.timing.values()) + (time.perf_counter() - t_judge)
+    result = {"plan": plan.__dict__ | {"main": list(plan.main), "fixes": list(plan.fixes)},
+              "seconds": seconds, "timing": phase.timing,
+              "audits": {k: {m: a["metrics"].get(m) for m in _AUDIT_KEYS}
+                         | {"phantom_eps_0.2": _phantom(a, 0.2),
+                            "phantom_eps_0.05": _phantom(a, 0.05)}
+                         for k, a in audits.items()},
+              "runs": runs, "claims": [c.to_dict() for c in claims]}
+    (out / "claims.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "claims.md").write_text(markdown(result, claims, plan, out))
+    return result
+
+
+def _sweeps(plan: RealPlan, sw: Path, workers: int, progress: bool, phase: _Phases
+            ) -> dict[str, dict[str, Any]]:
+    """Every sweep of the plan, by part. Ordered so that an interrupted reproduction has the
+    most telling runs first: one seed of every recipe, the bf16-rounded control, the larger lr,
+    then the remaining seeds."""
     parts = [("seed0", list(plan.main) + list(plan.fixes), plan.seeds[:1], plan.model, plan.lr),
              ("bf16-rounded", ["fp32", "bf16-engine"], plan.control_seeds, plan.control_model,
               plan.lr),
@@ -155,12 +191,16 @@ def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool =
              ("more-seeds", list(plan.main), plan.seeds[1:], plan.model, plan.lr)]
     summaries = {}
     for name, recipes, seeds, model, lr in parts:
-        t0 = time.perf_counter()
-        summaries[name] = _sweep(plan, sw / name, recipes, seeds, model, lr, workers, progress)
-        _prune_checkpoints(sw / name / "runs")
-        phase(f"sweep {name}", t0)
+        with phase(f"sweep {name}"):
+            summaries[name] = _sweep(plan, sw / name, recipes, seeds, model, lr, workers,
+                                     progress)
+            _prune_checkpoints(sw / name / "runs")
+    return summaries
 
-    t_judge = time.perf_counter()
+
+def _judged(plan: RealPlan, audits: dict[str, dict], summaries: dict[str, dict[str, Any]],
+            out: Path) -> tuple[dict[str, dict], list[C.Claim]]:
+    """Each finished run's figures by sweep (claims.json's `runs`), the plots, and the claims."""
     runs = _runs([summaries["seed0"], summaries["more-seeds"]])
     stats = {r: [run_stats(p) for p in ps] for r, ps in runs.items()}
     control = {r: [run_stats(p) for p in ps]
@@ -168,18 +208,7 @@ def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool =
     large = {r: [run_stats(p) for p in ps] for r, ps in _runs([summaries["large-lr"]]).items()}
     _plots(runs, _runs([summaries["bf16-rounded"]]), out)
     claims = judge(audits, stats, control, _ties(plan.model), plan)
-    seconds = sum(timing.values()) + (time.perf_counter() - t_judge)
-    result = {"plan": plan.__dict__ | {"main": list(plan.main), "fixes": list(plan.fixes)},
-              "seconds": seconds, "timing": timing,
-              "audits": {k: {m: a["metrics"].get(m) for m in _AUDIT_KEYS}
-                         | {"phantom_eps_0.2": _phantom(a, 0.2),
-                            "phantom_eps_0.05": _phantom(a, 0.05)}
-                         for k, a in audits.items()},
-              "runs": {"lr": stats, "bf16_rounded": control, "large_lr": large},
-              "claims": [c.to_dict() for c in claims]}
-    (out / "claims.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "claims.md").write_text(markdown(result, claims, plan, out))
-    return result
+    return {"lr": stats, "bf16_rounded": control, "large_lr": large}, claims
 
 
 def _prune_checkpoints(runs: Path) -> None:
@@ -279,10 +308,9 @@ def _g(v: Any, fmt: str) -> str:
 def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out: Path) -> str:
     pre = (f"`parity reproduce --model {plan.model}`: {result['seconds'] / 60:.1f} min on this "
            f"machine (2 CPU cores). {TASK} (reward −length on short chat questions), "
-           f"{plan.prompts_per_step} "
-           f"prompts × {plan.group} completions of at most {plan.max_new_tokens} tokens per "
-           f"step, {plan.steps} steps, ε = 0.2, lr {plan.lr:g}, the engine's log-probs in the "
-           f"ratio. Seeds {plan.seeds} for {', '.join(plan.main)}; seed {plan.seeds[0]} for "
+           f"{plan.prompts_per_step} prompts × {plan.group} completions of at most "
+           f"{plan.max_new_tokens} tokens per step, {plan.steps} steps, ε = {Config.eps_low:g}, "
+           f"lr {plan.lr:g}, the engine's log-probs in the ratio. Seeds {plan.seeds} for {', '.join(plan.main)}; seed {plan.seeds[0]} for "
            f"{', '.join(plan.fixes)}. `claims.json` has every measured number.")
     md = C.to_markdown(claims, f"Claims of the seeds, measured on {plan.model}", pre)
     md += "\n## Audits (an fp32 trainer against each engine)\n\n"

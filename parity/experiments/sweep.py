@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from parity import ui
+from parity.config import Config
 from parity.errors import ParityError
 from parity.files import ensure_writable
 
@@ -45,11 +46,11 @@ MISMATCH_OVER_TRAINING = (("kl_exact", "mismatch/kl_exact"), ("kl_k3", "mismatch
                           ("beta_abs", "mismatch/beta_abs_mean"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SweepSpec:
     recipes: list[str]
     seeds: list[int] = field(default_factory=lambda: [0])
-    tasks: list[str] = field(default_factory=lambda: ["neg-length"])
+    tasks: list[str] = field(default_factory=lambda: [Config.task])
     models: list[str | None] = field(default_factory=lambda: [None])
     overrides: dict[str, Any] = field(default_factory=dict)   # any Config field, for every run
     per_recipe: dict[str, dict[str, Any]] = field(default_factory=dict)  # ... for one recipe

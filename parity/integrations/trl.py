@@ -34,11 +34,13 @@ emulated, parity/precision.py) and a dynamic loss scaler on accelerate's own hoo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parity.config import RECIPES, check_fields, derive, shared
+from parity.config import (FIELDS, RECIPES, CpuFp16, Dtype, RatioSource, ShadowKernels,
+                           check_fields, shared)
 from parity.diagnostics import StepDiagnostics, attribute
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.hf import HFEngine
@@ -55,16 +57,31 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("parity.integrations.trl needs TRL: pip install 'parity[trl]'") from e
 
 CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-RECIPE_DEFAULT_EPS = 0.2
 
 
-class _ParityOptionsMethods:
-    def validate(self) -> "ParityOptions":
+# Config's fields, so the choices, defaults and help of `parity train` hold here too. Only
+# `trainer_dtype` differs: GRPOConfig's flags set the trainer's precision, and None accepts them.
+@dataclass(kw_only=True)
+class ParityOptions:
+    """What parity changes in GRPOTrainer; every other setting stays GRPOConfig's."""
+    engine_dtype: Dtype = shared("engine_dtype")
+    ratio_source: RatioSource = shared("ratio_source")
+    diagnostics: bool = shared("diagnostics", help="Shadow forward on every loss call: alpha/beta "
+                               "per token and each clip attributed (clip/phantom_frac, "
+                               "mismatch/...). Off: none of parity's metrics.")
+    trainer_dtype: Dtype | None = shared(
+        "trainer_dtype", default=None,
+        help="The trainer precision these options expect (recipes set it); GRPOConfig's bf16/fp16 "
+             "flags must agree. None: whatever GRPOConfig says.")
+    cpu_fp16: CpuFp16 = shared("cpu_fp16")
+    shadow_kernels: ShadowKernels = shared("shadow_kernels")
+
+    def validate(self) -> ParityOptions:
         check_fields(self)
         return self
 
     @classmethod
-    def from_recipe(cls, name: str, **overrides: Any) -> "ParityOptions":
+    def from_recipe(cls, name: str, **overrides: Any) -> ParityOptions:
         """A parity recipe's precision and ratio source. Recipes whose fix lives elsewhere are
         refused with where to set it instead."""
         if name not in RECIPES:
@@ -74,28 +91,14 @@ class _ParityOptionsMethods:
             raise ParityError(f"recipe {name!r} reweights by exp(l_old - l_mu), which TRL's "
                               f"GRPOTrainer applies only to vLLM samples; use parity train, or "
                               f"ratio_source='recompute' here")
-        if st["eps_low"] != RECIPE_DEFAULT_EPS or st["eps_high"] != RECIPE_DEFAULT_EPS:
+        # GRPOConfig's epsilon sets the clip range: a recipe may only keep Config's own.
+        if (st["eps_low"], st["eps_high"]) != (FIELDS["eps_low"].default,
+                                               FIELDS["eps_high"].default):
             raise ParityError(f"recipe {name!r} changes the clip range, which is GRPOConfig's: "
                               f"set GRPOConfig(epsilon=..., epsilon_high=...) with "
                               f"ParityOptions.from_recipe('bf16-engine')")
         return cls(engine_dtype=st["engine_dtype"], ratio_source=st["ratio_source"],
                    trainer_dtype=st["trainer_dtype"], **overrides).validate()
-
-
-# Config's fields, so the choices, defaults and help of `parity train` hold here too. Only
-# `trainer_dtype` differs: GRPOConfig's flags set the trainer's precision, and None accepts them.
-ParityOptions = derive("ParityOptions", [
-    shared("engine_dtype"),
-    shared("ratio_source"),
-    shared("diagnostics", help="Shadow forward on every loss call: alpha/beta per token and each "
-           "clip attributed (clip/phantom_frac, mismatch/...). Off: none of parity's metrics."),
-    shared("trainer_dtype", optional=True, default=None,
-           help="The trainer precision these options expect (recipes set it); GRPOConfig's "
-                "bf16/fp16 flags must agree. None: whatever GRPOConfig says."),
-    shared("cpu_fp16"),
-    shared("shadow_kernels"),
-], _ParityOptionsMethods, __name__,
-    "What parity changes in GRPOTrainer; every other setting stays GRPOConfig's.")
 
 
 def _without_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
@@ -127,8 +130,9 @@ def install_cpu_fp16_scaler(accelerator: Any) -> None:
     AcceleratedOptimizer.step uses to skip overflowing steps."""
     if accelerator.scaler is None:
         accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler(accelerator.device.type, init_scale=2.0**16,
-                                                  growth_interval=400)
+        accelerator.scaler = torch.amp.GradScaler(
+            accelerator.device.type, init_scale=FIELDS["loss_scale_init"].default,
+            growth_interval=FIELDS["loss_scale_growth_interval"].default)
 
 
 class ParityGRPOTrainer(GRPOTrainer):

@@ -25,15 +25,18 @@ advantages, packing, TRL's loss and logging to TRL, and changes four things:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parity.config import RECIPES, check_fields, derive, own, shared
+from parity.config import (FIELDS, RECIPES, Correction, CpuFp16, Dtype, RatioSource,
+                           check_fields, own, shared)
 from parity.diagnostics import StepDiagnostics, attribute
 from parity.errors import ParityError
 from parity.integrations.trl import _without_patched_forward, install_cpu_fp16_scaler
-from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
+from parity.integrations.weight_sync import (PROBE_TOLERANCE, DirectoryWeightTransfer,
+                                            Server)
 from parity.objectives import behaviour_weights, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 from parity.engines.scoring import disable_dropout
@@ -152,8 +155,40 @@ def sequences(packed: dict[str, Any], index: torch.Tensor, seg: torch.Tensor
 
 # -- options ---------------------------------------------------------------------------------
 
-class _AsyncOptionsMethods:
-    def validate(self) -> "AsyncParityOptions":
+@dataclass(kw_only=True)
+class AsyncParityOptions:
+    """What parity changes in AsyncGRPOTrainer; every other setting stays AsyncGRPOConfig's."""
+    engine_dtype: Dtype | None = shared(
+        "engine_dtype", default=None,
+        help="The server's dtype these options expect (recipes set it): a server that serves "
+             "another is refused. None: whatever it serves.")
+    trainer_dtype: Dtype | None = shared(
+        "trainer_dtype", default=None,
+        help="The trainer precision these options expect (recipes set it); AsyncGRPOConfig's "
+             "bf16/fp16 flags must agree. None: whatever AsyncGRPOConfig says.")
+    ratio_source: RatioSource = shared("ratio_source")
+    correction: Correction = shared("correction")
+    is_cap: float = shared("is_cap")
+    geo_cap: float = shared("geo_cap")
+    diagnostics: bool = shared("diagnostics", help="Shadow forward on every loss call: alpha/beta "
+                               "per token and each clip attributed. Off: none of parity's loss "
+                               "metrics.")
+    cpu_fp16: CpuFp16 = shared("cpu_fp16")
+    lm_head_fp32: bool = shared("lm_head_fp32")
+    eps_low: float | None = shared("eps_low", default=None,
+                                   help="Lower clip range; None: AsyncGRPOConfig.epsilon.")
+    eps_high: float | None = shared("eps_high", default=None,
+                                    help="Upper clip range; None: AsyncGRPOConfig's.")
+    no_clip: bool = own(False, "No clipping at all (the no-clip recipe).")
+    weights_dir: str | None = own(None, "Directory the weight sync writes to, readable by the "
+                                  "server. None: <output_dir>/.parity_weights.")
+    keep_tokens: bool = own(False, "Keep every update's sequences and log-probs (l_mu, l_pi, l_s "
+                            "per trained token) in trainer.parity_tokens, for checks and dumps.")
+    probe_tolerance: float = own(PROBE_TOLERANCE, "Largest mean |difference| per probe token "
+                                 "between the server's log-probs and a forward of the synced "
+                                 "weights in its dtype.", gt=0)
+
+    def validate(self) -> AsyncParityOptions:
         check_fields(self)
         if self.correction != "none" and self.ratio_source != "recompute":
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) "
@@ -165,7 +200,7 @@ class _AsyncOptionsMethods:
         return self
 
     @classmethod
-    def from_recipe(cls, name: str, **overrides: Any) -> "AsyncParityOptions":
+    def from_recipe(cls, name: str, **overrides: Any) -> AsyncParityOptions:
         """A recipe's ratio source, correction, clip range and the precisions it expects of
         the server and of AsyncGRPOConfig."""
         if name not in RECIPES:
@@ -174,40 +209,13 @@ class _AsyncOptionsMethods:
         clip = {}
         if st["eps_low"] is None:
             clip = dict(no_clip=True)
-        elif (st["eps_low"], st["eps_high"]) != (0.2, 0.2):
+        # Config's own clip range is left to AsyncGRPOConfig's epsilon.
+        elif (st["eps_low"], st["eps_high"]) != (FIELDS["eps_low"].default,
+                                                 FIELDS["eps_high"].default):
             clip = dict(eps_low=st["eps_low"], eps_high=st["eps_high"])
         return cls(**{**dict(engine_dtype=st["engine_dtype"], trainer_dtype=st["trainer_dtype"],
                              ratio_source=st["ratio_source"], correction=st["correction"],
                              **clip), **overrides}).validate()
-
-
-AsyncParityOptions = derive("AsyncParityOptions", [
-    shared("engine_dtype", optional=True, default=None,
-           help="The server's dtype these options expect (recipes set it): a server that serves "
-                "another is refused. None: whatever it serves."),
-    shared("trainer_dtype", optional=True, default=None,
-           help="The trainer precision these options expect (recipes set it); AsyncGRPOConfig's "
-                "bf16/fp16 flags must agree. None: whatever AsyncGRPOConfig says."),
-    shared("ratio_source"),
-    shared("correction"),
-    shared("is_cap"),
-    shared("geo_cap"),
-    shared("diagnostics", help="Shadow forward on every loss call: alpha/beta per token and "
-           "each clip attributed. Off: none of parity's loss metrics."),
-    shared("cpu_fp16"),
-    shared("lm_head_fp32"),
-    own("eps_low", float | None, None, "Lower clip range; None: AsyncGRPOConfig.epsilon.",
-        ge=0, lt=1),
-    own("eps_high", float | None, None, "Upper clip range; None: AsyncGRPOConfig's.", ge=0),
-    own("no_clip", bool, False, "No clipping at all (the no-clip recipe)."),
-    own("weights_dir", str | None, None, "Directory the weight sync writes to, readable by the "
-        "server. None: <output_dir>/.parity_weights."),
-    own("keep_tokens", bool, False, "Keep every update's sequences and log-probs (l_mu, l_pi, "
-        "l_s per trained token) in trainer.parity_tokens, for checks and dumps."),
-    own("probe_tolerance", float, 0.15, "Largest mean |difference| per probe token between the "
-        "server's log-probs and a forward of the synced weights in its dtype.", gt=0),
-], _AsyncOptionsMethods, __name__,
-    "What parity changes in AsyncGRPOTrainer; every other setting stays AsyncGRPOConfig's.")
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -248,7 +256,8 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
     diagnostics (module docstring). Same arguments, plus `parity=AsyncParityOptions(...)`."""
 
     def __init__(self, model: str, reward_funcs: Any = None, args: Any = None, *rest: Any,
-                 parity: Any = None, weight_transfer: Any = None, **kwargs: Any):
+                 parity: AsyncParityOptions | None = None, weight_transfer: Any = None,
+                 **kwargs: Any):
         p = self.parity = (parity or AsyncParityOptions()).validate()
         if args is None:
             raise ParityError("ParityAsyncGRPOTrainer needs args=AsyncGRPOConfig(...) naming "

@@ -111,16 +111,19 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(bits) != b.view(bits)).sum())
 
 
+# The largest mean |difference| per probe token accepted between the server and the reference:
+# the kernel gap of two implementations of the same bf16 model is a few 1e-2 on SmolLM2-135M.
+PROBE_TOLERANCE = 0.15
+
+
 class DirectoryWeightTransfer:
     """TRL's `WeightTransferProtocol` through a directory both sides can reach (module
     docstring). `reference` (a copy of the policy in the server's dtype, plain attention) and
-    `probe_ids` enable the check after each sync; `tolerance` is the largest mean |difference|
-    per probe token accepted between the server and the reference (the kernel gap of two
-    implementations of the same bf16 model is a few 1e-2 on SmolLM2-135M)."""
+    `probe_ids` enable the check after each sync, to within `tolerance` (PROBE_TOLERANCE)."""
 
     def __init__(self, server_url: str, directory: str | os.PathLike, timeout: float = 600.0,
                  reference: torch.nn.Module | None = None, probe_ids: list[int] | None = None,
-                 tolerance: float = 0.15):
+                 tolerance: float = PROBE_TOLERANCE):
         self.server = Server(server_url, timeout)
         self.directory = Path(directory).absolute()
         self.reference, self.probe_ids, self.tolerance = reference, probe_ids, tolerance
