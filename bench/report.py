@@ -20,9 +20,10 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "bench"
@@ -107,6 +108,7 @@ def json_option(ap: argparse.ArgumentParser, bench: str) -> argparse.ArgumentPar
 
 def machine(device: torch.device | None = None) -> dict:
     """What the figures were measured on."""
+    import torch  # here, so that rendering the docs' tables needs no torch
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "platform": platform.platform(), "cores": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "cpu": _cpu_model(),
