@@ -14,7 +14,9 @@ FLOPs are counted as the model needs them, not as the kernels happen to run them
 The decode context is the prompt plus the tokens decoded so far. The reference rate is the
 best of several square products (2048^3 fp32, 4096^3 bf16), timed in the same process just
 before, so both numbers see the same machine load (on a GPU: 8192^3 in bf16/fp16, TF32 off as
-torch leaves it). MFU = achieved FLOP/s / reference FLOP/s. Times on a GPU wait for its queue.
+torch leaves it). MFU = achieved FLOP/s / reference FLOP/s. Times are medians of `--reps` calls
+after a warm-up, each waiting for the GPU's queue (bench/timing.py); `spread` is (max − min) /
+median of those calls (for a decode step, of the whole generation's).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def main() -> None:
     t = Table("mfu", f"{a.model}: {N / 1e6:.2f}M weights in matrix products, batch {B}, prompt "
                      f"{P} tokens, {T} new tokens, {devices.describe(dev)}",
               [("phase", None), ("dtype", None), ("time s", "{:.4f}"), ("GFLOP", "{:.2f}"),
-               ("GFLOP/s", "{:.1f}"), ("matmul GFLOP/s", "{:.0f}"), ("MFU", "{:.1%}")])
+               ("GFLOP/s", "{:.1f}"), ("matmul GFLOP/s", "{:.0f}"), ("MFU", "{:.1%}"),
+               ("spread", "{:.0%}")])
     rows = []
     for dtype in a.dtypes.split(","):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -95,14 +98,13 @@ def main() -> None:
         # No token ends a completion (eos -1): every row decodes T tokens, as the FLOPs assume.
         eng = HFEngine(master, dtype, [-1], tok.pad_token_id)
         s = Sampling()
-        t_pre = measure(lambda: eng.generate(prompts, 1, s, g), repeats=a.reps, device=dev).median
-        t_all = measure(lambda: eng.generate(prompts, T + 1, s, g), repeats=a.reps,
-                        device=dev).median
-        t_dec = (t_all - t_pre) / T
+        pre = measure(lambda: eng.generate(prompts, 1, s, g), repeats=a.reps, device=dev)
+        whole = measure(lambda: eng.generate(prompts, T + 1, s, g), repeats=a.reps, device=dev)
+        t_dec = (whole.median - pre.median) / T
         f_pre = B * P * 2 * N + B * sum(attn_flops(master, c) for c in range(1, P + 1))
         f_dec = B * (2 * N + attn_flops(master, P + T / 2))
-        rows.append(("prefill", dtype, t_pre, f_pre, ref))
-        rows.append(("decode step", dtype, t_dec, f_dec, ref))
+        rows.append(("prefill", dtype, pre.median, f_pre, ref, pre.spread))
+        rows.append(("decode step", dtype, t_dec, f_dec, ref, whole.spread))
         # the training step: forward with grad over prompt + completion, backward, AdamW
         r = eng.generate(prompts, T, s, g)
         model = load_policy(model_dir)[0].train().to(dev)
@@ -114,13 +116,13 @@ def main() -> None:
             (-logp.sum() / B).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        t_train = measure(step, repeats=a.reps, device=dev).median
+        train = measure(step, repeats=a.reps, device=dev)
         L = P + T
         f_train = 3 * (B * L * 2 * N + B * sum(attn_flops(master, c) for c in range(1, L + 1)))
-        rows.append(("train step", dtype, t_train, f_train, ref))
+        rows.append(("train step", dtype, train.median, f_train, ref, train.spread))
 
-    for phase, dtype, sec, f, ref in rows:
-        t.add(phase, dtype, sec, f / 1e9, f / sec / 1e9, ref / 1e9, f / sec / ref)
+    for phase, dtype, sec, f, ref, spread in rows:
+        t.add(phase, dtype, sec, f / 1e9, f / sec / 1e9, ref / 1e9, f / sec / ref, spread)
     publish("mfu", [t], a, dev)
 
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "bench"
 SCHEMA = 1
-# The machine's load as the bench started (this module is imported first thing): on a shared
-# machine it says whether a table's seconds can be read against another's.
+# The machine's load as the bench started (when it imports this module, before any work): on a
+# shared machine it says whether a table's seconds can be read against another's.
 _LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 

@@ -53,10 +53,6 @@ class Timing:
         """(max − min) / median: how far apart the repeats fell, as a share of the figure."""
         return (self.max - self.min) / self.median if self.median else 0.0
 
-    def summary(self) -> dict[str, float]:
-        return {"median_s": self.median, "min_s": self.min, "max_s": self.max,
-                "spread": self.spread, "repeats": len(self.samples)}
-
 
 def _one(fn: Callable, setup: Callable | None, device: torch.device,
          clock: Callable[[], float]) -> tuple[float, Any]:
