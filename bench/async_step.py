@@ -16,19 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity import testbed
+from parity.config import make_config
+from parity.trainer import train
 
-from parity import testbed  # noqa: E402
-from parity.config import make_config  # noqa: E402
-from parity.trainer import train  # noqa: E402
+from report import Table, json_option, publish
 
 
 def run(model: str, steps: int, tokens: int, recipe: str, **extra) -> list[dict]:
@@ -48,13 +44,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--recipe", default="bf16-engine")
     ap.add_argument("--staleness", default="1,2")
-    a = ap.parse_args()
+    a = json_option(ap, "async_step").parse_args()
     testbed.ensure(a.model)
-    t = Table(title=f"{a.model}, neg-length, 8x8 completions, <= {a.max_new_tokens} tokens, "
-                    f"{a.recipe}, mean of steps 2..{a.steps}")
-    for col in ("mode", "threads trainer+engine", "rollout s", "train s", "step s",
-                "max(rollout, train)", "step / max", "staleness max", "step vs sync"):
-        t.add_column(col, justify="left" if col == "mode" else "right")
+    t = Table("async_step", f"{a.model}, neg-length, 8x8 completions, <= {a.max_new_tokens} "
+                            f"tokens, {a.recipe}, mean of steps 2..{a.steps}",
+              [("mode", None), ("threads trainer+engine", None, "right"),
+               ("rollout s", "{:.3f}"), ("train s", "{:.3f}"), ("step s", "{:.3f}"),
+               ("max(rollout, train)", "{:.3f}"), ("step / max", "{:.3f}"),
+               ("staleness max", "{}"), ("step vs sync", "{:.2f}x")])
     sync_step = None
     cores = torch.get_num_threads()
     modes = [("sync", {})] + [(f"async, max_staleness {m}",
@@ -72,13 +69,10 @@ def main() -> None:
         sync_step = sync_step or mean["time/step_s"]
         threads = (f"{cores} (in turn)" if not extra else
                    f"{extra.get('threads') or cores}+{extra.get('engine_threads') or 1}")
-        t.add_row(name, threads, f"{mean['time/rollout_s']:.3f}", f"{mean['time/train_s']:.3f}",
-                  f"{mean['time/step_s']:.3f}", f"{bound:.3f}" if extra else "",
-                  f"{mean['time/step_s'] / bound:.3f}" if extra else "",
-                  str(max(r.get("async/staleness", 0) for r in rows)),
-                  f"{mean['time/step_s'] / sync_step:.2f}x")
-    Console(width=180).print(t)
-
+        t.add(name, threads, mean["time/rollout_s"], mean["time/train_s"], mean["time/step_s"],
+              bound if extra else None, mean["time/step_s"] / bound if extra else None,
+              max(r.get("async/staleness", 0) for r in rows), mean["time/step_s"] / sync_step)
+    publish("async_step", [t], a)
 
 if __name__ == "__main__":
     main()

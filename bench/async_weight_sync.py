@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from parity.integrations.weight_sync import DirectoryWeightTransfer, named_tensors
 from parity.precision import low_precision_copy
 from parity.runs import load_policy
+
+from report import Table, json_option, publish
+from timing import measure
 
 
 def main() -> None:
@@ -32,36 +34,38 @@ def main() -> None:
     ap.add_argument("--dirs", nargs="+", default=["/tmp/parity-sync"])
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
-    a = ap.parse_args()
+    a = json_option(ap, "async_weight_sync").parse_args()
     master, tok = load_policy(a.model)
     probe = tok("The capital of France is Paris. The capital of Italy is Rome.")["input_ids"]
-    print(f"| directory | bytes | write s | reload s | pause+resume+check s | total s | "
-          f"probe gap | probe moved |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    t = Table("async_weight_sync", f"{a.model} served at {a.server}: one weight sync, median of "
+                                   f"{a.syncs} after a cold one",
+              [("directory", None), ("bytes", "{:.3g}"), ("write s", "{:.2f}"),
+               ("reload s", "{:.2f}"), ("pause+resume+check s", "{:.2f}"), ("total s", "{:.2f}"),
+               ("probe gap", "{:.3g}"), ("probe moved", "{:.3g}")])
     for d in a.dirs:
         wt = DirectoryWeightTransfer(a.server, d)
         wt.init_weight_transfer()
         ref = low_precision_copy(master, wt.dtype)
         wt.attach(ref, probe)
-        rows = []
-        for _ in range(a.syncs + 1):          # the first sync is the cold one
+
+        def step() -> None:
             with torch.no_grad():
                 for p in master.parameters():
                     p.add_(a.lr * torch.randn_like(p).sign())
-            t0 = time.perf_counter()
+
+        def sync(_: None, wt=wt) -> dict:
             wt.pause()
             wt.send_weights(named_tensors(master))
             wt.resume()
-            rows.append({**wt.last, "total_s": time.perf_counter() - t0})
+            return dict(wt.last)
+        took = measure(sync, setup=step, warmup=1, repeats=a.syncs)  # the first sync is cold
         wt.destroy()
-        rows = rows[1:]
+        rows = [{**r, "total_s": s} for r, s in zip(took.results, took.samples)]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         rest = med["total_s"] - med["sync/write_s"] - med["sync/reload_s"]
-        print(f"| {d} | {med['sync/bytes']:.3g} | {med['sync/write_s']:.2f} | "
-              f"{med['sync/reload_s']:.2f} | {rest:.2f} | {med['total_s']:.2f} | "
-              f"{med['sync/probe_gap_abs_mean']:.3g} | "
-              f"{med.get('sync/probe_moved_abs_mean', float('nan')):.3g} |")
-
+        t.add(d, med["sync/bytes"], med["sync/write_s"], med["sync/reload_s"], rest,
+              med["total_s"], med["sync/probe_gap_abs_mean"], med.get("sync/probe_moved_abs_mean"))
+    publish("async_weight_sync", [t], a)
 
 if __name__ == "__main__":
     main()

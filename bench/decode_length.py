@@ -24,9 +24,11 @@ this machine keeps its short-completion rate.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+
+from report import Table, json_option, publish
+from timing import alternate, measure
 
 
 STRIDED = "parity_strided"
@@ -52,12 +54,7 @@ def copy_bandwidth(gib: float = 1.0, reps: int = 3) -> float:
     """Bytes per second moved by copying a large tensor (each byte read once, written once)."""
     src = torch.empty(int(gib * 2**30), dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() / best
+    return 2 * src.numel() / measure(lambda: dst.copy_(src), warmup=0, repeats=reps).min
 
 
 def floor_rate(model, dtype_bytes: int, rows: int, prompt_len: float, n: int,
@@ -74,16 +71,18 @@ def floor_rate(model, dtype_bytes: int, rows: int, prompt_len: float, n: int,
     return rows * n * bandwidth / (n * weights + cache)
 
 
-def breakdown(engine, rows: int, lengths: list[int], steps: int = 5, chunk: int = 256) -> None:
+def breakdown(engine, rows: int, lengths: list[int], title: str, steps: int = 5,
+              chunk: int = 256) -> Table:
     """Per decode step at each filled length: tokens/s and where the time goes."""
     from torch.profiler import profile
     from transformers import StaticCache
 
     from parity.engines import keep_last
     model, kw = engine.model, engine.cache_kw
-    print("| cache length | step ms | tokens/s | weights' products ms | attention's products ms"
-          " | copies ms | rest ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    t = Table("breakdown", title + ", single decode steps at each cache length",
+              [("cache length", "{}"), ("step ms", "{:.1f}"), ("tokens/s", "{:.0f}"),
+               ("weights' products ms", "{:.1f}"), ("attention's products ms", "{:.1f}"),
+               ("copies ms", "{:.1f}"), ("rest ms", "{:.1f}")])
     for L in lengths:
         g = torch.Generator().manual_seed(L)
         ids = torch.randint(0, model.config.vocab_size, (rows, L + 2 * steps + 4), generator=g)
@@ -98,11 +97,15 @@ def breakdown(engine, rows: int, lengths: list[int], steps: int = 5, chunk: int 
             for a in range(0, L, chunk):
                 run(a, min(a + chunk, L))
             run(L, L + 1)                       # a warm-up step
+            at = iter(range(L + 1, L + 1 + steps))
+
+            def step() -> None:
+                i = next(at)
+                run(i, i + 1)
             with profile() as p:
-                t0 = time.perf_counter()
-                for i in range(steps):
-                    run(L + 1 + i, L + 2 + i)
-                dt = (time.perf_counter() - t0) / steps
+                took = measure(step, warmup=0, repeats=steps)
+        # The profiler's figures are means over the steps, so the step's time is too.
+        dt = took.mean
         ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in p.key_averages()}
         total = sum(ms.values())
         part = [ms.get(k, 0.0) for k in ("aten::mm", "aten::bmm", "aten::copy_")]
@@ -110,8 +113,9 @@ def breakdown(engine, rows: int, lengths: list[int], steps: int = 5, chunk: int 
         # time measured around it.
         part = [x * dt * 1e3 / total for x in part]
         rest = dt * 1e3 - sum(part)
-        print(f"| {L} | {dt * 1e3:.1f} | {rows / dt:.0f} | "
-              + " | ".join(f"{x:.1f}" for x in (*part, rest)) + " |", flush=True)
+        t.add(L, dt * 1e3, rows / dt, *part, rest)
+        print(f"cache length {L}: {dt * 1e3:.1f} ms a step", flush=True)
+    return t
 
 
 def main() -> None:
@@ -124,21 +128,23 @@ def main() -> None:
                     help="attention implementations to time, in this order at each length")
     ap.add_argument("--breakdown", action="store_true",
                     help="time single decode steps at each cache length, split by operator")
-    a = ap.parse_args()
+    a = json_option(ap, "decode_length").parse_args()
 
     from parity import testbed
+    from parity.engines import Sampling
     from parity.engines.attention import ENGINE_ATTENTION
     from parity.engines.hf import HFEngine
-    from parity.engines import Sampling
-    _register_strided()
     from parity.runs import load_policy
+    _register_strided()
     model, tok = load_policy(testbed.resolve_model(a.model))
     prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.rows, seed=0)]
     engine = HFEngine(model, a.dtype, -1, tok.pad_token_id)   # -1: no row ever stops early
-    print(f"{a.model}, {a.dtype} engine, {a.rows} rows, prompts of {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {torch.get_num_threads()} threads\n")
+    title = (f"{a.model}, {a.dtype} engine, {a.rows} rows, prompts of {min(map(len, prompts))}-"
+             f"{max(map(len, prompts))} tokens, {torch.get_num_threads()} threads")
     if a.breakdown:
-        return breakdown(engine, a.rows, [int(x) for x in a.lengths.split(",")])
+        return publish("decode_length", [breakdown(engine, a.rows, [int(x) for x in
+                                                                    a.lengths.split(",")],
+                                                   title)], a)
     sides = a.sides.split(",")
     unknown = set(sides) - {"eager", ENGINE_ATTENTION, STRIDED}
     if unknown:
@@ -146,34 +152,34 @@ def main() -> None:
                  f"(eager, {ENGINE_ATTENTION}, {STRIDED})")
     both = len(sides) == 2
     bandwidth = None if both else copy_bandwidth()
-    if bandwidth:
-        print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s\n")
-    print("| new tokens | " + " | ".join(f"{x} tokens/s" for x in sides)
-          + (" | ratio | same tokens |" if both else
-             " | against the first | memory floor tokens/s | share of the floor |"))
-    print("|---:|" + "---:|" * len(sides) + ("---:|---|" if both else "---:|---:|---:|"))
+    t = Table("decode_length", title + (f", copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+                                        if bandwidth else ""),
+              [("new tokens", "{}")] + [(f"{x} tokens/s", "{:.0f}") for x in sides]
+              + ([("ratio", "{:.2f}"), ("same tokens", None)] if both else
+                 [("against the first", "{:.2f}"), ("memory floor tokens/s", "{:.0f}"),
+                  ("share of the floor", "{:.2f}")]))
     first = None
     nbytes = torch.finfo({"bf16": torch.bfloat16, "fp16": torch.float16,
                           "fp32": torch.float32}[a.dtype]).bits // 8
     for n in map(int, a.lengths.split(",")):
-        rate, out = {}, {}
-        for attn in sides:
+        def generate(attn: str, n: int = n):
             engine.model.set_attn_implementation(attn)
-            t0 = time.perf_counter()
-            out[attn] = engine.generate(prompts, n, Sampling(), torch.Generator().manual_seed(0))
-            rate[attn] = float(out[attn].completion_mask.sum()) / (time.perf_counter() - t0)
-        line = f"| {n} | " + " | ".join(f"{rate[x]:.0f}" for x in sides)
+            return engine.generate(prompts, n, Sampling(), torch.Generator().manual_seed(0))
+        took = alternate({x: lambda x=x: generate(x) for x in sides}, warmup=0, repeats=1)
+        out = {x: took[x].results[0] for x in sides}
+        rate = {x: float(out[x].completion_mask.sum()) / took[x].median for x in sides}
         if both:
             same = torch.equal(*(out[x].completion_ids for x in sides))
-            line += f" | {rate[sides[1]] / rate[sides[0]]:.2f} | {'yes' if same else 'no'}"
+            t.add(n, *(rate[x] for x in sides), rate[sides[1]] / rate[sides[0]], same)
         else:
             r = rate[sides[0]]
             first = first or r
             floor = floor_rate(engine.model, nbytes, a.rows,
                                sum(map(len, prompts)) / len(prompts), n, bandwidth)
-            line += f" | {r / first:.2f} | {floor:.0f} | {r / floor:.2f}"
-        print(line + " |", flush=True)
-
+            t.add(n, r, r / first, floor, r / floor)
+        print(f"{n} new tokens: " + ", ".join(f"{x} {rate[x]:.0f} tokens/s" for x in sides),
+              flush=True)
+    publish("decode_length", [t], a)
 
 if __name__ == "__main__":
     main()

@@ -5,13 +5,11 @@
 Rows, each adding to the one above: the engine as it was (DynamicCache, torch.multinomial, SDPA);
 a static KV cache; inverse-CDF sampling (`engines.sample_rows`); eager attention, which is
 `HFEngine` today. The loop is the engine's own (`HFEngine._generate`) written out so the parts
-can be swapped; the median ms per decode step over 2 runs of 32 tokens, after a warm-up run.
+can be swapped; the median ms per decode step over 2 runs of 32 tokens, after a warm-up run,
+each run timed after its prefill (bench/timing.py).
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -23,6 +21,8 @@ from parity.precision import low_precision_copy
 from parity.runs import load_policy
 
 from mfu import workload_parser  # bench/ is the script's own directory
+from report import Table, json_option, publish
+from timing import measure
 
 VARIANTS = [("DynamicCache, multinomial, sdpa", False, "multinomial", "sdpa"),
             ("+ static KV cache", True, "multinomial", "sdpa"),
@@ -30,18 +30,22 @@ VARIANTS = [("DynamicCache, multinomial, sdpa", False, "multinomial", "sdpa"),
             ("+ eager attention (HFEngine)", True, "cdf", "eager")]
 
 
-def decode_ms(model, prompts, new_tokens: int, static: bool, sampler: str,
-              g: torch.Generator) -> float:
+def prefill(model, prompts, new_tokens: int, static: bool) -> tuple:
+    """The prompt's forward into a fresh cache: what a decode step starts from."""
     ids, mask = left_pad(prompts, 0)
-    B = ids.shape[0]
     cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
              if static else DynamicCache())
     pos = positions(mask)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True, logits_to_keep=keep_last(ids.shape[1], 1))
-        attn, last = mask, pos[:, -1:]
-        t0 = time.perf_counter()
+    return out, cache, mask, pos[:, -1:]
+
+
+def decode(model, state: tuple, new_tokens: int, sampler: str, g: torch.Generator) -> None:
+    out, cache, attn, last = state
+    B = attn.shape[0]
+    with torch.no_grad():
         for _ in range(new_tokens):
             logp = torch.log_softmax(processed_logits(out.logits[:, -1], Sampling()), -1)
             if sampler == "multinomial":
@@ -53,11 +57,10 @@ def decode_ms(model, prompts, new_tokens: int, static: bool, sampler: str,
             last = last + 1
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last,
                         past_key_values=cache, use_cache=True)
-    return 1000 * (time.perf_counter() - t0) / new_tokens
 
 
 def main() -> None:
-    a = workload_parser(__doc__, "bf16,fp32").parse_args()
+    a = json_option(workload_parser(__doc__, "bf16,fp32"), "decode_variants").parse_args()
     master, tok = load_policy(testbed.ensure(a.model))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, len(tok), (a.batch, a.prompt_tokens), generator=g).tolist()
@@ -67,15 +70,16 @@ def main() -> None:
         model = low_precision_copy(master, dtype)
         for name, static, sampler, attn in VARIANTS:
             model.set_attn_implementation(attn)
-            decode_ms(model, prompts, a.new_tokens, static, sampler, g)  # warm-up
-            table[name, dtype] = statistics.median(
-                decode_ms(model, prompts, a.new_tokens, static, sampler, g) for _ in range(2))
-    print(f"{a.model}, batch {a.batch}, prompt {a.prompt_tokens}, {a.new_tokens} new tokens: "
-          f"ms per decode step\n")
-    print("| engine | " + " | ".join(dtypes) + " |")
-    print("|---|" + "---|" * len(dtypes))
+            took = measure(lambda st: decode(model, st, a.new_tokens, sampler, g),
+                           setup=lambda: prefill(model, prompts, a.new_tokens, static),
+                           warmup=1, repeats=2)
+            table[name, dtype] = 1000 * took.median / a.new_tokens
+    t = Table("decode_variants", f"{a.model}, batch {a.batch}, prompt {a.prompt_tokens}, "
+                                 f"{a.new_tokens} new tokens: ms per decode step",
+              [("engine", None)] + [(d, "{:.1f}") for d in dtypes])
     for name, *_ in VARIANTS:
-        print(f"| {name} | " + " | ".join(f"{table[name, d]:.1f}" for d in dtypes) + " |")
+        t.add(name, *(table[name, d] for d in dtypes))
+    publish("decode_variants", [t], a)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from parity import testbed
+from parity.config import make_config
+from parity.trainer import train
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from parity import testbed  # noqa: E402
-from parity.config import make_config  # noqa: E402
-from parity.trainer import train  # noqa: E402
+from report import Table, json_option, publish
 
 
 def steps(model: str, recipe: str, diagnostics: bool, n: int, new_tokens: int) -> list[dict]:
@@ -44,15 +39,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    args = ap.parse_args()
+    args = json_option(ap, "diagnostics_overhead").parse_args()
     path = testbed.ensure(args.model)
     n_params = json.loads((path / "testbed.json").read_text()).get("n_params", 0)
-    t = Table(title=f"diagnostics overhead: {args.model} ({n_params / 1e6:.1f}M), neg-length "
-                    f"8x8, <= {args.max_new_tokens} tokens, {args.rounds} alternating rounds of "
-                    f"{args.steps - 1} timed steps")
-    for col in ("recipe", "diagnostics", "rollout s", "train s", "step s", "overhead of step",
-                "overhead of train"):
-        t.add_column(col, justify="left" if col in ("recipe", "diagnostics") else "right")
+    t = Table("diagnostics_overhead",
+              f"diagnostics overhead: {args.model} ({n_params / 1e6:.1f}M), neg-length 8x8, <= "
+              f"{args.max_new_tokens} tokens, {args.rounds} alternating rounds of "
+              f"{args.steps - 1} timed steps",
+              [("recipe", None), ("diagnostics", None), ("rollout s", "{:.3f}"),
+               ("train s", "{:.3f}"), ("step s", "{:.3f}"), ("overhead of step", "{:+.1%}"),
+               ("overhead of train", "{:+.1%}")])
     for recipe in args.recipes.split(","):
         rows: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(args.rounds):
@@ -62,16 +58,14 @@ def main() -> None:
                     for k in ("time/rollout_s", "time/train_s", "time/step_s")} for d in rows}
         # The rollouts differ in length between runs only through sampling noise; compare the
         # train phase, where the shadow forward runs, and the whole step.
+        off = mean[False]
         for d in (False, True):
             m = mean[d]
-            t.add_row(recipe, "on" if d else "off", f"{m['time/rollout_s']:.3f}",
-                      f"{m['time/train_s']:.3f}", f"{m['time/step_s']:.3f}",
-                      "" if not d else
-                      f"{(m['time/step_s'] - mean[False]['time/step_s']) / mean[False]['time/step_s']:+.1%}",
-                      "" if not d else
-                      f"{(m['time/train_s'] - mean[False]['time/train_s']) / mean[False]['time/train_s']:+.1%}")
-    Console(width=160).print(t)
-
+            t.add(recipe, "on" if d else "off", m["time/rollout_s"], m["time/train_s"],
+                  m["time/step_s"],
+                  (m["time/step_s"] - off["time/step_s"]) / off["time/step_s"] if d else None,
+                  (m["time/train_s"] - off["time/train_s"]) / off["time/train_s"] if d else None)
+    publish("diagnostics_overhead", [t], args)
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """A training step's time by stage for each engine, side by side: rollout, weight sync, update.
 
     python bench/engine_step.py                                  # smollm2-135m, 64 x <= 64 tokens
-    python bench/engine_step.py --tokens 64,256 --steps 3 --json docs/data/engine-step.json
+    python bench/engine_step.py --tokens 64,256 --steps 3 \\
+        --json docs/data/bench/engine_step-256.json
 
 Each run is `parity train` in its own process (fp32 trainer, bf16 engine, `neg-length` on text
 prompts, which an instruct model answers at length, lr 1e-6 so the length does not move); runs
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from report import Table, json_option, publish
 
 
 def one_run(engine: str, tokens: int, a: argparse.Namespace) -> dict:
@@ -44,6 +47,18 @@ def one_run(engine: str, tokens: int, a: argparse.Namespace) -> dict:
             "rollout_tokens_s": med("completion/len_mean") * n / rollout}
 
 
+def table(rows: list[dict], model: str, prompts: int, group: int, steps: int) -> Table:
+    t = Table("engine_step", f"{model}: {prompts} x {group} completions, bf16 engine, fp32 "
+                             f"trainer, medians over steps 2-{steps}",
+              [("engine", None), ("max tokens", "{}"), ("mean length", "{:.1f}"),
+               ("sync s", "{:.2f}"), ("rollout s", "{:.2f}"), ("rollout tok/s", "{:.0f}"),
+               ("update s", "{:.2f}"), ("step s", "{:.2f}")])
+    for r in rows:
+        t.add(r["engine"], r["tokens"], r["len_mean"], r["sync_s"], r["rollout_s"],
+              r["rollout_tokens_s"], r["update_s"], r["step_s"])
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -52,27 +67,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = json_option(ap, "engine_step").parse_args()
     rows = []
     for tokens in map(int, a.tokens.split(",")):
         for engine in a.engines.split(","):
             print(f"{engine}, <= {tokens} tokens ...", flush=True)
             rows.append(one_run(engine, tokens, a))
-    print(f"\n{a.model}: {a.prompts} x {a.group} completions, bf16 engine, fp32 trainer, "
-          f"medians over steps 2-{a.steps}\n")
-    print("| engine | max tokens | mean length | sync s | rollout s | rollout tok/s | update s "
-          "| step s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['engine']} | {r['tokens']} | {r['len_mean']:.1f} | {r['sync_s']:.2f} | "
-              f"{r['rollout_s']:.2f} | {r['rollout_tokens_s']:.0f} | {r['update_s']:.2f} | "
-              f"{r['step_s']:.2f} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"model": a.model, "prompts": a.prompts,
-                                            "group": a.group, "steps": a.steps, "rows": rows},
-                                           indent=1) + "\n")
-
+    publish("engine_step", [table(rows, a.model, a.prompts, a.group, a.steps)], a)
 
 if __name__ == "__main__":
     main()

@@ -2,10 +2,10 @@
 
     python bench/kernel_gap.py                       # ladder-w512, parity's bf16 engine, 128 x 32
     python bench/kernel_gap.py --model arith --engines hf:bf16,vllm:bf16,vllm:fp16 \
-        --json docs/data/kernel-gap-arith.json
+        --json docs/data/bench/kernel_gap-arith.json
     python bench/kernel_gap.py --device cuda --model text     # GPU kernels (hf engine)
     python bench/kernel_gap.py --model smollm2-135m --prompts 8 --group 8 --new-tokens 64 \
-        --engines hf:bf16,vllm:bf16,vllm:fp16 --json docs/data/kernel-gap-smollm2-135m.json
+        --engines hf:bf16,vllm:bf16,vllm:fp16 --json docs/data/bench/kernel_gap-smollm2-135m.json
 
 For each engine (name:dtype) it samples one batch at T = 1 on the model's own weights, then:
 
@@ -26,8 +26,6 @@ machine; compare the rows of one run.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
@@ -35,8 +33,11 @@ import torch
 from parity import testbed
 from parity.diagnostics import Shadow
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
-from parity.runs import load_policy
 from parity.engines.scoring import score
+from parity.runs import load_policy
+
+from report import Table, json_option, publish
+from timing import measure
 
 
 def prompts_for(tok, n: int) -> list[list[int]]:
@@ -48,17 +49,19 @@ def prompts_for(tok, n: int) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in texts]
 
 
-def measure(master, tok, model_dir: Path, name: str, dtype: str, prompts: list[list[int]],
-            a: argparse.Namespace) -> dict:
+def measure_engine(master, tok, model_dir: Path, name: str, dtype: str,
+                   prompts: list[list[int]], a: argparse.Namespace) -> dict:
     s = Sampling()
     eng = make_engine(name, EngineSpec(master, str(model_dir), dtype, stop_token_ids(master, tok),
                                        tok.pad_token_id, a.seed,
                                        max(map(len, prompts)) + a.new_tokens, len(prompts)))
     try:
         eng.sync(master)
-        t0 = time.perf_counter()
-        r = eng.generate(prompts, a.new_tokens, s, torch.Generator().manual_seed(a.seed))
-        sample_s = time.perf_counter() - t0
+        device = torch.device(a.device)
+        took = measure(lambda: eng.generate(prompts, a.new_tokens, s,
+                                            torch.Generator().manual_seed(a.seed)),
+                       warmup=0, repeats=1, device=device)
+        r, sample_s = took.results[0], took.median
         mask = r.completion_mask
         n = mask.sum()
         with torch.no_grad():
@@ -76,15 +79,36 @@ def measure(master, tok, model_dir: Path, name: str, dtype: str, prompts: list[l
             sh.identity = False   # an fp32 engine's shadow is scored too, not skipped
             if sh.model is None and sh.engine is None:
                 continue
-            t0 = time.perf_counter()
-            ls = sh.logprobs(master, r, s)
-            took = time.perf_counter() - t0
-            alpha = (ls - r.engine_logprobs).abs() * mask
+            took = measure(lambda sh=sh: sh.logprobs(master, r, s), warmup=0, repeats=1,
+                           device=device)
+            alpha = (took.results[0] - r.engine_logprobs).abs() * mask
             row["shadows"][kernels] = {"kernel_gap_abs_mean": float(alpha.sum() / n),
-                                       "kernel_gap_abs_max": float(alpha.max()), "seconds": took}
+                                       "kernel_gap_abs_max": float(alpha.max()),
+                                       "seconds": took.median}
         return row
     finally:
         eng.close()
+
+
+def tables(rows: list[dict], model: str, completions: int, new_tokens: int) -> list[Table]:
+    """Two tables of `measure_engine`'s rows: each engine against the fp32 trainer, and each shadow's
+    kernel gap against its engine."""
+    title = f"{model}: {completions} completions of <= {new_tokens} tokens, T = 1"
+    eng = Table("engines", title + ": an fp32 trainer against each engine",
+                [("engine", None), ("tokens", "{}"), ("mean abs(l_pi - l_mu)", "{:.4f}"),
+                 ("mean (l_pi - l_mu)", "{:+.4f}"), ("max", "{:.3f}"),
+                 ("beyond 0.05", "{:.1%}"), ("sample s", "{:.2f}")])
+    sha = Table("shadows", title + ": the kernel gap of each shadow against its engine",
+                [("engine", None), ("shadow", None), ("kernel gap", "{:.2e}"), ("max", "{:.2e}"),
+                 ("shadow s", "{:.2f}")])
+    for r in rows:
+        name = f"{r['engine']} {r['dtype']}"
+        eng.add(name, r["tokens"], r["log_ratio_abs_mean"], r["log_ratio_mean"],
+                r["log_ratio_abs_max"], r["frac_beyond_0.05"], r["sample_s"])
+        for shadow, sh in r["shadows"].items():
+            sha.add(name, shadow, sh["kernel_gap_abs_mean"], sh["kernel_gap_abs_max"],
+                    sh["seconds"])
+    return [eng, sha]
 
 
 def main() -> None:
@@ -96,10 +120,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--reductions-off", action="store_true", help="CUDA: full-precision "
                     "reductions in bf16/fp16 matrix products")
-    a = ap.parse_args()
+    a = json_option(ap, "kernel_gap").parse_args()
     if a.reductions_off:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -107,25 +130,10 @@ def main() -> None:
     master, tok = load_policy(model_dir)
     master.eval().to(a.device)
     prompts = [p for p in prompts_for(tok, a.prompts) for _ in range(a.group)]
-    rows = [measure(master, tok, model_dir, *spec.split(":"), prompts, a)
+    rows = [measure_engine(master, tok, model_dir, *spec.split(":"), prompts, a)
             for spec in a.engines.split(",")]
-    print(f"{a.model}: {len(prompts)} completions of <= {a.new_tokens} tokens, T = 1\n")
-    print("| engine | tokens | mean abs(l_pi - l_mu) | mean (l_pi - l_mu) | max | beyond 0.05 "
-          "| shadow | kernel gap | max | shadow s |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
-    for r in rows:
-        for k, (name, sh) in enumerate(r["shadows"].items()):
-            head = (f"| {r['engine']} {r['dtype']} | {r['tokens']} | "
-                    f"{r['log_ratio_abs_mean']:.4f} | {r['log_ratio_mean']:+.4f} | "
-                    f"{r['log_ratio_abs_max']:.3f} | {r['frac_beyond_0.05']:.1%} "
-                    if k == 0 else "| | | | | | ")
-            print(f"{head}| {name} | {sh['kernel_gap_abs_mean']:.2e} | "
-                  f"{sh['kernel_gap_abs_max']:.2e} | {sh['seconds']:.2f} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"model": a.model, "prompts": a.prompts,
-                                            "group": a.group, "new_tokens": a.new_tokens,
-                                            "rows": rows}, indent=1) + "\n")
-
+    publish("kernel_gap", tables(rows, a.model, len(prompts), a.new_tokens), a,
+            torch.device(a.device))
 
 if __name__ == "__main__":
     main()

@@ -13,21 +13,16 @@ alternating the two forms; prints the median of each.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity import testbed
+from parity.engines import keep_last, positions
+from parity.precision import low_precision_copy
+from parity.runs import load_policy
 
-from parity import testbed  # noqa: E402
-from parity.engines import keep_last, positions  # noqa: E402
-from parity.precision import low_precision_copy  # noqa: E402
-from parity.runs import load_policy  # noqa: E402
+from report import Table, json_option, publish
+from timing import alternate
 
 
 def main() -> None:
@@ -35,32 +30,28 @@ def main() -> None:
     ap.add_argument("--model", default=testbed.LARGEST)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = json_option(ap, "logits_to_keep").parse_args()
     master, _ = load_policy(testbed.ensure(args.model))
     g = torch.Generator().manual_seed(0)
-    t = Table(title=f"logits_to_keep on {args.model}, batch {args.batch}, median of "
-                    f"{args.repeats} (s)")
-    for col in ("dtype", "forward", "positions", "kept", "int", "index tensor", "int / index"):
-        t.add_column(col, justify="left" if col in ("dtype", "forward") else "right")
+    t = Table("logits_to_keep", f"logits_to_keep on {args.model}, batch {args.batch}, median of "
+                                f"{args.repeats} (s)",
+              [("dtype", None), ("forward", None), ("positions", "{}"), ("kept", "{}"),
+               ("int", "{:.4f}"), ("index tensor", "{:.4f}"), ("int / index", "{:.2f}x")])
     for dtype in ("fp32", "bf16"):
         model = low_precision_copy(master, dtype)  # as HFEngine and Shadow hold it
         for name, length, kept in (("prefill", 12, 1), ("score", 36, 25)):
             ids = torch.randint(5, model.config.vocab_size, (args.batch, length), generator=g)
-            mask = torch.ones_like(ids)
-            forms = {"int": kept, "index": keep_last(length, kept)}
-            times: dict[str, list[float]] = {k: [] for k in forms}
-            with torch.no_grad():
-                for _ in range(args.repeats + 1):  # the first round warms up
-                    for k, keep in forms.items():
-                        t0 = time.perf_counter()
-                        model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                              use_cache=False, logits_to_keep=keep)
-                        times[k].append(time.perf_counter() - t0)
-            med = {k: statistics.median(v[1:]) for k, v in times.items()}
-            t.add_row(dtype, name, str(length), str(kept),
-                      f"{med['int']:.4f}", f"{med['index']:.4f}", f"{med['int'] / med['index']:.2f}x")
-    Console(width=120).print(t)
+            mask, index = torch.ones_like(ids), keep_last(length, kept)
 
+            def forward(keep, model=model, ids=ids, mask=mask):
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                          use_cache=False, logits_to_keep=keep)
+            med = {k: v.median for k, v in alternate(
+                {"int": lambda: forward(kept), "index": lambda: forward(index)},
+                warmup=1, repeats=args.repeats).items()}
+            t.add(dtype, name, length, kept, med["int"], med["index"], med["int"] / med["index"])
+    publish("logits_to_keep", [t], args)
 
 if __name__ == "__main__":
     main()

@@ -10,20 +10,16 @@ fp16 the gap is the raw material of β.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity import testbed
+from parity.engines import Sampling
+from parity.engines.hf import HFEngine
+from parity.engines.scoring import score
+from parity.runs import load_policy
 
-from parity import testbed  # noqa: E402
-from parity.engines.hf import HFEngine  # noqa: E402
-from parity.engines import Sampling  # noqa: E402
-from parity.engines.scoring import score  # noqa: E402
-from parity.runs import load_policy  # noqa: E402
+from report import Table, json_option, publish
 
 
 def main() -> None:
@@ -31,13 +27,14 @@ def main() -> None:
     ap.add_argument("--model", default=testbed.DEFAULT_TEXT)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    args = ap.parse_args()
+    args = json_option(ap, "logprob_gap").parse_args()
     model, tok = load_policy(testbed.resolve_model(args.model))
     model.eval()
     prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(args.samples, seed=0)]
-    t = Table(title=f"|ℓ_engine − ℓ_trainer(fp32)| on {args.model}, {args.samples} samples at T=1")
-    for col in ("engine", "tokens", "max", "mean", "kl_k1 (mean ℓ_μ − ℓ_π)"):
-        t.add_column(col, justify="right")
+    t = Table("logprob_gap", f"|ℓ_engine − ℓ_trainer(fp32)| on {args.model}, {args.samples} "
+                             f"samples at T=1",
+              [("engine", None, "right"), ("tokens", "{}"), ("max", "{:.2e}"), ("mean", "{:.2e}"),
+               ("kl_k1 (mean ℓ_μ − ℓ_π)", "{:+.2e}")])
     for dtype in ("fp32", "bf16", "fp16"):
         engine = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
         r = engine.generate(prompts, args.max_new_tokens, Sampling(),
@@ -46,10 +43,8 @@ def main() -> None:
             lp = score(model, r, Sampling())
         m = r.completion_mask > 0
         d = (r.engine_logprobs - lp)[m].double()
-        t.add_row(dtype, str(int(m.sum())), f"{d.abs().max():.2e}", f"{d.abs().mean():.2e}",
-                  f"{d.mean():+.2e}")
-    Console(width=160).print(t)
-
+        t.add(dtype, int(m.sum()), float(d.abs().max()), float(d.abs().mean()), float(d.mean()))
+    publish("logprob_gap", [t], args)
 
 if __name__ == "__main__":
     main()

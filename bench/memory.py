@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import Table, json_option, publish
+
 
 def _mode(name: str) -> dict:
     if name == "whole":
@@ -81,7 +83,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="whole", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = json_option(ap, "memory").parse_args()
     if a.worker:
         a.completions, a.tokens = int(a.completions), int(a.tokens)
         Path(a.result).write_text(json.dumps(worker(a)))
@@ -89,29 +91,33 @@ def main() -> None:
 
     from parity import testbed
     testbed.ensure(a.model)  # built or converted once, before any measured cell
-    print(f"model {a.model}, recipe {a.recipe}, neg-length, {a.steps} step(s) per cell, "
-          f"{'chat-templated' if a.chat_template else 'plain'} prompts\n")
-    print("| completions | max tokens | mean tokens | mode | peak GB | estimate GB | update s |")
-    print("|---:|---:|---:|---|---:|---:|---:|")
-    for n in a.completions.split(","):
-        for t in a.tokens.split(","):
+    t = Table("memory", f"model {a.model}, recipe {a.recipe}, neg-length, {a.steps} step(s) per "
+                        f"cell, {'chat-templated' if a.chat_template else 'plain'} prompts",
+              [("completions", "{}"), ("max tokens", "{}"), ("mean tokens", "{:.0f}"),
+               ("mode", None), ("peak GB", "{:.2f}", "right"), ("estimate GB", "{:.2f}"),
+               ("update s", "{:.2f}")])
+    for n in map(int, a.completions.split(",")):
+        for tokens in map(int, a.tokens.split(",")):
             for mode in a.modes.split(","):
                 with tempfile.TemporaryDirectory() as tmp:
                     res = Path(tmp) / "r.json"
                     cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--result",
                            str(res), "--model", a.model, "--recipe", a.recipe, "--completions",
-                           n, "--tokens", t, "--group", str(a.group), "--steps", str(a.steps),
-                           "--lr", str(a.lr), "--seed", str(a.seed)]
+                           str(n), "--tokens", str(tokens), "--group", str(a.group), "--steps",
+                           str(a.steps), "--lr", str(a.lr), "--seed", str(a.seed)]
                     cmd += ["--chat-template"] if a.chat_template else []
                     p = subprocess.run(cmd, capture_output=True, text=True)
-                    if p.returncode != 0:  # a cell that failed is reported as failed, not as a number
+                    # a cell that failed is reported as failed, not as a number
+                    if p.returncode != 0:
                         why = (p.stderr.strip().splitlines() or ["?"])[-1][:80]
-                        print(f"| {n} | {t} | - | {mode} | failed: {why} | - | - |", flush=True)
+                        t.add(n, tokens, None, mode, f"failed: {why}", None, None)
+                        print(f"{n} x {tokens}, {mode}: failed: {why}", flush=True)
                         continue
                     r = json.loads(res.read_text())
-                print(f"| {n} | {t} | {r['len_mean']:.0f} | {mode} | {r['peak_gb']:.2f} | "
-                      f"{r['estimate_gb']:.2f} | {r['update_s']:.2f} |", flush=True)
-
+                t.add(n, tokens, r["len_mean"], mode, r["peak_gb"], r["estimate_gb"],
+                      r["update_s"])
+                print(f"{n} x {tokens}, {mode}: peak {r['peak_gb']:.2f} GB", flush=True)
+    publish("memory", [t], a)
 
 if __name__ == "__main__":
     main()

@@ -14,38 +14,35 @@ FLOPs are counted as the model needs them, not as the kernels happen to run them
 The decode context is the prompt plus the tokens decoded so far. The reference rate is the
 best of several square products (2048^3 fp32, 4096^3 bf16), timed in the same process just
 before, so both numbers see the same machine load (on a GPU: 8192^3 in bf16/fp16, TF32 off as
-torch leaves it). MFU = achieved FLOP/s / reference FLOP/s. Times on a GPU wait for its queue.
+torch leaves it). MFU = achieved FLOP/s / reference FLOP/s. Times are medians of `--reps` calls
+after a warm-up, each waiting for the GPU's queue (bench/timing.py); `spread` is (max − min) /
+median of those calls (for a decode step, of the whole generation's).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from parity import devices, testbed
-from parity.engines.hf import HFEngine
 from parity.engines import Rollout, Sampling
+from parity.engines.hf import HFEngine
 from parity.engines.scoring import score_full
 from parity.precision import autocast
 from parity.runs import load_policy
+
+from report import Table, json_option, publish
+from timing import measure
 
 
 def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5,
                 device: torch.device = torch.device("cpu")) -> float:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    a @ b  # warm-up: thread pool, AMX tiles, CUDA kernels
-    best = float("inf")
-    for _ in range(reps):
-        devices.synchronize(device)
-        t = time.perf_counter()
-        a @ b
-        devices.synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    # the warm-up starts the thread pool, the AMX tiles, the CUDA kernels; the best repeat is
+    # the rate the machine can reach
+    return 2 * n**3 / measure(lambda: a @ b, warmup=1, repeats=reps, device=device).min
 
 
 def matmul_params(model: torch.nn.Module) -> int:
@@ -60,18 +57,6 @@ def matmul_params(model: torch.nn.Module) -> int:
 def attn_flops(model: torch.nn.Module, ctx: float) -> float:
     c = model.config
     return 4 * c.num_hidden_layers * c.hidden_size * ctx
-
-
-def timed(fn, reps: int, device: torch.device = torch.device("cpu")) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(reps):
-        devices.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        devices.synchronize(device)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def workload_parser(doc: str, dtypes: str) -> argparse.ArgumentParser:
@@ -90,7 +75,7 @@ def main() -> None:
     ap = workload_parser(__doc__, "fp32,bf16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    a = ap.parse_args()
+    a = json_option(ap, "mfu").parse_args()
 
     dev = devices.resolve(a.device)
     model_dir = testbed.ensure(a.model)
@@ -100,8 +85,11 @@ def main() -> None:
     B, P, T = a.batch, a.prompt_tokens, a.new_tokens
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, len(tok), (B, P), generator=g).tolist()
-    print(f"{a.model}: {N / 1e6:.2f}M weights in matrix products, batch {B}, prompt {P} "
-          f"tokens, {T} new tokens, {devices.describe(dev)}\n")
+    t = Table("mfu", f"{a.model}: {N / 1e6:.2f}M weights in matrix products, batch {B}, prompt "
+                     f"{P} tokens, {T} new tokens, {devices.describe(dev)}",
+              [("phase", None), ("dtype", None), ("time s", "{:.4f}"), ("GFLOP", "{:.2f}"),
+               ("GFLOP/s", "{:.1f}"), ("matmul GFLOP/s", "{:.0f}"), ("MFU", "{:.1%}"),
+               ("spread", "{:.0%}")])
     rows = []
     for dtype in a.dtypes.split(","):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -110,13 +98,13 @@ def main() -> None:
         # No token ends a completion (eos -1): every row decodes T tokens, as the FLOPs assume.
         eng = HFEngine(master, dtype, [-1], tok.pad_token_id)
         s = Sampling()
-        t_pre = timed(lambda: eng.generate(prompts, 1, s, g), a.reps, dev)
-        t_all = timed(lambda: eng.generate(prompts, T + 1, s, g), a.reps, dev)
-        t_dec = (t_all - t_pre) / T
+        pre = measure(lambda: eng.generate(prompts, 1, s, g), repeats=a.reps, device=dev)
+        whole = measure(lambda: eng.generate(prompts, T + 1, s, g), repeats=a.reps, device=dev)
+        t_dec = (whole.median - pre.median) / T
         f_pre = B * P * 2 * N + B * sum(attn_flops(master, c) for c in range(1, P + 1))
         f_dec = B * (2 * N + attn_flops(master, P + T / 2))
-        rows.append(("prefill", dtype, t_pre, f_pre, ref))
-        rows.append(("decode step", dtype, t_dec, f_dec, ref))
+        rows.append(("prefill", dtype, pre.median, f_pre, ref, pre.spread))
+        rows.append(("decode step", dtype, t_dec, f_dec, ref, whole.spread))
         # the training step: forward with grad over prompt + completion, backward, AdamW
         r = eng.generate(prompts, T, s, g)
         model = load_policy(model_dir)[0].train().to(dev)
@@ -128,16 +116,14 @@ def main() -> None:
             (-logp.sum() / B).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        t_train = timed(step, a.reps, dev)
+        train = measure(step, repeats=a.reps, device=dev)
         L = P + T
         f_train = 3 * (B * L * 2 * N + B * sum(attn_flops(master, c) for c in range(1, L + 1)))
-        rows.append(("train step", dtype, t_train, f_train, ref))
+        rows.append(("train step", dtype, train.median, f_train, ref, train.spread))
 
-    print("| phase | dtype | time s | GFLOP | GFLOP/s | matmul GFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|---|")
-    for phase, dtype, t, f, ref in rows:
-        print(f"| {phase} | {dtype} | {t:.4f} | {f / 1e9:.2f} | {f / t / 1e9:.1f} | "
-              f"{ref / 1e9:.0f} | {100 * f / t / ref:.1f}% |")
+    for phase, dtype, sec, f, ref, spread in rows:
+        t.add(phase, dtype, sec, f / 1e9, f / sec / 1e9, ref / 1e9, f / sec / ref, spread)
+    publish("mfu", [t], a, dev)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,20 @@ minibatch at once against the same minibatch in micro-batches, alternated in one
 The completions are sampled once by parity's engine (fp32, neg-length prompts, the lengths the
 model gives them); each round then runs the unbatched update and the micro-batched one
 (`parity.engines.scoring.pieces` / `trimmed`, each piece's loss scaled by its share, as the trainer
-does) on the same weights, and the AdamW step after it. Alternating puts drift of a shared
-machine on both sides; the table gives each round and the median ratio.
+does) on the same weights, and the AdamW step after it, after one untimed round of both.
+Alternating puts drift of a shared machine on both sides; the table gives each round and the
+median ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+
+from report import Table, json_option, publish
+from timing import alternate
 
 
 def main() -> None:
@@ -28,7 +31,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="completions per micro-batch")
     ap.add_argument("--chunk", type=int, default=0, help="logprob_chunk on the micro side")
     ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+    a = json_option(ap, "micro_batch_time").parse_args()
 
     from parity import testbed
     from parity.engines.hf import HFEngine
@@ -44,28 +47,30 @@ def main() -> None:
     s, B = Sampling(), r.completion_ids.shape[0]
     n_tok = float(r.completion_mask.sum())
 
-    def update(micro: int) -> float:
-        t0 = time.perf_counter()
+    def update(micro: int) -> None:
         for sl in pieces(r, rows=micro) if micro else [slice(0, B)]:
             piece = trimmed(r.select(sl)) if micro else r
             logp = score_full(model, piece, s, chunk=a.chunk if micro else 0).logp
             (logp.sum() / n_tok).backward()  # a token mean: each piece's share of it
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
 
-    update(0)  # warm-up: allocator, first-call kernels
+    # the warm-up round: allocator, first-call kernels
+    took = alternate({"whole": lambda: update(0), "micro": lambda: update(a.micro)}, warmup=1,
+                     repeats=a.rounds)
     lens = r.completion_mask.sum(-1)
-    print(f"{a.model}: {B} completions, mean {lens.mean():.0f} / max {lens.max():.0f} tokens; "
-          f"micro-batches of {a.micro}{f', logprob_chunk {a.chunk}' if a.chunk else ''}\n")
-    print("| round | whole s | micro s | micro / whole |")
-    print("|---:|---:|---:|---:|")
+    t = Table("micro_batch_time",
+              f"{a.model}: {B} completions, mean {lens.mean():.0f} / max {lens.max():.0f} "
+              f"tokens; micro-batches of {a.micro}"
+              f"{f', logprob_chunk {a.chunk}' if a.chunk else ''}",
+              [("round", "{}"), ("whole s", "{:.2f}"), ("micro s", "{:.2f}"),
+               ("micro / whole", "{:.3f}")])
     ratios = []
-    for i in range(a.rounds):
-        w, m = update(0), update(a.micro)
+    for i, (w, m) in enumerate(zip(took["whole"].samples, took["micro"].samples)):
         ratios.append(m / w)
-        print(f"| {i + 1} | {w:.2f} | {m:.2f} | {m / w:.3f} |", flush=True)
-    print(f"\nmedian micro / whole: {statistics.median(ratios):.3f}")
+        t.add(i + 1, w, m, m / w)
+    t.notes.append(f"median micro / whole: {statistics.median(ratios):.3f}")
+    publish("micro_batch_time", [t], a)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from report import Table, json_option, publish
 
 
 def run(args: list[str], ranks: int, threads: int, out: Path) -> list[dict]:
@@ -42,16 +41,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    a = ap.parse_args()
+    a = json_option(ap, "ranks_step").parse_args()
     cores = os.cpu_count() or 1
     common = ["--task", "neg-length", "--model", a.model, "--recipe", "fp32", "--steps",
               str(a.steps), "--max-new-tokens", str(a.max_new_tokens), "--no-progress",
               "--report-to", "none"]
-    t = Table(title=f"{a.model}, neg-length, 8x8 completions, <= {a.max_new_tokens} tokens, fp32, "
-                    f"mean of steps 2..{a.steps}, {cores} cores")
-    for col in ("launch", "threads", "rollout s", "train s", "step s", "vs one process",
-                "reward, last step"):
-        t.add_column(col, justify="left" if col == "launch" else "right")
+    t = Table("ranks_step", f"{a.model}, neg-length, 8x8 completions, <= {a.max_new_tokens} "
+                            f"tokens, fp32, mean of steps 2..{a.steps}, {cores} cores",
+              [("launch", None), ("threads", None, "right"), ("rollout s", "{:.3f}"),
+               ("train s", "{:.3f}"), ("step s", "{:.3f}"), ("vs one process", "{:.2f}x"),
+               ("reward, last step", "{:+.3f}")])
     base = None
     per_rank = max(1, cores // a.ranks)
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,11 +62,9 @@ def main() -> None:
             mean = {k: statistics.mean(r[k] for r in rows)
                     for k in ("time/rollout_s", "time/train_s", "time/step_s")}
             base = base or mean["time/step_s"]
-            t.add_row(name, f"{ranks} x {threads}", f"{mean['time/rollout_s']:.3f}",
-                      f"{mean['time/train_s']:.3f}", f"{mean['time/step_s']:.3f}",
-                      f"{mean['time/step_s'] / base:.2f}x", f"{rows[-1]['reward/mean']:+.3f}")
-    Console(width=160).print(t)
-
+            t.add(name, f"{ranks} x {threads}", mean["time/rollout_s"], mean["time/train_s"],
+                  mean["time/step_s"], mean["time/step_s"] / base, rows[-1]["reward/mean"])
+    publish("ranks_step", [t], a)
 
 if __name__ == "__main__":
     main()

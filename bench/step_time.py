@@ -12,18 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from parity import testbed
+from parity.config import make_config
+from parity.trainer import train
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from parity import testbed  # noqa: E402
-from parity.config import make_config  # noqa: E402
-from parity.trainer import train  # noqa: E402
+from report import Table, json_option, publish
 
 
 def main() -> None:
@@ -32,15 +27,15 @@ def main() -> None:
     ap.add_argument("--models", default=f"{testbed.TEST_TEXT},{testbed.LARGEST}")
     ap.add_argument("--recipes", default="fp32,bf16-engine,fp16")
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    args = ap.parse_args()
-    t = Table(title=f"parity step time, neg-length, 8x8 completions, <= {args.max_new_tokens} "
-                    f"tokens, mean of steps 2..{args.steps}")
-    for col in ("model", "params", "recipe", "rollout s", "train s", "step s", "train share",
-                "tokens/s"):
-        t.add_column(col, justify="right" if col not in ("model", "recipe") else "left")
+    args = json_option(ap, "step_time").parse_args()
+    t = Table("step_time", f"parity step time, neg-length, 8x8 completions, <= "
+                           f"{args.max_new_tokens} tokens, mean of steps 2..{args.steps}",
+              [("model", None), ("params", "{:.1f}M"), ("recipe", None), ("rollout s", "{:.3f}"),
+               ("train s", "{:.3f}"), ("step s", "{:.3f}"), ("train share", "{:.0%}"),
+               ("tokens/s", "{:.0f}")])
     for model in args.models.split(","):
         path = testbed.ensure(model)
-        n_params = json.loads((path / "testbed.json").read_text()).get("n_params", "")
+        n_params = json.loads((path / "testbed.json").read_text()).get("n_params")
         for recipe in args.recipes.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = make_config({"recipe": recipe, "task": "neg-length", "model": model,
@@ -51,13 +46,10 @@ def main() -> None:
             rows = rows[1:] or rows
             mean = {k: statistics.mean(r[k] for r in rows) for k in
                     ("time/rollout_s", "time/train_s", "time/step_s", "throughput/tokens_per_s")}
-            t.add_row(model, f"{n_params / 1e6:.1f}M" if n_params else "", recipe,
-                      f"{mean['time/rollout_s']:.3f}", f"{mean['time/train_s']:.3f}",
-                      f"{mean['time/step_s']:.3f}",
-                      f"{mean['time/train_s'] / mean['time/step_s']:.0%}",
-                      f"{mean['throughput/tokens_per_s']:.0f}")
-    Console(width=160).print(t)
-
+            t.add(model, n_params / 1e6 if n_params else None, recipe, mean["time/rollout_s"],
+                  mean["time/train_s"], mean["time/step_s"],
+                  mean["time/train_s"] / mean["time/step_s"], mean["throughput/tokens_per_s"])
+    publish("step_time", [t], args)
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -35,22 +34,22 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mfu import attn_flops, matmul_params, matmul_rate  # noqa: E402  bench/ is the script's own directory
+import parity.diagnostics as diagnostics
+import parity.precision as precision
+import parity.trainer as trainer
+from parity import testbed
+from parity.config import Config
+from parity.diagnostics import Shadow, exact_kl_rows
+from parity.distributed import Dist
+from parity.engines import Rollout, Sampling, stop_token_ids
+from parity.engines.hf import HFEngine
+from parity.engines.scoring import disable_dropout
+from parity.objectives import OBJECTIVES
+from parity.precision import LossScaler
+from parity.runs import load_policy
 
-import parity.diagnostics as diagnostics  # noqa: E402
-import parity.precision as precision  # noqa: E402
-import parity.trainer as trainer  # noqa: E402
-from parity import testbed  # noqa: E402
-from parity.config import Config  # noqa: E402
-from parity.diagnostics import Shadow, exact_kl_rows  # noqa: E402
-from parity.distributed import Dist  # noqa: E402
-from parity.engines.hf import HFEngine  # noqa: E402
-from parity.engines import Rollout, Sampling, stop_token_ids  # noqa: E402
-from parity.objectives import OBJECTIVES  # noqa: E402
-from parity.precision import LossScaler  # noqa: E402
-from parity.runs import load_policy  # noqa: E402
-from parity.engines.scoring import disable_dropout  # noqa: E402
+from mfu import attn_flops, matmul_params, matmul_rate  # bench/ is the script's own directory
+from report import Table, json_option, publish
 
 
 class Clock:
@@ -219,7 +218,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="max tokens per completion")
     ap.add_argument("--micro-batch", type=int, default=8, help="completions per micro-batch")
     ap.add_argument("--reps", type=int, default=2)
-    a = ap.parse_args()
+    a = json_option(ap, "update_breakdown").parse_args()
 
     t_start = time.perf_counter()
     model, tok = load_policy(testbed.resolve_model(a.model))
@@ -285,47 +284,45 @@ def main() -> None:
     w, m = sides
     B, T = r.completion_ids.shape
     clen = r.completion_mask.sum(-1)
-    print(f"\n{a.model}: {B} completions, mean {clen.mean():.1f} / max {T} tokens, prompts "
-          f"{r.prompt_mask.sum(-1).float().mean():.1f} tokens on average, recipe {cfg.recipe} "
-          f"(engine {cfg.engine_dtype}, trainer {cfg.trainer_dtype}), kl_exact_rows "
-          f"{cfg.kl_exact_rows}, {torch.get_num_threads()} threads, median of {a.reps} reps; "
-          f"matrix-product rate {rate['fp32'] / 1e9:.0f} GFLOP/s fp32, {rate['bf16'] / 1e9:.0f} "
-          f"bf16\n")
-    print(f"| part | {w} s | share | {m} s | share | GFLOP | MFU {w} | MFU {m} |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    t = Table("update_breakdown",
+              f"{a.model}: {B} completions, mean {clen.mean():.1f} / max {T} tokens, prompts "
+              f"{r.prompt_mask.sum(-1).float().mean():.1f} tokens on average, recipe {cfg.recipe} "
+              f"(engine {cfg.engine_dtype}, trainer {cfg.trainer_dtype}), kl_exact_rows "
+              f"{cfg.kl_exact_rows}, {torch.get_num_threads()} threads, median of {a.reps} reps; "
+              f"matrix-product rate {rate['fp32'] / 1e9:.0f} GFLOP/s fp32, "
+              f"{rate['bf16'] / 1e9:.0f} bf16",
+              [("part", None), (f"{w} s", "{:.2f}"), ("share", "{:.1%}"), (f"{m} s", "{:.2f}"),
+               ("share", "{:.1%}"), ("GFLOP", "{:.0f}"), (f"MFU {w}", "{:.0%}"),
+               (f"MFU {m}", "{:.0%}")])
 
-    def mfu(f: float, t: float, ref: str | None) -> str:
-        return f"{100 * f / t / rate[ref]:.0f}%" if ref and t > 0 else "—"
+    def mfu(f: float, sec: float, ref: str | None) -> float | None:
+        return f / sec / rate[ref] if ref and sec > 0 else None
     for label, _, key, ref in PARTS:
         tw, tm = med[w][label], med[m][label]
-        f = f"{fl[key] / 1e9:.0f} | {mfu(fl[key], tw, ref)} | {mfu(fl[key], tm, ref)}" \
-            if key else "— | — | —"
-        print(f"| {label} | {tw:.2f} | {100 * tw / tot[w]:.1f}% | {tm:.2f} | "
-              f"{100 * tm / tot[m]:.1f}% | {f} |")
+        t.add(label, tw, tw / tot[w], tm, tm / tot[m], fl[key] / 1e9 if key else None,
+              mfu(fl[key], tw, ref) if key else None, mfu(fl[key], tm, ref) if key else None)
     train_f = 3 * fl["fwd"]
-    print(f"| **update** | **{tot[w]:.2f}** | 100% | **{tot[m]:.2f}** | 100% | "
-          f"{(train_f + fl['fwd']) / 1e9:.0f} | — | — |")
-    print(f"| θ_old recompute forward, no grad (`recompute` recipe only) | {rec[w]:.2f} | "
-          f"+{100 * rec[w] / tot[w]:.1f}% | {rec[m]:.2f} | +{100 * rec[m] / tot[m]:.1f}% | "
-          f"{fl['fwd'] / 1e9:.0f} | {mfu(fl['fwd'], rec[w], 'fp32')} | "
-          f"{mfu(fl['fwd'], rec[m], 'fp32')} |")
+    t.add("**update**", tot[w], 1.0, tot[m], 1.0, (train_f + fl["fwd"]) / 1e9, None, None)
+    t.add("θ_old recompute forward, no grad (`recompute` recipe only, on top of the update)",
+          rec[w], rec[w] / tot[w], rec[m], rec[m] / tot[m], fl["fwd"] / 1e9,
+          mfu(fl["fwd"], rec[w], "fp32"), mfu(fl["fwd"], rec[m], "fp32"))
 
     for side in sides:
         d = med[side]
         same = sum(d[lab] for lab, *_ in PARTS[:5]) + d["grad-norm clip"] + d["AdamW step"]
         extra = sum(d[lab] for lab, *_ in PARTS[9:])
-        print(f"\n{side}: forward + backward + clip + AdamW (what TRL does too) "
-              f"{100 * same / tot[side]:.1f}% of the update, at "
-              f"{100 * train_f / same / rate['fp32']:.0f}% MFU; shadow + exact KL (parity's "
-              f"diagnostics) {100 * extra / tot[side]:.1f}%")
+        t.notes.append(f"{side}: forward + backward + clip + AdamW (what TRL does too) "
+                       f"{100 * same / tot[side]:.1f}% of the update, at "
+                       f"{100 * train_f / same / rate['fp32']:.0f}% MFU; shadow + exact KL "
+                       f"(parity's diagnostics) {100 * extra / tot[side]:.1f}%")
     whole_gb, piece_gb = logits_gb(r, model.config.vocab_size, a.micro_batch)
-    print(f"\nlogits, one fp32 [rows, T + 1, {model.config.vocab_size}] tensor: {whole_gb:.2f} GB "
-          f"whole, {piece_gb:.2f} GB for the largest micro-batch; peak RSS growth during the "
-          f"update (median): {w} {mem[w]:.2f} GB (= {mem[w] / whole_gb:.1f} such tensors), "
-          f"{m} {mem[m]:.2f} GB")
-    print(f"micro / whole update time: {tot[m] / tot[w]:.3f}; wall time of the command "
-          f"{time.perf_counter() - t_start:.0f} s")
-
+    t.notes.append(f"logits, one fp32 [rows, T + 1, {model.config.vocab_size}] tensor: "
+                   f"{whole_gb:.2f} GB whole, {piece_gb:.2f} GB for the largest micro-batch; "
+                   f"peak RSS growth during the update (median): {w} {mem[w]:.2f} GB "
+                   f"(= {mem[w] / whole_gb:.1f} such tensors), {m} {mem[m]:.2f} GB")
+    t.notes.append(f"micro / whole update time: {tot[m] / tot[w]:.3f}; wall time of the command "
+                   f"{time.perf_counter() - t_start:.0f} s")
+    publish("update_breakdown", [t], a)
 
 if __name__ == "__main__":
     main()

@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import Table, json_option, publish
+
 
 def _peak_gb(device: str) -> float:
     """The process's peak memory on the side's device: the GPU's allocator, or resident RAM."""
@@ -170,7 +172,7 @@ def main() -> None:
     ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = json_option(ap, "vs_trl").parse_args()
     if a.worker:
         fn = trl_worker if a.worker == "trl" else parity_worker
         with tempfile.TemporaryDirectory() as tmp:
@@ -186,31 +188,31 @@ def main() -> None:
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a))
 
-    print(f"\nworkload: {a.model} on {a.task} ({a.device}), {a.prompts} prompts x {a.group} "
-          f"completions, <= "
-          f"{a.max_new_tokens} tokens, {a.steps} steps, fp32, one process each, "
-          f"{'micro-batches of ' + str(a.micro_batch) + ', ' if a.micro_batch else ''}"
-          f"{a.repeats} alternating runs per side (medians over runs)\n")
     cols = ("step_s", "completions_s", "tokens_s", "reward_first5", "reward_last5", "peak_gb")
     med = {w: {c: statistics.median(r[c] for r in rs) for c in cols} for w, rs in results.items()}
-    print(f"| side | {' | '.join(cols)} |")
-    print("|---|" + "---|" * len(cols))
-    for w in sides:
-        print(f"| {w} | " + " | ".join(f"{med[w][c]:.4g}" for c in cols) + " |")
-    for w in sides[1:]:
-        print(f"\n{w} / TRL: completions/s "
-              f"{med[w]['completions_s'] / med['trl']['completions_s']:.2f}x, "
-              f"tokens/s {med[w]['tokens_s'] / med['trl']['tokens_s']:.2f}x")
-    for w, rs in results.items():
-        print(f"{w} runs: " + ", ".join(f"{r['step_s']:.3f} s/step" for r in rs))
     # The update (forward with grad, backward, AdamW over the same tokens) is work TRL must do
     # too: even a free engine cannot make parity faster than TRL's step over it.
     upd = {w: statistics.median(r["update_s"] for r in rs) for w, rs in results.items()}
-    for w in sides[1:]:
-        print(f"update alone (step minus generation): TRL {upd['trl']:.4f} s, {w} "
-              f"{upd[w]:.4f} s, {w} / TRL {upd[w] / upd['trl']:.2f}; the most any engine "
-              f"could give against TRL's step: {med['trl']['step_s'] / upd[w]:.2f}x")
-
+    t = Table("vs_trl", f"workload: {a.model} on {a.task} ({a.device}), {a.prompts} prompts x "
+                        f"{a.group} completions, <= {a.max_new_tokens} tokens, {a.steps} steps, "
+                        f"fp32, one process each, "
+                        f"{f'micro-batches of {a.micro_batch}, ' if a.micro_batch else ''}"
+                        f"{a.repeats} alternating runs per side (medians over runs)",
+              [("side", None)] + [(c, "{:.4g}") for c in cols]
+              + [("update alone s", "{:.4g}"), ("update alone ÷ TRL", "{:.2f}"),
+                 ("completions/s ÷ TRL", "{:.2f}x"),
+                 ("tokens/s ÷ TRL", "{:.2f}x"), ("TRL step ÷ update alone", "{:.2f}x")])
+    for w in sides:
+        trl = w == "trl"
+        t.add(w, *(med[w][c] for c in cols), upd[w], None if trl else upd[w] / upd["trl"],
+              None if trl else med[w]["completions_s"] / med["trl"]["completions_s"],
+              None if trl else med[w]["tokens_s"] / med["trl"]["tokens_s"],
+              None if trl else med["trl"]["step_s"] / upd[w])
+    t.notes += [f"{w} runs: " + ", ".join(f"{r['step_s']:.3f} s/step" for r in rs)
+                for w, rs in results.items()]
+    t.notes.append("update alone: the step minus the generation; TRL's step ÷ parity's update "
+                   "alone is the most any engine could give against TRL's step")
+    publish("vs_trl", [t], a)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,195 @@
+"""The benches' shared parts: the timing helper's statistics, the table writer, and the docs'
+tables, which must be what bench/tables.py renders from the committed JSON files."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+HELPERS = {"timing", "report", "tables"}
+
+
+def bench_module(name: str):
+    """A module of bench/ by its name, as a bench script imports it (bench/ is a directory of
+    scripts, not a package: each imports its neighbours by name)."""
+    path = BENCH / f"{name}.py"
+    if getattr(sys.modules.get(name), "__file__", None) == str(path):
+        return sys.modules[name]
+    for dep in ("timing", "report") if name == "tables" else ():
+        bench_module(dep)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+timing = bench_module("timing")
+report = bench_module("report")
+tables = bench_module("tables")
+
+
+class FakeClock:
+    """A clock that only moves when a timed call says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def cost(self, seconds: float):
+        def fn():
+            self.now += seconds
+            return seconds
+        return fn
+
+
+def test_measure_times_each_repeat_and_not_the_warmup():
+    clock = FakeClock()
+    costs = iter([100.0, 3.0, 1.0, 2.0, 10.0, 4.0])   # the first is the warm-up's
+
+    def call():
+        c = next(costs)
+        clock.now += c
+        return c
+    t = timing.measure(call, warmup=1, repeats=5, clock=clock)
+    assert t.samples == (3.0, 1.0, 2.0, 10.0, 4.0)
+    assert t.results == (3.0, 1.0, 2.0, 10.0, 4.0)
+    assert t.median == 3.0 and t.min == 1.0 and t.max == 10.0 and t.mean == 4.0
+    assert t.spread == pytest.approx(9.0 / 3.0)
+
+
+def test_measure_keeps_setup_out_of_the_timed_span():
+    clock = FakeClock()
+    setups = []
+
+    def setup():
+        clock.now += 50.0          # a prefill: not part of what is timed
+        setups.append(clock.now)
+        return 2.0
+
+    def call(seconds):
+        clock.now += seconds
+        return seconds
+    t = timing.measure(call, setup=setup, warmup=2, repeats=3, clock=clock)
+    assert t.samples == (2.0, 2.0, 2.0)
+    assert len(setups) == 5       # once before each call, warm-ups included
+
+
+def test_measure_on_a_known_cost():
+    t = timing.measure(lambda: time.sleep(0.02), warmup=0, repeats=3)
+    assert len(t.samples) == 3
+    assert t.min >= 0.02           # perf_counter never runs slower than a sleep
+    assert t.median < 2.0
+
+
+def test_measure_refuses_zero_repeats():
+    with pytest.raises(ValueError):
+        timing.measure(lambda: None, repeats=0)
+
+
+def test_alternate_interleaves_the_calls_round_by_round():
+    clock, order = FakeClock(), []
+
+    def call(name, seconds):
+        def fn():
+            order.append(name)
+            clock.now += seconds
+        return fn
+    t = timing.alternate({"a": call("a", 1.0), "b": call("b", 5.0)}, warmup=1, repeats=3,
+                         clock=clock)
+    assert order == ["a", "b"] * 4
+    assert t["a"].samples == (1.0, 1.0, 1.0) and t["b"].samples == (5.0, 5.0, 5.0)
+    assert t["b"].median / t["a"].median == 5.0
+
+
+def test_a_table_renders_its_values_through_its_formats():
+    t = report.Table("t", "a title", [("name", None), ("seconds", "{:.2f}"), ("share", "{:.1%}"),
+                                      ("ratio", "{:.2f}x"), ("same", None), ("a|b", None)])
+    t.add("x", 1.234, 0.5, 2.0, True, "p|q")
+    t.add("y", None, 0.25, 3.0, False, "r")
+    assert t.markdown().splitlines() == [
+        "| name | seconds | share | ratio | same | a\\|b |",
+        "|---|---:|---:|---:|---|---|",
+        "| x | 1.23 | 50.0% | 2.00x | yes | p\\|q |",
+        "| y | — | 25.0% | 3.00x | no | r |"]
+    assert report.Table.from_json(json.loads(json.dumps(t.to_json()))).text() == t.text()
+    with pytest.raises(ValueError):
+        t.add("too few")
+
+
+def test_publish_prints_and_writes_the_same_table(tmp_path, capsys):
+    import argparse
+    t = report.Table("main", "title", [("k", None), ("v", "{:.3f}")])
+    t.add("a", 0.12345)
+    args = argparse.Namespace(model="m", json=str(tmp_path / "x.json"))
+    report.publish("demo", [t], args)
+    data = json.loads((tmp_path / "x.json").read_text())
+    assert data["bench"] == "demo" and data["settings"] == {"model": "m"}
+    assert data["tables"][0]["rows"] == [["a", 0.12345]]
+    assert data["command"].startswith("python ")
+    assert {"torch", "torch_threads", "device", "cores"} <= set(data["machine"])
+    assert "| a | 0.123 |" in capsys.readouterr().out
+
+
+def test_json_option_defaults_to_the_benchs_file_and_empty_writes_nothing(tmp_path):
+    import argparse
+    ap = report.json_option(argparse.ArgumentParser(), "demo")
+    assert Path(ap.parse_args([]).json) == ROOT / "docs" / "data" / "bench" / "demo.json"
+    t = report.Table("main", "", [("k", None)])
+    assert report.publish("demo", [t], ap.parse_args(["--json", ""])) is None
+
+
+def benches() -> list[Path]:
+    return sorted(p for p in BENCH.glob("*.py") if p.stem not in HELPERS)
+
+
+def test_every_bench_writes_its_tables_and_patches_no_path():
+    for p in benches():
+        src = p.read_text()
+        names = {n.attr if isinstance(n, ast.Attribute) else n.id
+                 for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Name, ast.Attribute))}
+        assert {"json_option", "publish"} <= names, f"{p.name} does not report through report.py"
+        assert "sys.path" not in src, f"{p.name} patches sys.path"
+
+
+def test_the_docs_tables_are_what_their_json_renders():
+    marked = 0
+    for doc in tables.docs():
+        text = doc.read_text()
+        marked += len(tables.regions(text))
+        assert tables.rewrite(text, doc) == text, \
+            f"{doc.relative_to(ROOT)}: a marked table differs; run python bench/tables.py"
+    assert marked > 0
+
+
+def test_a_changed_figure_in_a_marked_table_is_caught():
+    doc = next(d for d in tables.docs() if tables.regions(d.read_text()))
+    text = doc.read_text()
+    start = text.index("<!-- bench: ")
+    row = text.index("\n| ", text.index("|---", start)) + 1   # the first row of its table
+    cell = text.index(" | ", row) + 3
+    changed = text[:cell] + "9" + text[cell:]
+    assert tables.rewrite(changed, doc) == text
+
+
+def test_every_committed_bench_file_renders():
+    files = sorted((ROOT / "docs" / "data" / "bench").glob("*.json"))
+    assert files
+    for f in files:
+        data = json.loads(f.read_text())
+        assert {"bench", "command", "date", "tables"} <= set(data), f.name
+        assert (BENCH / f"{data['bench']}.py").exists(), f.name
+        for t in data["tables"]:
+            table = report.Table.from_json(t)
+            assert all(len(r) == len(table.columns) for r in table.rows), f.name
+            table.text()
