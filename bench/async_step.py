@@ -19,12 +19,11 @@ import statistics
 import tempfile
 
 import torch
+from report import Table, json_option, publish
 
 from parity import testbed
 from parity.config import make_config
 from parity.trainer import train
-
-from report import Table, json_option, publish
 
 
 def run(model: str, steps: int, tokens: int, recipe: str, **extra) -> list[dict]:

@@ -18,13 +18,12 @@ import argparse
 import statistics
 
 import torch
+from report import Table, json_option, publish
+from timing import measure
 
 from parity.integrations.weight_sync import DirectoryWeightTransfer, named_tensors
 from parity.precision import low_precision_copy
 from parity.runs import load_policy
-
-from report import Table, json_option, publish
-from timing import measure
 
 
 def main() -> None:

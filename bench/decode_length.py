@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from report import Table, json_option, publish
 from timing import alternate, measure
-
 
 STRIDED = "parity_strided"
 
@@ -90,7 +88,8 @@ def breakdown(engine, rows: int, lengths: list[int], title: str, steps: int = 5,
         mask, scratch = torch.ones_like(ids), {}
         pos = torch.arange(ids.shape[1]).expand(rows, -1)
         with torch.no_grad():
-            def run(a: int, b: int) -> None:
+            def run(a: int, b: int, ids=ids, mask=mask, pos=pos, cache=cache,
+                    scratch=scratch) -> None:
                 model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b],
                       **{kw: cache}, use_cache=True, logits_to_keep=keep_last(b - a, 1),
                       parity_kv_len=b, parity_scratch=scratch)
@@ -99,7 +98,7 @@ def breakdown(engine, rows: int, lengths: list[int], title: str, steps: int = 5,
             run(L, L + 1)                       # a warm-up step
             at = iter(range(L + 1, L + 1 + steps))
 
-            def step() -> None:
+            def step(at=at) -> None:
                 i = next(at)
                 run(i, i + 1)
             with profile() as p:

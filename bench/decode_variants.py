@@ -12,17 +12,23 @@ each run timed after its prefill (bench/timing.py).
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, StaticCache
-
-from parity import testbed
-from parity.engines import (Sampling, keep_last, left_pad, positions, processed_logits,
-                            sample_rows, uniforms)
-from parity.precision import low_precision_copy
-from parity.runs import load_policy
-
 from mfu import workload_parser  # bench/ is the script's own directory
 from report import Table, json_option, publish
 from timing import measure
+from transformers import DynamicCache, StaticCache
+
+from parity import testbed
+from parity.engines import (
+    Sampling,
+    keep_last,
+    left_pad,
+    positions,
+    processed_logits,
+    sample_rows,
+    uniforms,
+)
+from parity.precision import low_precision_copy
+from parity.runs import load_policy
 
 VARIANTS = [("DynamicCache, multinomial, sdpa", False, "multinomial", "sdpa"),
             ("+ static KV cache", True, "multinomial", "sdpa"),
@@ -70,8 +76,10 @@ def main() -> None:
         model = low_precision_copy(master, dtype)
         for name, static, sampler, attn in VARIANTS:
             model.set_attn_implementation(attn)
-            took = measure(lambda st: decode(model, st, a.new_tokens, sampler, g),
-                           setup=lambda: prefill(model, prompts, a.new_tokens, static),
+            took = measure(lambda st, model=model, sampler=sampler:
+                           decode(model, st, a.new_tokens, sampler, g),
+                           setup=lambda model=model, static=static:
+                           prefill(model, prompts, a.new_tokens, static),
                            warmup=1, repeats=2)
             table[name, dtype] = 1000 * took.median / a.new_tokens
     t = Table("decode_variants", f"{a.model}, batch {a.batch}, prompt {a.prompt_tokens}, "

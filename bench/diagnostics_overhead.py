@@ -1,6 +1,7 @@
-"""Cost of the diagnostics on every update: the same GRPO steps with and without the shadow forward.
+"""Cost of the diagnostics per update: the same GRPO steps with and without the shadow forward.
 
-    python bench/diagnostics_overhead.py [--model LARGEST] [--recipes bf16-engine,fp16] [--steps 6] [--rounds 2]
+    python bench/diagnostics_overhead.py [--model LARGEST] [--recipes bf16-engine,fp16] \\
+        [--steps 6] [--rounds 2]
 
 `neg-length` on the largest testbed model, 8 prompts x 8 samples, <= 24 new tokens, one update
 per step. Runs alternate (off, on, off, on, ...) so drift on a shared machine hits both alike;
@@ -15,11 +16,11 @@ import json
 import statistics
 import tempfile
 
+from report import Table, json_option, publish
+
 from parity import testbed
 from parity.config import make_config
 from parity.trainer import train
-
-from report import Table, json_option, publish
 
 
 def steps(model: str, recipe: str, diagnostics: bool, n: int, new_tokens: int) -> list[dict]:

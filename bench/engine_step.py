@@ -38,7 +38,7 @@ def one_run(engine: str, tokens: int, a: argparse.Namespace) -> dict:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = rows[1:] or rows
-    med = lambda k: statistics.median(m[k] for m in rows)  # noqa: E731
+    med = lambda k: statistics.median(m[k] for m in rows)
     n = a.prompts * a.group
     rollout = med("time/rollout_s") - med("time/sync_s")
     return {"engine": engine, "tokens": tokens, "sync_s": med("time/sync_s"),

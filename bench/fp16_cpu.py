@@ -15,6 +15,8 @@ import random
 
 import torch
 import torch.nn.functional as F
+from report import Table, json_option, publish
+from timing import measure
 
 from parity import arith, testbed
 from parity.engines import Sampling
@@ -22,9 +24,6 @@ from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 from parity.precision import FP16MatmulOnCPU, autocast
 from parity.runs import load_policy
-
-from report import Table, json_option, publish
-from timing import measure
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ For each engine (name:dtype) it samples one batch at T = 1 on the model's own we
 
 On CUDA, `--reductions-off` turns cuBLAS's reduced-precision reductions in bf16/fp16 matrix
 products off (`torch.backends.cuda.matmul.allow_*_reduced_precision_reduction`), to see whether
-they are what the shadow misses. Chat models get their prompts through the chat template. Absolute seconds drift on a shared
-machine; compare the rows of one run.
+they are what the shadow misses. Chat models get their prompts through the chat template.
+Absolute seconds drift on a shared machine; compare the rows of one run.
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ import argparse
 from pathlib import Path
 
 import torch
+from report import Table, json_option, publish
+from timing import measure
 
 from parity import testbed
 from parity.diagnostics import Shadow
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
 from parity.engines.scoring import score
 from parity.runs import load_policy
-
-from report import Table, json_option, publish
-from timing import measure
 
 
 def prompts_for(tok, n: int) -> list[list[int]]:
@@ -91,8 +90,8 @@ def measure_engine(master, tok, model_dir: Path, name: str, dtype: str,
 
 
 def tables(rows: list[dict], model: str, completions: int, new_tokens: int) -> list[Table]:
-    """Two tables of `measure_engine`'s rows: each engine against the fp32 trainer, and each shadow's
-    kernel gap against its engine."""
+    """Two tables of `measure_engine`'s rows: each engine against the fp32 trainer, and each
+    shadow's kernel gap against its engine."""
     title = f"{model}: {completions} completions of <= {new_tokens} tokens, T = 1"
     eng = Table("engines", title + ": an fp32 trainer against each engine",
                 [("engine", None), ("tokens", "{}"), ("mean abs(l_pi - l_mu)", "{:.4f}"),

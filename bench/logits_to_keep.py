@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from report import Table, json_option, publish
+from timing import alternate
 
 from parity import testbed
 from parity.engines import keep_last, positions
 from parity.precision import low_precision_copy
 from parity.runs import load_policy
-
-from report import Table, json_option, publish
-from timing import alternate
 
 
 def main() -> None:
@@ -48,7 +47,8 @@ def main() -> None:
                     model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                           use_cache=False, logits_to_keep=keep)
             med = {k: v.median for k, v in alternate(
-                {"int": lambda: forward(kept), "index": lambda: forward(index)},
+                {"int": lambda kept=kept: forward(kept),
+                 "index": lambda index=index: forward(index)},
                 warmup=1, repeats=args.repeats).items()}
             t.add(dtype, name, length, kept, med["int"], med["index"], med["int"] / med["index"])
     publish("logits_to_keep", [t], args)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from report import Table, json_option, publish
 
 from parity import testbed
 from parity.engines import Sampling
 from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 from parity.runs import load_policy
-
-from report import Table, json_option, publish
 
 
 def main() -> None:

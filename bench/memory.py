@@ -12,9 +12,9 @@ step's alone, model loading included. Modes:
     microN       micro_batch=N
     microN+      micro_batch=N, logprob_chunk=64, gradient checkpointing
 The estimate is what `parity train` checks before it starts (parity/memory.py, worst case:
-every completion at max tokens). Update time is `time/train_s` of the last step (forward, backward, optimizer step; the rollout
-is not in it). Cells run one after another in the order given; quote ratios between cells of
-one run, absolute times drift on a shared machine.
+every completion at max tokens). Update time is `time/train_s` of the last step (forward,
+backward, optimizer step; the rollout is not in it). Cells run one after another in the order
+given; quote ratios between cells of one run, absolute times drift on a shared machine.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def worker(a: argparse.Namespace) -> dict:
                            "report_to": "none", **_mode(a.mode)})
         captured = []
         rows = load_metrics(train(cfg, on_model=captured.append) / "metrics.jsonl")
+    from transformers import AutoTokenizer
+
     from parity import memory, testbed
     from parity.tasks import prompt_token_ids
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(testbed.resolve_model(a.model))
     longest = max(len(prompt_token_ids(tok, p, a.chat_template))
                   for p in testbed.text_prompts(256, seed=a.seed))

@@ -1,7 +1,7 @@
 """Model FLOP utilisation of the engine (prefill, decode) and of the training step, against the
 matrix-product rate of this machine measured in the same run.
 
-    python bench/mfu.py                          # ladder-w512 (the largest testbed model), batch 256
+    python bench/mfu.py                  # ladder-w512 (the largest testbed model), batch 256
     python bench/mfu.py --model text --batch 64 --new-tokens 16
     python bench/mfu.py --device cuda --dtypes fp32,bf16,fp16   # against the GPU's own rate
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from report import Table, json_option, publish
+from timing import CPU, measure
 
 from parity import devices, testbed
 from parity.engines import Rollout, Sampling
@@ -32,12 +34,9 @@ from parity.engines.scoring import score_full
 from parity.precision import autocast
 from parity.runs import load_policy
 
-from report import Table, json_option, publish
-from timing import measure
-
 
 def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5,
-                device: torch.device = torch.device("cpu")) -> float:
+                device: torch.device = CPU) -> float:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     # the warm-up starts the thread pool, the AMX tiles, the CUDA kernels; the best repeat is
@@ -98,8 +97,10 @@ def main() -> None:
         # No token ends a completion (eos -1): every row decodes T tokens, as the FLOPs assume.
         eng = HFEngine(master, dtype, [-1], tok.pad_token_id)
         s = Sampling()
-        pre = measure(lambda: eng.generate(prompts, 1, s, g), repeats=a.reps, device=dev)
-        whole = measure(lambda: eng.generate(prompts, T + 1, s, g), repeats=a.reps, device=dev)
+        pre = measure(lambda eng=eng, s=s: eng.generate(prompts, 1, s, g), repeats=a.reps,
+                      device=dev)
+        whole = measure(lambda eng=eng, s=s: eng.generate(prompts, T + 1, s, g), repeats=a.reps,
+                        device=dev)
         t_dec = (whole.median - pre.median) / T
         f_pre = B * P * 2 * N + B * sum(attn_flops(master, c) for c in range(1, P + 1))
         f_dec = B * (2 * N + attn_flops(master, P + T / 2))
@@ -110,7 +111,7 @@ def main() -> None:
         model = load_policy(model_dir)[0].train().to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
-        def step(r: Rollout = r) -> None:
+        def step(r: Rollout = r, model=model, opt=opt, dtype=dtype, s=s) -> None:
             with autocast(dtype, dev):
                 logp = score_full(model, r, s).logp
             (-logp.sum() / B).backward()

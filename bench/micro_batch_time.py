@@ -18,7 +18,6 @@ import argparse
 import statistics
 
 import torch
-
 from report import Table, json_option, publish
 from timing import alternate
 
@@ -34,10 +33,10 @@ def main() -> None:
     a = json_option(ap, "micro_batch_time").parse_args()
 
     from parity import testbed
-    from parity.engines.hf import HFEngine
     from parity.engines import Sampling
-    from parity.runs import load_policy
+    from parity.engines.hf import HFEngine
     from parity.engines.scoring import pieces, score_full, trimmed
+    from parity.runs import load_policy
     model, tok = load_policy(testbed.resolve_model(a.model))
     prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.rows, seed=0)]
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(

@@ -72,7 +72,7 @@ class Table:
         self.rows.append(list(values))
 
     def markdown(self) -> str:
-        esc = lambda s: s.replace("|", "\\|")  # noqa: E731  a cell's bar is not a column's
+        esc = lambda s: s.replace("|", "\\|")  # a cell's bar is not a column's
         lines = ["| " + " | ".join(esc(c.name) for c in self.columns) + " |",
                  "|" + "|".join("---:" if c.right() else "---" for c in self.columns) + "|"]
         lines += ["| " + " | ".join(esc(c.cell(v)) for c, v in zip(self.columns, row)) + " |"

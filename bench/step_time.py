@@ -1,6 +1,7 @@
 """Step-time table: rollout / train split and tokens/s per model and recipe.
 
-    python bench/step_time.py [--steps 6] [--models text-xs,LARGEST] [--recipes fp32,bf16-engine,fp16]
+    python bench/step_time.py [--steps 6] [--models text-xs,LARGEST] \\
+        [--recipes fp32,bf16-engine,fp16]
 
 Runs `neg-length` GRPO steps (8 prompts x 8 samples, 24 new tokens) through the real trainer,
 drops the first step (warm-up) and prints the mean of the rest. Compare rows of one run: absolute
@@ -14,11 +15,11 @@ import json
 import statistics
 import tempfile
 
+from report import Table, json_option, publish
+
 from parity import testbed
 from parity.config import make_config
 from parity.trainer import train
-
-from report import Table, json_option, publish
 
 
 def main() -> None:

@@ -33,6 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from mfu import attn_flops, matmul_params, matmul_rate  # bench/ is the script's own directory
+from report import Table, json_option, publish
 
 import parity.diagnostics as diagnostics
 import parity.precision as precision
@@ -47,9 +49,6 @@ from parity.engines.scoring import disable_dropout
 from parity.objectives import OBJECTIVES
 from parity.precision import LossScaler
 from parity.runs import load_policy
-
-from mfu import attn_flops, matmul_params, matmul_rate  # bench/ is the script's own directory
-from report import Table, json_option, publish
 
 
 class Clock:

@@ -9,12 +9,13 @@
     python bench/vs_trl.py --device cuda --model smollm2-135m --task neg-length --max-new-tokens 128
 
 Both sides train the same testbed model on the same task rows with the same reward function
-(`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with the same prompts per step x completions per prompt, completion
-length, learning rate, optimizer (AdamW, constant rate, no weight decay, gradient clip 1.0),
-GRPO loss (per-sequence mean, group-normalised advantages, clip 0.2, no KL term), precision
-(fp32 on both sides: GRPOConfig(bf16=False), parity's `fp32` recipe) and one optimizer step per
-generation. TRL runs without vLLM (`use_cpu=True`) and, to its advantage, without gradient
-checkpointing (its default), which only costs time on a model this size.
+(`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with
+the same prompts per step x completions per prompt, completion length, learning rate,
+optimizer (AdamW, constant rate, no weight decay, gradient clip 1.0), GRPO loss (per-sequence
+mean, group-normalised advantages, clip 0.2, no KL term), precision (fp32 on both sides:
+GRPOConfig(bf16=False), parity's `fp32` recipe) and one optimizer step per generation. TRL runs
+without vLLM (`use_cpu=True`) and, to its advantage, without gradient checkpointing (its
+default), which only costs time on a model this size.
 
 Each run is its own process; runs alternate (TRL, parity, TRL, ...) so drift on a shared
 machine hits both. Step time is the median over the steps after the first two (warm-up): for

@@ -95,7 +95,8 @@ class Dist:
             raise ParityError(errors[0])
 
     # -- the loss ----------------------------------------------------------------------------
-    def sharer(self, totals: dict[str, float]) -> "Callable[[torch.Tensor, float, str], torch.Tensor]":
+    def sharer(self, totals: dict[str, float]
+               ) -> "Callable[[torch.Tensor, float, str], torch.Tensor]":
         """`share(loss, n, unit)` for one optimizer step whose minibatch holds `totals[unit]`
         items of each unit (tokens, sequences, pairs) on this rank, in one or more pieces
         (micro-batches). `loss` is a mean over a piece's `n` items; gradients accumulate over

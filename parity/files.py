@@ -150,7 +150,7 @@ def check_safetensors(path: str | Path, what: str) -> None:
             header = f.read(n) if 0 <= n <= size - 8 else b""
     except OSError as e:
         raise _unreadable(e, p, what) from None
-    bad = lambda why: ParityError(f"{what} {p} is not a whole safetensors file: {why}")  # noqa: E731
+    bad = lambda why: ParityError(f"{what} {p} is not a whole safetensors file: {why}")
     if n < 0:
         raise bad(f"{size} bytes, shorter than the 8-byte header length")
     if n > size - 8:

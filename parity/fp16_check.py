@@ -289,7 +289,8 @@ def judge(r: dict[str, Any]) -> dict[str, Any]:
     bad_w = {n: w for n, w in r["weights"].items() if w["over_max"] or w["nonfinite"]}
     if bad_w:
         mods = sorted({n.rsplit(".", 1)[0] for n in bad_w})
-        inf_reasons.append(f"{len(bad_w)} weight tensor(s) exceed 65504: {', '.join(sorted(bad_w))}")
+        inf_reasons.append(f"{len(bad_w)} weight tensor(s) exceed 65504: "
+                           f"{', '.join(sorted(bad_w))}")
         fixes.append(f"weights beyond fp16's range in {', '.join(mods)}: keep these modules in "
                      f"fp32 (or bf16) when casting to fp16, or fold the scale into a neighbour")
     acts = r["activations"]
@@ -402,7 +403,8 @@ def print_check(r: dict[str, Any], top: int = 10) -> None:
     lines = [f"max weight {w[1]['max_abs']:.3g} ({w[0]}), headroom {_headroom(w[1]['max_abs'])}; "
              f"{_pct(wsum['below_normal'], wsum['nonzero'])} of nonzero weights are fp16 "
              f"subnormals, {_pct(wsum['below_subnormal'], wsum['nonzero'])} lost",
-             f"max activation {a[1]['max_abs']:.3g} ({a[0]}), headroom {_headroom(a[1]['max_abs'])}"]
+             f"max activation {a[1]['max_abs']:.3g} ({a[0]}), "
+             f"headroom {_headroom(a[1]['max_abs'])}"]
     if f["nonfinite_prompts"]:
         lines.append(f"fp16 forward: [red]inf/NaN logits on {f['nonfinite_prompts']} of "
                      f"{p['count']} prompts[/]")

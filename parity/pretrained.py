@@ -83,7 +83,8 @@ def _sha256(path: Path) -> str:
 
 def is_converted(path: Path) -> bool:
     try:
-        return (path / "config.json").is_file() and "source" in json.loads((path / _DONE).read_text())
+        return ((path / "config.json").is_file()
+                and "source" in json.loads((path / _DONE).read_text()))
     except (OSError, ValueError):
         return False
 

@@ -300,7 +300,8 @@ def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]
     return plots
 
 
-_SUMMARY = [("final reward/mean", "reward/mean", "final"), ("best reward/mean", "reward/mean", "max"),
+_SUMMARY = [("final reward/mean", "reward/mean", "final"),
+            ("best reward/mean", "reward/mean", "max"),
             ("mean clip/frac", "clip/frac", "mean"),
             ("mean clip/phantom_frac", "clip/phantom_frac", "mean"),
             ("mean mismatch/beta_mean", "mismatch/beta_mean", "mean"),
@@ -488,7 +489,8 @@ def _advice_sections(advice: dict[str, Any] | None) -> list[Section]:
 
 # ---------------------------------------------------------------------------- scale reports
 
-_SCALE_METRICS = [("beta_abs_mean", "mean |β|"), ("kl_k3", "KL k3"), ("phantom_frac", "phantom fraction")]
+_SCALE_METRICS = [("beta_abs_mean", "mean |β|"), ("kl_k3", "KL k3"),
+                  ("phantom_frac", "phantom fraction")]
 
 
 def scale_report(points: list[dict], fits: dict[str, dict], out: Path,
@@ -571,7 +573,8 @@ def sweep_report(groups: dict[str, list[Path]], out: Path,
     `out/sweep.png` and `out/report.html`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data = {g: [load_metrics(Path(d) / "metrics.jsonl") for d in dirs] for g, dirs in groups.items()}
+    data = {g: [load_metrics(Path(d) / "metrics.jsonl") for d in dirs]
+            for g, dirs in groups.items()}
     panels = [(k, t) for k, t in (panels or _SWEEP_PANELS)
               if any(_seed_stack(runs, k) is not None for runs in data.values())]
     cols = 3

@@ -55,9 +55,11 @@ class ModelSpec:
     description: str = ""
 
 
-def _text(name, arch, n_layer, d_model, vocab, steps, batch=16, lr=2e-3, seq=128, n_head=None, desc=""):
+def _text(name, arch, n_layer, d_model, vocab, steps, batch=16, lr=2e-3, seq=128, n_head=None,
+          desc=""):
     n_head = n_head or max(2, d_model // 64)
-    return ModelSpec(name, "text", arch, n_layer, d_model, n_head, vocab, seq, steps, batch, lr, 0, desc)
+    return ModelSpec(name, "text", arch, n_layer, d_model, n_head, vocab, seq, steps, batch, lr, 0,
+                     desc)
 
 
 _ALL = [
@@ -65,7 +67,8 @@ _ALL = [
               "test-size arithmetic model (partially trained on 1-3 digit addition)"),
     ModelSpec("arith", "arith", "llama", 4, 128, 4, 0, 16, 800, 64, 2e-3, 0,
               "default model for the arith task (partially trained on 1-3 digit addition)"),
-    _text("text-xs", "llama", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64, desc="test-size text model"),
+    _text("text-xs", "llama", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64,
+          desc="test-size text model"),
     _text("text-gpt2-xs", "gpt2", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64,
           desc="test-size GPT-2 text model (architecture coverage)"),
     # Batch 16 x 128: on CPU a batch of 32 costs far more than twice the time per step (the fp32
@@ -75,7 +78,8 @@ _ALL = [
     # The ladder varies one of depth, width, vocab around ladder-base (4 x 256, vocab 4096); every
     # point sees the same tokens (200 steps), so the points differ only in shape.
     _text("ladder-d2", "qwen2", 2, 256, 4096, 200, desc="ladder: depth 2"),
-    _text("ladder-base", "qwen2", 4, 256, 4096, 200, desc="ladder base: depth 4, width 256, vocab 4096"),
+    _text("ladder-base", "qwen2", 4, 256, 4096, 200,
+          desc="ladder base: depth 4, width 256, vocab 4096"),
     _text("ladder-d8", "qwen2", 8, 256, 4096, 200, desc="ladder: depth 8"),
     _text("ladder-w128", "qwen2", 4, 128, 4096, 200, desc="ladder: width 128"),
     _text("ladder-w512", "qwen2", 4, 512, 4096, 200, lr=1e-3, desc="ladder: width 512"),
@@ -152,7 +156,8 @@ def _paragraphs() -> tuple[str, ...]:
             if 20 <= len(block) <= 400 and block.strip():
                 out.append(block)
     if not out:
-        raise ParityError(f"no Python sources found under {root}; the text testbed needs the stdlib sources")
+        raise ParityError(f"no Python sources found under {root}; "
+                          "the text testbed needs the stdlib sources")
     return tuple(out)
 
 
@@ -208,8 +213,10 @@ def _text_tokenizer(spec: ModelSpec, corpus: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=[_EOS_TEXT, _PAD_TEXT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size,
+                                  special_tokens=[_EOS_TEXT, _PAD_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     # A slice of the corpus is plenty for a small vocab, and keeps tiny builds fast.
     budget = min(4_000_000, 300 * spec.vocab_size)
     sample, size = [], 0
@@ -235,9 +242,11 @@ def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
     elif spec.arch in ("llama", "qwen2"):
         cls = tf.LlamaConfig if spec.arch == "llama" else tf.Qwen2Config
         # Untied head: the head's precision behaviour is one of the things parity studies.
-        cfg = cls(num_hidden_layers=spec.n_layer, hidden_size=spec.d_model, num_attention_heads=spec.n_head,
-                  num_key_value_heads=spec.n_head, intermediate_size=_mlp_width(spec.d_model),
-                  max_position_embeddings=max(_MAX_POS, spec.seq_len), tie_word_embeddings=False, **ids)
+        cfg = cls(num_hidden_layers=spec.n_layer, hidden_size=spec.d_model,
+                  num_attention_heads=spec.n_head, num_key_value_heads=spec.n_head,
+                  intermediate_size=_mlp_width(spec.d_model),
+                  max_position_embeddings=max(_MAX_POS, spec.seq_len), tie_word_embeddings=False,
+                  **ids)
     else:
         raise ParityError(f"unknown testbed arch {spec.arch!r}; expected llama, qwen2 or gpt2")
     model = tf.AutoModelForCausalLM.from_config(cfg)
@@ -276,7 +285,8 @@ def _text_batches(spec: ModelSpec, tok, corpus: list[str]):
             stream += e.ids + [tok.eos_token_id]
         if len(stream) >= need:
             break
-    blocks = torch.tensor(stream[: len(stream) // spec.seq_len * spec.seq_len]).view(-1, spec.seq_len)
+    whole = len(stream) // spec.seq_len * spec.seq_len
+    blocks = torch.tensor(stream[:whole]).view(-1, spec.seq_len)
     g = torch.Generator().manual_seed(spec.seed)
     while True:
         for idx in torch.randperm(len(blocks), generator=g).split(spec.batch_size):
@@ -301,12 +311,18 @@ def _train(model, batches, spec: ModelSpec, progress: bool) -> float:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     losses: list[float] = []
     model.train()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), disable=not progress, transient=False) as bar:
         task = bar.add_task(f"building {spec.name}", total=spec.train_steps)
-        for step in range(spec.train_steps):
+        for _ in range(spec.train_steps):
             ids, mask, labels = next(batches)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -327,7 +343,8 @@ def _train(model, batches, spec: ModelSpec, progress: bool) -> float:
 def _is_built(path: Path, spec: ModelSpec) -> bool:
     """A finished build of this exact spec (a spec edited since the build counts as stale)."""
     try:
-        return (path / "config.json").is_file() and json.loads((path / _DONE).read_text())["spec"] == asdict(spec)
+        return ((path / "config.json").is_file()
+                and json.loads((path / _DONE).read_text())["spec"] == asdict(spec))
     except (OSError, ValueError, KeyError):
         return False
 
@@ -357,8 +374,9 @@ def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
         raise ParityError(f"unknown testbed kind {spec.kind!r}")
     model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
     loss = _train(model, batches, spec, progress)
-    info = {"spec": asdict(spec), "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "final_train_loss": loss,
+    info = {"spec": asdict(spec), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "final_train_loss": loss,
             "n_params": sum(p.numel() for p in model.parameters())}
     if spec.kind == "arith":
         rng = random.Random(spec.seed + 1_000_003)  # fresh problems, not the training stream
@@ -426,7 +444,8 @@ def resolve_model(name_or_path: str, cache: Path | None = None) -> Path:
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
             missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
         if missing:
-            raise ParityError(f"{path} is not a Hugging Face model directory: missing {' and '.join(missing)}")
+            raise ParityError(f"{path} is not a Hugging Face model directory: "
+                              f"missing {' and '.join(missing)}")
         return path
     if name_or_path in known_models():
         return ensure(name_or_path, cache)

@@ -36,8 +36,14 @@ def progress(label: str, total: int | None, enabled: bool = True, completed: int
     if not enabled or total == 0:
         yield Bar()
         return
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     cols = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     if eta:
         cols.append(TimeRemainingColumn())

@@ -43,7 +43,8 @@ def _from_audit(path: Path, label: str, engine: str) -> dict[str, Any]:
     a = json.loads(path.read_text())
     m = a["metrics"]
     values = {k: m.get(k) for k in KEYS}
-    if values["mismatch/log_ratio_abs_mean"] is None and m["mismatch/alpha_abs_mean"] < ALPHA_NEGLIGIBLE:
+    if (values["mismatch/log_ratio_abs_mean"] is None
+            and m["mismatch/alpha_abs_mean"] < ALPHA_NEGLIGIBLE):
         values["mismatch/log_ratio_abs_mean"] = m["mismatch/beta_abs_mean"]
     values["clip/phantom_frac@0.2"] = _phantom(a["phantom_vs_eps"], 0.2)
     values["clip/phantom_frac@0.05"] = _phantom(a["phantom_vs_eps"], 0.05)

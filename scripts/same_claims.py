@@ -32,7 +32,7 @@ def rejudged(out: Path) -> tuple[list[dict], list[dict]]:
                          f"plan (its claims.json names plan {held.get('plan')!r})")
     plan = plans[held["plan"]]
     sweeps = out / "sweeps"
-    summary = lambda name: _read(sweeps / name / "summary.json")  # noqa: E731
+    summary = lambda name: _read(sweeps / name / "summary.json")
     algos = {obj: s for obj in plan.algorithms if (s := summary(f"arith-{obj}")) is not None}
     claims = R.judge(_read(out / "audits" / "bf16-vs-fp32" / "audit.json"),
                      _read(out / "audits" / "fp16-vs-fp32" / "audit.json"),

@@ -18,8 +18,8 @@ from parity.trainer import train
 
 pytestmark = pytest.mark.e2e
 
-BASE = dict(task="neg-length", model="text-xs", max_new_tokens=12, prompts_per_step=4, samples_per_prompt=4,
-            progress=False, report_to="none")
+BASE = dict(task="neg-length", model="text-xs", max_new_tokens=12, prompts_per_step=4,
+            samples_per_prompt=4, progress=False, report_to="none")
 
 
 def rows(run: Path) -> list[dict]:
@@ -84,8 +84,8 @@ def test_a_dead_engine_process_stops_the_run_with_a_clear_error(text_model, tmp_
     import psutil
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "parity", "train", "--task", "neg-length",
-                             "--model", "text-xs", "--steps", "200", "--async-engine", "--no-progress",
-                             "--report-to", "none", "--out", str(run)],
+                             "--model", "text-xs", "--steps", "200", "--async-engine",
+                             "--no-progress", "--report-to", "none", "--out", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300

@@ -82,12 +82,12 @@ def test_rollouts_from_another_system_give_the_same_audit(sampled, tmp_path, tex
     `--rollouts` on it must measure the same β and clip fractions."""
     out, res = sampled
     t = pq.read_table(out / "tokens.parquet").to_pandas()
-    from parity.tasks import build_task
     from parity.runs import load_policy
+    from parity.tasks import build_task
     model, tok = load_policy(text_model)
     task = build_task("neg-length", None, text_model, model, tok, 16, None, 0, 1.0)
     rows = []
-    for sid, g in t.groupby("sample_id", sort=True):
+    for _, g in t.groupby("sample_id", sort=True):
         g = g.sort_values("position")
         rows.append({"prompt_token_ids": task.prompt_ids[int(g["prompt_id"].iloc[0])],
                      "completion_token_ids": [int(x) for x in g["token_id"]],

@@ -8,9 +8,18 @@ import pytest
 
 from parity.experiments import claims as C
 from parity.experiments import claims_real as CR
-from parity.experiments.reproduce import (FALLBACK_EPS, QUICK, STALL_RECIPES, ReproductionPlan,
-                                          calibrated_eps, claims_markdown, eps_at_phantom, judge,
-                                          phantom_at, reproduce)
+from parity.experiments.reproduce import (
+    FALLBACK_EPS,
+    QUICK,
+    STALL_RECIPES,
+    ReproductionPlan,
+    calibrated_eps,
+    claims_markdown,
+    eps_at_phantom,
+    judge,
+    phantom_at,
+    reproduce,
+)
 
 
 def groups(**steps):
@@ -447,7 +456,8 @@ def test_sanity_check_verdict_follows_the_seed_spread():
     faster = CR.sanity_check({"fp32": [1.0, 2.0, 0.0], "bf16-engine": [14.0, 13.0, 15.0]}, 1e-6, 10)
     assert faster.verdict == C.NOT_AT_SCALE and "faster" in faster.reason
     # The same means as `faster` but seeds spread widely: no verdict either way.
-    noisy = CR.sanity_check({"fp32": [-10.0, 13.0, 0.0], "bf16-engine": [0.0, 28.0, 14.0]}, 1e-6, 10)
+    noisy = CR.sanity_check({"fp32": [-10.0, 13.0, 0.0], "bf16-engine": [0.0, 28.0, 14.0]},
+                            1e-6, 10)
     assert noisy.verdict == C.NOT_MEASURABLE
     assert CR.sanity_check({"fp32": [1.0]}, 1e-6, 10).verdict == C.NOT_MEASURABLE
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import assert_user_error
 
 pytestmark = pytest.mark.e2e

@@ -8,8 +8,14 @@ import math
 import pytest
 import torch
 
-from parity.diagnostics import (Shadow, StepDiagnostics, attribute, clip_fractions, exact_kl,
-                                kl_estimates)
+from parity.diagnostics import (
+    Shadow,
+    StepDiagnostics,
+    attribute,
+    clip_fractions,
+    exact_kl,
+    kl_estimates,
+)
 from parity.engines import Rollout, Sampling
 from parity.engines.scoring import score
 from parity.objectives import clip_predicate

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from safetensors.torch import load_file
 import pytest
+from safetensors.torch import load_file
 
 from cli_helpers import assert_user_error
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-COMMON = ["--task", "neg-length", "--model", "text-xs", "--no-progress", "--report-to", "none", "--threads", "1"]
+COMMON = ["--task", "neg-length", "--model", "text-xs", "--no-progress", "--report-to", "none",
+          "--threads", "1"]
 
 
 def parity(args: list[str], launcher: list[str] | None = None, timeout: int = 600,
@@ -92,7 +93,8 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
         t1 = pq.read_table(tmp_path / "one" / "rollouts" / f"step-{step}.parquet").to_pandas()
         t2 = pq.read_table(tmp_path / "two" / "rollouts" / f"step-{step}.parquet").to_pandas()
         key = ["update", "sample_id", "position"]
-        t1, t2 = t1.sort_values(key).reset_index(drop=True), t2.sort_values(key).reset_index(drop=True)
+        t1 = t1.sort_values(key).reset_index(drop=True)
+        t2 = t2.sort_values(key).reset_index(drop=True)
         assert len(t1) == len(t2) > 0
         assert (t1["token_id"] == t2["token_id"]).all()
         assert (t1["trainer_logprob"] - t2["trainer_logprob"]).abs().max() < 1e-4

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.engines.hf import HFEngine
 from parity.engines import Sampling, processed_logits
+from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 
 PROMPT = [3, 4, 5]

@@ -148,7 +148,8 @@ def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys
     assert r["verdict"]["inference"] == "OVERFLOW"
     assert r["activations"]["lm_head"]["over_max"] > 0
     assert not any("weight" in x for x in r["reasons"]["inference"])
-    assert "lm_head" in r["reasons"]["inference"][0] and "model.norm" in r["reasons"]["inference"][0]
+    first = r["reasons"]["inference"][0]
+    assert "lm_head" in first and "model.norm" in first
     assert r["fp16_forward"]["nonfinite_prompts"] == 3
     assert "lm_head" in p.stdout and "OVERFLOW" in p.stdout
 
@@ -169,7 +170,8 @@ def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_p
     acts = r["activations"]
     assert {"lm_head", "model.norm", "model.layers.1.mlp.down_proj"} <= set(acts)
     assert acts["lm_head"]["numel"] == r["prompts"]["tokens"] * 512  # summed over the prompts
-    assert acts["model.embed_tokens"]["order"] < acts["model.norm"]["order"] < acts["lm_head"]["order"]
+    order = {k: acts[k]["order"] for k in ("model.embed_tokens", "model.norm", "lm_head")}
+    assert order["model.embed_tokens"] < order["model.norm"] < order["lm_head"]
     assert acts["lm_head"]["leaf"] and not acts["model.layers.0"]["leaf"]
     f = r["fp16_forward"]
     assert f["nonfinite_prompts"] == 0 and 0 < f["max_logit_diff"] < 0.5

@@ -134,8 +134,8 @@ def test_engine_stops_at_any_end_of_turn_token(text_model, tmp_path):
     completion at either."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from parity.engines.hf import HFEngine
     from parity.engines import Sampling, stop_token_ids
+    from parity.engines.hf import HFEngine
     d = _build("qwen2", text_model, tmp_path / "qwen2")
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_user_error
 
+from cli_helpers import assert_user_error
 from parity.cli import main
 
 pytestmark = pytest.mark.e2e

@@ -69,7 +69,8 @@ def _run(tmp_path, name, **kw):
 def _same_metrics(a, b, rel):
     timing = ("time/", "throughput/", "async/wait_s")
     for x, y in zip(a, b, strict=True):
-        assert {k for k in x if not k.startswith(timing)} == {k for k in y if not k.startswith(timing)}
+        assert ({k for k in x if not k.startswith(timing)}
+                == {k for k in y if not k.startswith(timing)})
         for k, v in x.items():
             if k.startswith(timing) or not isinstance(v, float):
                 assert v == y[k] or k.startswith(timing), (k, v, y[k])
@@ -132,10 +133,10 @@ def test_chunked_logprobs_and_checkpointing_give_the_same_step(text_model, tmp_p
 @pytest.mark.e2e
 def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
     """The LM head sees at most `chunk` positions of a forward with gradient at a time."""
-    from parity.engines.hf import HFEngine
     from parity.engines import Sampling
-    from parity.runs import load_policy
+    from parity.engines.hf import HFEngine
     from parity.engines.scoring import score_full
+    from parity.runs import load_policy
     model, tok = load_policy(text_model)
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         [tok("the cat")["input_ids"]] * 3, 10, Sampling(), torch.Generator().manual_seed(0))
@@ -145,7 +146,8 @@ def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
     seen.clear()
     logp = score_full(model, r, Sampling(), chunk=4).logp
     logp.sum().backward()  # recomputes each chunk's logits in the backward
-    assert max(s[1] for s in seen) <= 4 and len(seen) >= 2 * math.ceil(r.completion_ids.shape[1] / 4)
+    assert max(s[1] for s in seen) <= 4
+    assert len(seen) >= 2 * math.ceil(r.completion_ids.shape[1] / 4)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
 
 
@@ -204,8 +206,8 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
     """A bounded engine batch decodes the same completions with the same ℓ_μ and recorded
     distributions, and leaves the generator where the whole batch leaves it (the next step's
     rollout depends on it)."""
-    from parity.engines.hf import HFEngine
     from parity.engines import Sampling
+    from parity.engines.hf import HFEngine
     from parity.runs import load_policy
     model, tok = load_policy(text_model)
     eng = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
@@ -242,8 +244,8 @@ def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from parity.engines import Rollout, Sampling
-    from parity.errors import ParityError
     from parity.engines.scoring import score_full
+    from parity.errors import ParityError
     with pytest.raises(ParityError, match="micro_batch=3: objective=online-dpo pairs completions "
                                           "of one prompt"):
         make_config({**BASE, "objective": "online-dpo", "micro_batch": 3}).validate()

@@ -149,9 +149,9 @@ def test_log_ratio_value_and_gradient(source):
     g = torch.Generator().manual_seed(2)
     pi, mu, s, old = (_rand(g, std=0.5, mean=-1.5).requires_grad_() for _ in range(4))
     lr = log_ratio(source, pi, mu, s, old)
-    P, M, S, O = pi.tolist(), mu.tolist(), s.tolist(), old.tolist()
+    P, M, S, OLD = pi.tolist(), mu.tolist(), s.tolist(), old.tolist()
     ref = [[{"engine": P[i][t] - M[i][t], "shadow": S[i][t] - M[i][t],
-             "recompute": P[i][t] - O[i][t]}[source] for t in range(T)] for i in range(B)]
+             "recompute": P[i][t] - OLD[i][t]}[source] for t in range(T)] for i in range(B)]
     _check(lr, ref)
     torch.exp(lr).sum().backward()
     # ∂ exp(log r)/∂ℓ_π = r with r the *value* of the ratio, for every source
@@ -316,15 +316,15 @@ def test_value_loss_matches_reference(clip):
     ret = _rand(g, pad=-1e3)
     loss = value_loss(v, old, ret, _mask(), clip)
     loss.backward()
-    V, O, R = v.tolist(), old.tolist(), ret.tolist()
+    V, OLD, R = v.tolist(), old.tolist(), ret.tolist()
     ref, grad, n_dead = 0.0, [[0.0] * T for _ in range(B)], 0
     for i, n in enumerate(LENS):
         for t in range(n):
             u = (V[i][t] - R[i][t]) ** 2
             gu = (V[i][t] - R[i][t]) / N_TOK
             if clip is not None:
-                dv = V[i][t] - O[i][t]
-                vc = O[i][t] + max(-clip, min(clip, dv))
+                dv = V[i][t] - OLD[i][t]
+                vc = OLD[i][t] + max(-clip, min(clip, dv))
                 u2 = (vc - R[i][t]) ** 2
                 if u2 > u:     # clipped branch wins; it depends on V only inside the clip range
                     gu = (vc - R[i][t]) / N_TOK if abs(dv) < clip else 0.0

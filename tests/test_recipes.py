@@ -55,7 +55,8 @@ def test_recipe_objective_pair_runs_20_arith_steps(tmp_path, arith_model, recipe
 
 @pytest.mark.e2e
 def test_shadow_ratio_gradient_is_r_times_grad_logp(tiny_lm):
-    """The shadow ratio (docs/design.md) r = exp(ℓ_π − sg(ℓ_π) + ℓ_s − ℓ_μ): ∇r = r·∇ℓ_π, on a real model."""
+    """The shadow ratio (docs/design.md) r = exp(ℓ_π − sg(ℓ_π) + ℓ_s − ℓ_μ): ∇r = r·∇ℓ_π, on a
+    real model."""
     g = torch.Generator().manual_seed(0)
     r = Rollout(torch.randint(2, 16, (3, 4), generator=g), torch.ones(3, 4, dtype=torch.long),
                 torch.randint(2, 16, (3, 5), generator=g), torch.ones(3, 5),

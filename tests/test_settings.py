@@ -13,8 +13,7 @@ import typing
 import pytest
 
 from parity import config
-from parity.config import (AuditSettings, Config, check_fields, coerce, field_specs,
-                           make_config)
+from parity.config import AuditSettings, Config, check_fields, coerce, field_specs, make_config
 from parity.errors import ParityError
 
 # Numbers with no bound of their own: max_grad_norm <= 0 disables clipping, and sync_every's

@@ -48,9 +48,11 @@ def test_dir_loads_with_auto_classes(which, arith_dir, text_dir):
     assert cfg.max_position_embeddings >= 256
     assert cfg.model_type == "llama" and not cfg.tie_word_embeddings
     assert next(model.parameters()).dtype == torch.float32
-    assert tok("12+3=")["input_ids"] == tok("12+3=", add_special_tokens=False)["input_ids"]  # no BOS
+    # no BOS
+    assert tok("12+3=")["input_ids"] == tok("12+3=", add_special_tokens=False)["input_ids"]
     info = json.loads((path / "testbed.json").read_text())
-    assert info["spec"]["name"] == path.name and info["build_seconds"] > 0 and "final_train_loss" in info
+    assert info["spec"]["name"] == path.name and info["build_seconds"] > 0
+    assert "final_train_loss" in info
 
 
 @pytest.mark.e2e
@@ -88,7 +90,8 @@ def test_text_model_ends_samples_with_eos(text_dir):
     enc = tok(tb.text_prompts(64), return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24)
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=24)
     ended = sum(tok.eos_token_id in row for row in out[:, enc["input_ids"].shape[1]:].tolist())
     assert 3 <= ended < 64
 
@@ -134,7 +137,8 @@ def test_interrupted_build_leaves_nothing_ensure_accepts(tmp_path, monkeypatch):
     (half / "config.json").write_text("{}")
     monkeypatch.setattr(tb, "_train", real_train)
     path = tb.ensure(tb.TEST_ARITH, tmp_path, progress=False)
-    assert path == half and (path / "testbed.json").is_file() and (path / "model.safetensors").is_file()
+    assert path == half
+    assert (path / "testbed.json").is_file() and (path / "model.safetensors").is_file()
     assert [p.name for p in (tmp_path / "models").iterdir()] == [tb.TEST_ARITH]
 
 
@@ -203,7 +207,8 @@ def test_corpus_and_prompts_are_deterministic_and_held_out():
 
 
 def test_spec_tables_are_consistent():
-    for name in (tb.TEST_TEXT, tb.TEST_ARITH, tb.DEFAULT_TEXT, tb.DEFAULT_ARITH, tb.LARGEST, *tb.LADDER):
+    for name in (tb.TEST_TEXT, tb.TEST_ARITH, tb.DEFAULT_TEXT, tb.DEFAULT_ARITH, tb.LARGEST,
+                 *tb.LADDER):
         assert tb.SPECS[name].name == name
     assert tb.LARGEST == tb.LADDER[-1] and len(set(tb.LADDER)) == len(tb.LADDER) >= 3
     assert {tb.SPECS[n].arch for n in tb.LADDER} == {"qwen2"}

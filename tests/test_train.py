@@ -19,7 +19,8 @@ pytestmark = pytest.mark.e2e
 CONTRACT = ["step", "reward/mean", "reward/std", "completion/len_mean", "clip/frac",
             "clip/phantom_frac", "clip/hidden_frac", "clip/alpha_frac",
             "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
-            "mismatch/beta_std", "mismatch/beta_adv_corr", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/prob_diff_abs_mean",
+            "mismatch/beta_std", "mismatch/beta_adv_corr", "mismatch/kl_k1", "mismatch/kl_k3",
+            "mismatch/prob_diff_abs_mean",
             "mismatch/prob_diff_max", "mismatch/prob_diff_min", "sync/changed_frac",
             "loss/scale", "train/skipped_updates", "time/rollout_s", "time/train_s",
             "time/step_s", "throughput/tokens_per_s"]
@@ -74,9 +75,10 @@ def test_run_directory_contract(tmp_path, text_model):
 
 
 def test_rollout_dump_matches_metrics(tmp_path, text_model):
-    """--dump-rollouts 2: the per-token parquet (docs/design.md) on steps 2 and 4, one row per token per
-    update, consistent with the step's metrics and with the decomposition."""
+    """--dump-rollouts 2: the per-token parquet (docs/design.md) on steps 2 and 4, one row per
+    token per update, consistent with the step's metrics and with the decomposition."""
     import pyarrow.parquet as pq
+
     from parity.diagnostics import DUMP_COLUMNS
     out, rows = run(tmp_path, model="text-xs", recipe="bf16-engine", steps=4, lr=1e-3,
                     prompts_per_step=4, samples_per_prompt=4, minibatches=2, epochs=2,

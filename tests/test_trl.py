@@ -83,12 +83,14 @@ def test_bf16_engine_has_a_precision_gap_and_tracks_the_weights(bf16_engine_run)
     for h in steps:
         # bf16 against fp32 on a testbed model: |β| of order 1e-3 (docs/diagnostics.md)
         assert 1e-4 < h["mismatch/beta_abs_mean"] < 5e-2
-    # the engine copy is synced to the trainer's weights every step: unchanged at step 1, moved after
+    # the engine copy is synced to the trainer's weights every step: unchanged at step 1, moved
+    # after
     assert steps[0]["sync/changed_frac"] == 0.0
     assert all(h["sync/changed_frac"] > 0.01 for h in steps[1:])
     master = bf16_engine_run.accelerator.unwrap_model(bf16_engine_run.model)
     bf16_engine_run.engine.sync(master)
-    for (name, p), (_, q) in zip(master.named_parameters(), bf16_engine_run.engine.model.named_parameters()):
+    for (name, p), (_, q) in zip(master.named_parameters(),
+                                 bf16_engine_run.engine.model.named_parameters()):
         assert q.dtype == torch.bfloat16
         assert torch.equal(p.detach().to(torch.bfloat16), q), name
 

@@ -22,10 +22,17 @@ if not HAVE_VLLM and os.environ.get("PARITY_REQUIRE_VLLM") == "1":
 
 from parity.errors import ParityError  # noqa: E402
 from parity.integrations import trl_async  # noqa: E402
-from parity.integrations.trl_async import (AsyncParityOptions, ParityAsyncGRPOTrainer,  # noqa: E402
-                                           plain_response_template)
-from parity.integrations.weight_sync import (DirectoryWeightTransfer, dev_server,  # noqa: E402
-                                             named_tensors, reference_logprobs)
+from parity.integrations.trl_async import (  # noqa: E402
+    AsyncParityOptions,
+    ParityAsyncGRPOTrainer,
+    plain_response_template,
+)
+from parity.integrations.weight_sync import (  # noqa: E402
+    DirectoryWeightTransfer,
+    dev_server,
+    named_tensors,
+    reference_logprobs,
+)
 from parity.precision import low_precision_copy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -105,7 +112,7 @@ def test_cpu_tree_attention_equals_a_plain_forward_per_sample(text_model):
     samples = [(0, prompt_a + [30, 31, 32]), (0, prompt_a + [30, 40]), (0, prompt_a + [41]),
                (1, prompt_b + [50, 51, 52, 53])]
     row = TreeRow()
-    for g, (group, ids) in enumerate(samples):
+    for group, ids in samples:
         plen = len(prompt_a) if group == 0 else len(prompt_b)
         row.add({"input_ids": torch.tensor(ids), "group_id": group, "advantage": 1.0,
                  "completion_mask": torch.tensor([0] * plen + [1] * (len(ids) - plen)),

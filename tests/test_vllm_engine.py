@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cli_helpers import assert_user_error
-from parity.engines.hf import HFEngine
 from parity.engines import Sampling
+from parity.engines.hf import HFEngine
 from parity.engines.vllm import rollout_from_outputs, row_seeds, sampling_kwargs
 
 
@@ -81,18 +81,20 @@ def test_kv_cache_is_every_row_at_its_longest_in_whole_blocks():
     a token; 70 tokens take 5 blocks of 16 (+1 spare) = 96 token slots a row; 4 rows, 25% room,
     16 MiB of vLLM's own."""
     from types import SimpleNamespace
+
     from parity.engines.vllm import kv_cache_bytes
     cfg = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                           hidden_size=64, head_dim=16)
     assert kv_cache_bytes(cfg, "bf16", rows=4, max_len=70) == int(4 * 96 * 384 * 1.25) + (16 << 20)
-    assert kv_cache_bytes(cfg, "fp32", 4, 70) - (16 << 20) == 2 * (kv_cache_bytes(cfg, "bf16", 4, 70)
-                                                                   - (16 << 20))
+    bf16 = kv_cache_bytes(cfg, "bf16", 4, 70) - (16 << 20)
+    assert kv_cache_bytes(cfg, "fp32", 4, 70) - (16 << 20) == 2 * bf16
 
 
 def test_whole_distributions_fill_returned_tokens_and_leave_the_rest_impossible():
     from types import SimpleNamespace
+
     from parity.engines.vllm import whole_distributions
-    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    lp = lambda x: SimpleNamespace(logprob=x)
     d = whole_distributions([{0: lp(-0.5), 2: lp(-1.0)}, {1: lp(-0.1)}], T=3, vocab=4)
     assert d.shape == (3, 4)
     assert d[0, 0] == -0.5 and d[0, 2] == -1.0 and d[1, 1] == -0.1

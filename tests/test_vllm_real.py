@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.engines.hf import HFEngine
 from parity.engines import Engine, EngineSpec, Sampling, make_engine
+from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 from parity.runs import load_policy as load_model
 
@@ -187,6 +187,7 @@ def test_an_architecture_vllm_lacks_is_refused_in_one_line_before_the_run_starts
     import shutil
     import subprocess
     import sys
+
     from cli_helpers import assert_user_error
     odd = tmp_path / "odd"
     shutil.copytree(text_model, odd)

@@ -17,9 +17,19 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from parity.engines.rollout import (Rollout, Sampling, Shard, keep_last, left_pad,
-                                    logprobs_from_logits, positions, processed_logits,
-                                    sample_rows, stop_token_ids, uniforms)
+from parity.engines.rollout import (
+    Rollout,
+    Sampling,
+    Shard,
+    keep_last,
+    left_pad,
+    logprobs_from_logits,
+    positions,
+    processed_logits,
+    sample_rows,
+    stop_token_ids,
+    uniforms,
+)
 
 __all__ = ["ENGINES", "Engine", "EngineSpec", "Rollout", "Sampling", "Shard", "check_engine",
            "keep_last", "left_pad", "logprobs_from_logits", "make_engine", "positions",
@@ -93,7 +103,7 @@ def _vllm(spec: EngineSpec) -> Engine:
 
 
 def _vllm_check(config: Any) -> None:
-    from parity.engines.vllm import check_available, check_architecture
+    from parity.engines.vllm import check_architecture, check_available
     check_available()
     if config is not None:
         check_architecture(config)

@@ -11,9 +11,18 @@ import torch
 from transformers import StaticCache
 
 from parity.engines.attention import ENGINE_ATTENTION
-from parity.engines.rollout import (Rollout, Sampling, Shard, keep_last, left_pad,
-                                    logprobs_from_logits, positions, processed_logits,
-                                    sample_rows, uniforms)
+from parity.engines.rollout import (
+    Rollout,
+    Sampling,
+    Shard,
+    keep_last,
+    left_pad,
+    logprobs_from_logits,
+    positions,
+    processed_logits,
+    sample_rows,
+    uniforms,
+)
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
@@ -128,7 +137,7 @@ class HFEngine:
             parts.append((a, r))
         generator.set_state(end)
         T = max(r.completion_ids.shape[1] for _, r in parts)
-        wide = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+        wide = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)
         out = Rollout(torch.cat([r.prompt_ids for _, r in parts]),
                       torch.cat([r.prompt_mask for _, r in parts]),
                       torch.cat([wide(r.completion_ids, self.pad_id) for _, r in parts]),

@@ -92,7 +92,7 @@ class Rollout:
 
     def to(self, device: torch.device) -> "Rollout":
         """The rollout on `device` (one from another process, or from vLLM, arrives on the CPU)."""
-        move = lambda x: x.to(device) if x is not None else None  # noqa: E731
+        move = lambda x: x.to(device) if x is not None else None
         return Rollout(*(move(getattr(self, f)) for f in self._BATCHED), move(self.dist_rows),
                        move(self.dists))
 

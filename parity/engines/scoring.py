@@ -147,7 +147,8 @@ def trimmed(r: Rollout) -> Rollout:
 
 
 def widened(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[b, t, ...] padded with zeros to [b, T, ...]: a trimmed piece's output in the batch's shape."""
+    """[b, t, ...] padded with zeros to [b, T, ...]: a trimmed piece's output in the batch's
+    shape."""
     n = T - x.shape[1]
     if n <= 0:
         return x

@@ -115,12 +115,12 @@ def rollout_from_outputs(prompts: list[list[int]], completions: list[list[int]],
     comp = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     valid = torch.zeros((len(prompts), T))
     lp = torch.zeros((len(prompts), T))
-    for i, (c, l) in enumerate(zip(completions, logprobs)):
-        if len(c) != len(l):
-            raise ValueError(f"completion {i}: {len(c)} tokens but {len(l)} log-probs")
+    for i, (c, lps) in enumerate(zip(completions, logprobs)):
+        if len(c) != len(lps):
+            raise ValueError(f"completion {i}: {len(c)} tokens but {len(lps)} log-probs")
         comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         valid[i, :len(c)] = 1.0
-        lp[i, :len(c)] = torch.tensor(l, dtype=torch.float32)
+        lp[i, :len(c)] = torch.tensor(lps, dtype=torch.float32)
     return Rollout(ids, mask, comp, valid, lp, torch.tensor(finished, dtype=torch.bool))
 
 
