@@ -19,8 +19,8 @@ then, in another shell:
 `--max-num-batched-tokens` large enough for every prompt in flight keeps vLLM from splitting a
 prompt's prefill over steps: on CPU, a seeded request (AsyncGRPO seeds each one) whose prefill
 is split kills vLLM 0.32's engine ("CPU Generator does not use offset"). `--recipe fp32` needs
-a server started with `--dtype float32`, `--recipe fp16` one with `--dtype float16`. Prints, per step, TRL's clip count next to parity's attribution of it and
-what the weight sync cost.
+a server started with `--dtype float32`, `--recipe fp16` one with `--dtype float16`. Prints,
+per step, TRL's clip count next to parity's attribution of it and what the weight sync cost.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from parity import testbed
 from parity.config import TASK_DEFAULTS
 from parity.errors import ParityError
-from parity.integrations.trl_async import (AsyncParityOptions, ParityAsyncGRPOTrainer,
-                                           plain_response_template)
+from parity.integrations.trl_async import (
+    AsyncParityOptions,
+    ParityAsyncGRPOTrainer,
+    plain_response_template,
+)
 from parity.tasks import chat_questions
 
 LEARNING_RATE = next(f.default for f in dataclasses.fields(AsyncGRPOConfig)

@@ -170,7 +170,8 @@ def advise(result: dict[str, Any], fp16_check: str | None = None) -> Advice:
     if alpha is not None and gap:
         reasons.append(f"parity's shadow reproduces the engine to |α| = {alpha:.3g} per token, "
                        f"{alpha / gap:.0%} of the gap: bf16-shadow "
-                       f"{'is exact enough' if shadow_ok else 'would carry as much noise as it removes'}")
+                       + ("is exact enough" if shadow_ok
+                          else "would carry as much noise as it removes"))
     if result["engine_dtype"] == "fp16":
         fits16, fp16_note = True, "the engine already runs fp16"
     reasons.append(f"fp16: {fp16_note}")
@@ -241,8 +242,8 @@ def what_to_do(result: dict[str, Any]) -> dict[str, Any]:
              for n in METRIC_NAMES]
     return {"headline": a.headline, "reasons": a.reasons, "tables": [
         ("Your figures beside the reference points", head, rows,
-         f"All against an fp32 trainer; the measured rows on the same task settings as their "
-         f"source. Reference points and their sources: docs/diagnostics.md, What to do."),
+         "All against an fp32 trainer; the measured rows on the same task settings as their "
+         "source. Reference points and their sources: docs/diagnostics.md, What to do."),
         ("The fixes", ["recipe", "fits here", "why", "what it changes and costs"], opts, ""),
         ("The same metrics in other libraries", ["parity", "quantity", "TRL", "verl", "slime"],
          names, "Δ = ℓ_π − ℓ_μ per token; a library that recomputes old log-probs has them "

@@ -24,23 +24,40 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parity import devices, lora, testbed, ui
-from parity.ui import progress
-from parity.diagnostics import (EPS_SWEEP, Shadow, StepDiagnostics, attribute, clip_fractions,
-                                dump_table, exact_kl_of_rows, exact_kl_rows, kept_rows,
-                                write_dump)
 from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.engines import (Engine, EngineSpec, Rollout, Sampling, check_engine, make_engine,
-                            stop_token_ids)
-from parity.engines.scoring import score_full
 from parity.config import AuditSettings
+from parity.diagnostics import (
+    EPS_SWEEP,
+    Shadow,
+    StepDiagnostics,
+    attribute,
+    clip_fractions,
+    dump_table,
+    exact_kl_of_rows,
+    exact_kl_rows,
+    kept_rows,
+    write_dump,
+)
+from parity.engines import (
+    Engine,
+    EngineSpec,
+    Rollout,
+    Sampling,
+    check_engine,
+    make_engine,
+    stop_token_ids,
+)
+from parity.engines.scoring import score_full
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast, fp32_head
 from parity.runs import check_run_dir, free_dir, load_policy, max_positions
+from parity.ui import progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
     from parity.tasks import Task
 
 

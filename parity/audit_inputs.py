@@ -1,8 +1,8 @@
 """Audit inputs: another system's completions and engine log-probs, and prompt files.
 
-The audit input schema (docs/design.md), JSONL or parquet, one row per completion: `prompt_token_ids`,
-`completion_token_ids`, `engine_logprobs` (one per completion token), optional `advantage` or
-`reward`. A JSONL file may instead hold a serving engine's saved responses, which
+The audit input schema (docs/design.md), JSONL or parquet, one row per completion:
+`prompt_token_ids`, `completion_token_ids`, `engine_logprobs` (one per completion token), optional
+`advantage` or `reward`. A JSONL file may instead hold a serving engine's saved responses, which
 `server_rollouts` turns into such rows. Every problem is refused with the file, row (and line),
 column and what is wrong.
 """

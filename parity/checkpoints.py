@@ -35,8 +35,14 @@ from safetensors.torch import load_model, save_file, save_model
 
 from parity import lora
 from parity.errors import ParityError, one_line
-from parity.files import (check_safetensors, free_bytes, is_disk_full, read_safetensors,
-                          read_torch, write_failure)
+from parity.files import (
+    check_safetensors,
+    free_bytes,
+    is_disk_full,
+    read_safetensors,
+    read_torch,
+    write_failure,
+)
 
 MANIFEST = "manifest.json"
 ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)

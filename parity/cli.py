@@ -107,14 +107,15 @@ def resume_config(args: argparse.Namespace) -> Config:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from rich.console import Console
-    from parity.trainer import train
+
     from parity import devices
+    from parity.trainer import train
     cfg = resume_config(args) if args.resume else config_from_args(args)
     device = devices.resolve(cfg.device)  # a device this machine lacks: one line, no header
     console = Console(stderr=True)
     # Once the model is loaded and every check passed (the trainer's model hook): a refusal
     # while loading is then the only line printed.
-    header = lambda model: console.print(  # noqa: E731
+    header = lambda model: console.print(
         f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} engine={cfg.engine_dtype} "
         f"trainer={cfg.trainer_dtype} ratio={cfg.ratio_source} steps={cfg.steps} "
         f"device={device}")
@@ -133,6 +134,7 @@ def _stop_on_sigterm() -> None:
     """torchrun stops the other ranks with SIGTERM when one fails: say so in one line rather
     than die mid-step without a word (the checkpoints on disk are whole either way)."""
     import signal
+
     from parity.distributed import RankFailure
 
     def stop(signum, frame):
@@ -170,6 +172,7 @@ def _fmt(v: Any) -> str:
 def cmd_testbed(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
+
     from parity import pretrained, testbed
     cache = testbed.cache_dir() if args.cache is None else Path(args.cache)
     if args.action == "list":
@@ -257,6 +260,7 @@ def cmd_recipes(args: argparse.Namespace) -> None:
         print("\n".join(readme_tables().values()), end="")
         return
     from rich.table import Table
+
     from parity import ui
     from parity.config import FIELDS
     console = ui.console()

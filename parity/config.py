@@ -173,8 +173,8 @@ class Config:
                                        "a separate inference engine such as vLLM must) or "
                                        "`scored` (the engine scores the shadow itself on the "
                                        "current weights: a weight load and a scoring pass per "
-                                       "update; against vLLM 0 to 1e-3, at T = 1 without top-p/top-k "
-                                       "only, docs/vllm.md); the gap "
+                                       "update; against vLLM 0 to 1e-3, at T = 1 without "
+                                       "top-p/top-k only, docs/vllm.md); the gap "
                                        "left is mismatch/kernel_gap_abs_mean.")
     cpu_fp16: CpuFp16 = _f("emulate", "How fp16 matrix products run on CPU: `emulate` (fp16 "
                            "inputs, float64 accumulation, fp16 output: GPU tensor cores' numerics "

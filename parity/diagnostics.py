@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines import Engine, Rollout, Sampling, processed_logits
+from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import score
 from parity.objectives import clip_predicate, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
@@ -269,7 +269,8 @@ class StepDiagnostics:
         m = mask > 0
         pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
         a = (adv[:, None] if adv.dim() == 1 else adv).expand_as(mask)
-        seq = (self.n_seq + torch.arange(mask.shape[0], device=mask.device))[:, None].expand_as(mask)
+        rows = self.n_seq + torch.arange(mask.shape[0], device=mask.device)
+        seq = rows[:, None].expand_as(mask)
         self.n_seq += mask.shape[0]
         for k, v in (("alpha", att.alpha), ("beta", att.beta), ("adv", a),
                      ("prob", logp_pi.detach().exp()), ("pos", pos), ("clipped", att.clipped),

@@ -132,7 +132,8 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     act = layers * width * _ACT_PER_LAYER * _BYTES[cfg.trainer_dtype]
     if cfg.gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
         act = layers * width * 4 + width * _ACT_PER_LAYER * 4
-    positions = min(cfg.logprob_chunk, cfg.max_new_tokens) if cfg.logprob_chunk else cfg.max_new_tokens
+    positions = (min(cfg.logprob_chunk, cfg.max_new_tokens) if cfg.logprob_chunk
+                 else cfg.max_new_tokens)
     logits = 3 * rows * positions * vocab * 4  # logits, log-softmax, its gradient (fp32)
     # Held through the update: the engine's whole distribution at every position of the rows
     # kept for the exact KL, fp32.
@@ -196,7 +197,7 @@ def _decoding(cfg: Config, world: int) -> int:
 def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimate,
             free: float) -> str:
     """The setting to lower, and the value that fits where one does."""
-    fits = lambda total: total <= 0.9 * free  # noqa: E731
+    fits = lambda total: total <= 0.9 * free
     if e.sampling:
         import dataclasses
         ok = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < _decoding(cfg, world) and

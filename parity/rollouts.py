@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from parity.engines.async_process import AsyncEngine, Request
 from parity.checkpoints import Restored, engine_versions
 from parity.config import Config
 from parity.distributed import Dist
 from parity.engines import Engine, Rollout, Sampling, Shard
+from parity.engines.async_process import AsyncEngine, Request
 from parity.tasks import PromptSampler, Task
 
 

@@ -19,8 +19,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed
 from parity.errors import ParityError, one_line
-from parity.files import (check_safetensors, ensure_writable, quiet_libraries, read_bytes,
-                          write_atomic)
+from parity.files import (
+    check_safetensors,
+    ensure_writable,
+    quiet_libraries,
+    read_bytes,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     from parity.config import Config

@@ -19,6 +19,7 @@ What is checked about the server, and how:
 
 from __future__ import annotations
 
+import functools
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,15 +31,16 @@ from parity import ui
 from parity.audit_inputs import to_rollout
 from parity.config import AuditSettings
 from parity.engines import Sampling, logprobs_from_logits, stop_token_ids
+from parity.engines.scoring import score_full
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast
-from parity.engines.scoring import score_full
 from parity.server_client import Server, chat_request, completion_request
 from parity.server_rollouts import server_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
     from parity.tasks import Task
 
 CHECK_ROWS = 16     # completions whose ℓ_μ are compared with the trainer's processed and raw
@@ -114,8 +116,8 @@ def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: torch.
                     bodies.append(completion_request(info["model"], prompt_ids[i], a.group,
                                                      a.max_new_tokens, s, stops))
             path = info["endpoint"]
-            for i, body, ans in zip(rows, bodies, pool.map(lambda b: server.post(path, b),
-                                                           bodies)):
+            answers = pool.map(functools.partial(server.post, path), bodies)
+            for i, body, ans in zip(rows, bodies, answers):
                 line = {"request": body, "response": ans}
                 got = server_rows(line, f"server {server.url}{path}, prompt {i}", tok)
                 same_prompt += all(c["prompt_token_ids"] == prompt_ids[i] for c in got)

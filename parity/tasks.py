@@ -35,8 +35,18 @@ from typing import Any, Callable
 
 from parity import arith, testbed, ui
 from parity.errors import ParityError, one_line
-from parity.files import (arrow_rows, ensure_writable, exists, json_lines, parse_json,
-                          quiet_libraries, read_json, read_parquet, read_python, read_text)
+from parity.files import (
+    arrow_rows,
+    ensure_writable,
+    exists,
+    json_lines,
+    parse_json,
+    quiet_libraries,
+    read_json,
+    read_parquet,
+    read_python,
+    read_text,
+)
 
 RewardFn = Callable[..., list[float]]
 BUILTIN = ("neg-length", "neg-length-chat", "arith")

@@ -31,31 +31,72 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from parity import checkpoints, devices, distributed, lora, memory
 from parity.config import Config, dump_yaml
-from parity.diagnostics import (Shadow, StepDiagnostics, attribute, dump_table, exact_kl_of_rows,
-                                exact_kl_rows, kept_rows, write_dump)
+from parity.diagnostics import (
+    Shadow,
+    StepDiagnostics,
+    attribute,
+    dump_table,
+    exact_kl_of_rows,
+    exact_kl_rows,
+    kept_rows,
+    write_dump,
+)
 from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
-from parity.engines import (Engine, EngineSpec, Rollout, Sampling, check_engine, make_engine,
-                            stop_token_ids)
+from parity.engines import (
+    Engine,
+    EngineSpec,
+    Rollout,
+    Sampling,
+    check_engine,
+    make_engine,
+    stop_token_ids,
+)
+from parity.engines.scoring import (
+    disable_dropout,
+    pieces,
+    score_full,
+    score_pieces,
+    trimmed,
+    widened,
+)
 from parity.errors import ParityError
+from parity.files import LineLog, write_failure
 from parity.loggers import MetricLoggers, check_backends
 from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
-from parity.objectives import (OBJECTIVES, Loss, Minibatch, Objective, ValueHead,
-                               behaviour_weights, gae, grpo_advantages, log_ratio, units, whiten)
+from parity.objectives import (
+    OBJECTIVES,
+    Loss,
+    Minibatch,
+    Objective,
+    ValueHead,
+    behaviour_weights,
+    gae,
+    grpo_advantages,
+    log_ratio,
+    units,
+    whiten,
+)
 from parity.precision import LossScaler, autocast, fp32_head, torch_dtype
 from parity.rollouts import Rollouts
-from parity.files import LineLog, write_failure
-from parity.runs import (RunClaim, check_run_dir, claim_run_dir, load_model_and_task,
-                         run_dir_for, set_aside_metrics, truncate_metrics)
-from parity.engines.scoring import (disable_dropout, pieces, score_full, score_pieces, trimmed,
-                            widened)
+from parity.runs import (
+    RunClaim,
+    check_run_dir,
+    claim_run_dir,
+    load_model_and_task,
+    run_dir_for,
+    set_aside_metrics,
+    truncate_metrics,
+)
 from parity.tasks import PromptSampler, Task
 from parity.ui import progress
-
 
 # ---- the loop --------------------------------------------------------------------------------
 
@@ -124,7 +165,8 @@ def _train(run: Run, resume: bool) -> Path:
                 bar.advance(1, _step_line(m))
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
                 save(run, step)  # on every rank: FSDP gathers the shards first
-    if run.first_step <= cfg.steps:  # else a finished run was "resumed": its final checkpoint stands
+    # else a finished run was "resumed": its final checkpoint stands
+    if run.first_step <= cfg.steps:
         save(run, cfg.steps)
     return run.dir
 
@@ -349,14 +391,14 @@ def _rows(x: torch.Tensor | None, idx: slice, t: int | None = None) -> torch.Ten
 
 def _detached(b: Minibatch, T: int) -> Minibatch:
     """A piece's per-token tensors without gradient, widened back to the minibatch's T."""
-    w = lambda x: widened(x.detach(), T) if x is not None and x.dim() == 2 else x  # noqa: E731
+    w = lambda x: widened(x.detach(), T) if x is not None and x.dim() == 2 else x
     return Minibatch(**{f.name: w(getattr(b, f.name)) for f in fields(Minibatch)})
 
 
 def _joined(parts: list[Minibatch], mb: Rollout, adv: torch.Tensor,
             rewards: torch.Tensor) -> Minibatch:
     """The pieces of a minibatch put back together, in row order."""
-    cat = lambda name: (torch.cat([getattr(q, name) for q in parts])  # noqa: E731
+    cat = lambda name: (torch.cat([getattr(q, name) for q in parts])
                         if getattr(parts[0], name) is not None else None)
     return Minibatch(log_r=cat("log_r"), logp_pi=cat("logp_pi"), logp_s=cat("logp_s"),
                      mask=mb.completion_mask, adv=adv, rewards=rewards, weights=cat("weights"),

@@ -85,7 +85,7 @@ def summary(runs: list[dict]) -> list[dict]:
             continue
         st = r["steps"]
 
-        def col(k: str, sl: slice) -> float | None:
+        def col(k: str, sl: slice, st: list = st) -> float | None:
             return _mean([s[k] for s in st[sl]])
         rows.append({"recipe": r["recipe"], "seed": r["seed"], "steps": len(st),
                      "length_first": col("completions/mean_length", slice(0, 1)),
@@ -119,7 +119,7 @@ def write(out: Path, a: argparse.Namespace, runs: list[dict], wall: float) -> No
                                  "phantom", "hidden", "alpha_clip", "probe_gap", "sync_s",
                                  "step_s")]) + " |")
     cl = claims(rows, a.steps)
-    md = [f"# The seed's sanity check with TRL's AsyncGRPOTrainer against a vLLM server",
+    md = ["# The seed's sanity check with TRL's AsyncGRPOTrainer against a vLLM server",
           "", f"`python scripts/async_sanity.py --steps {a.steps} --seeds "
           f"{' '.join(map(str, a.seeds))} --batch {a.batch} --group {a.group} --max-tokens "
           f"{a.max_tokens}`: {wall / 60:.1f} min on this machine (2 CPU cores, shared). "
@@ -137,6 +137,7 @@ def write(out: Path, a: argparse.Namespace, runs: list[dict], wall: float) -> No
 def _trl_defaults() -> str:
     """AsyncGRPOConfig's own ε, learning rate and staleness, which every run keeps."""
     import dataclasses
+
     from trl.experimental.async_grpo import AsyncGRPOConfig
     d = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}
     return (f"ε = {d['epsilon']:g}, lr {d['learning_rate']:g}, max_staleness "

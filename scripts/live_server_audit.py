@@ -7,8 +7,8 @@
 For each dtype a vLLM OpenAI server is started on 127.0.0.1 (eager, processed log-probs), the
 model is audited with `parity audit --server URL --trainer-dtype fp32` on the chat prompts of
 `neg-length-chat` (the server's own chat template, /v1/chat/completions) at temperature 1 or the
-one given, and the server is stopped. Prints a table and writes the figures, the command and wall times as JSON
-(docs/serving.md shows them).
+one given, and the server is stopped. Prints a table and writes the figures, the command and
+wall times as JSON (docs/serving.md shows them).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def main() -> None:
         rows = [audit_one(model_dir, d, args, Path(tmp)) for d in args.dtypes.split(",")]
     result = {"script": "python scripts/live_server_audit.py " + " ".join(sys.argv[1:]),
               "model": args.model, "trainer_dtype": "fp32", "task": TASK,
-              "temperature": args.temperature, "top_p": args.top_p, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+              "temperature": args.temperature, "top_p": args.top_p,
+              "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     t = Table(title=f"live audit of vLLM serving {args.model} against an fp32 trainer, T = "
                     f"{args.temperature:g}, top-p {args.top_p:g} ({result['wall_s']:.0f} s in all)")

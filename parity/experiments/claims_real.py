@@ -1,15 +1,22 @@
-"""The real model's claims (`parity reproduce --model`), judged as `parity.experiments.claims` judges the
-testbed's. Training effects on the real model are judged on how far completions shorten in a run
-(`drop`: mean length over its first steps minus over its last), compared between recipes against
-the spread of seeds: a two-sided 95% interval from Student's t with the pooled standard
-deviation, so two or three seeds give wide intervals rather than false verdicts.
+"""The real model's claims (`parity reproduce --model`), judged as `parity.experiments.claims`
+judges the testbed's. Training effects on the real model are judged on how far completions
+shorten in a run (`drop`: mean length over its first steps minus over its last), compared
+between recipes against the spread of seeds: a two-sided 95% interval from Student's t with the
+pooled standard deviation, so two or three seeds give wide intervals rather than false verdicts.
 """
 
 from __future__ import annotations
 
 import math
 
-from parity.experiments.claims import HOLDS, NOT_AT_SCALE, NOT_MEASURABLE, SEED_PHANTOM, Claim, difference
+from parity.experiments.claims import (
+    HOLDS,
+    NOT_AT_SCALE,
+    NOT_MEASURABLE,
+    SEED_PHANTOM,
+    Claim,
+    difference,
+)
 
 
 def _fmt(v: list[float]) -> str:
@@ -161,11 +168,11 @@ def ties_make_the_gap_grow(ties: float | None, first_sync: dict[str, float | Non
     """R8. parity's own explanation of a bf16 mismatch that grows in training, from dequantised
     weights: a weight exactly halfway between two bf16 values flips at the first sync however
     small the update, each by a whole bf16 step in the update's direction (on SmolLM2-135M the
-    median step at its ties is 2.4e-4, against Adam's step of about lr = 1e-6), so the engine's policy moves coherently away from the
-    trainer's. The growth is the mean KL(μ‖π) after the first sync over the KL at step 1. Holds
-    when every run on the dequantised weights grows by more than 2×, every run on the same
-    weights rounded to bf16 (no ties) by less than 1.5×, and the first sync flips at least 5×
-    more weights on the dequantised ones."""
+    median step at its ties is 2.4e-4, against Adam's step of about lr = 1e-6), so the engine's
+    policy moves coherently away from the trainer's. The growth is the mean KL(μ‖π) after the
+    first sync over the KL at step 1. Holds when every run on the dequantised weights grows by
+    more than 2×, every run on the same weights rounded to bf16 (no ties) by less than 1.5×, and
+    the first sync flips at least 5× more weights on the dequantised ones."""
     deq, rnd = first_sync.get("dequantised"), first_sync.get("bf16-rounded")
     g_deq, g_rnd = growth.get("dequantised", []), growth.get("bf16-rounded", [])
     m = {"dequantised_bf16_ties": ties, "first_sync_changed": first_sync, "kl_growth": growth}

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from parity.experiments import claims as C
 from parity import testbed, ui
 from parity.config import TASK_DEFAULTS, AuditSettings, Config
+from parity.experiments import claims as C
 from parity.files import ensure_writable, read_json
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",

@@ -10,8 +10,8 @@
                a larger lr (1e-5): fp32, bf16-engine, fp16 × 1 seed              (table)
     → claims.json, claims.md, plots; every part reused when the command runs again.
 
-The testbed's reproduction (`parity/experiments/reproduce.py`) scales ε to its small β; here the seeds'
-own ε = 0.2 applies, because a real model's β is the seeds' size (claim R1 measures it).
+The testbed's reproduction (`parity/experiments/reproduce.py`) scales ε to its small β; here the
+seeds' own ε = 0.2 applies, because a real model's β is the seeds' size (claim R1 measures it).
 """
 
 from __future__ import annotations
@@ -310,7 +310,8 @@ def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out:
            f"machine (2 CPU cores). {TASK} (reward −length on short chat questions), "
            f"{plan.prompts_per_step} prompts × {plan.group} completions of at most "
            f"{plan.max_new_tokens} tokens per step, {plan.steps} steps, ε = {Config.eps_low:g}, "
-           f"lr {plan.lr:g}, the engine's log-probs in the ratio. Seeds {plan.seeds} for {', '.join(plan.main)}; seed {plan.seeds[0]} for "
+           f"lr {plan.lr:g}, the engine's log-probs in the ratio. Seeds {plan.seeds} for "
+           f"{', '.join(plan.main)}; seed {plan.seeds[0]} for "
            f"{', '.join(plan.fixes)}. `claims.json` has every measured number.")
     md = C.to_markdown(claims, f"Claims of the seeds, measured on {plan.model}", pre)
     md += "\n## Audits (an fp32 trainer against each engine)\n\n"

@@ -39,16 +39,24 @@ from typing import Any
 
 import torch
 
-from parity.config import (FIELDS, RECIPES, CpuFp16, Dtype, RatioSource, ShadowKernels,
-                           check_fields, shared)
+from parity.config import (
+    FIELDS,
+    RECIPES,
+    CpuFp16,
+    Dtype,
+    RatioSource,
+    ShadowKernels,
+    check_fields,
+    shared,
+)
 from parity.diagnostics import StepDiagnostics, attribute
+from parity.engines import Sampling, positions
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.hf import HFEngine
-from parity.engines import Sampling, positions
+from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
 from parity.objectives import clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
-from parity.engines.scoring import disable_dropout
 
 try:
     from trl import GRPOTrainer

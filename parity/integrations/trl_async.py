@@ -30,16 +30,24 @@ from typing import Any
 
 import torch
 
-from parity.config import (FIELDS, RECIPES, Correction, CpuFp16, Dtype, RatioSource,
-                           check_fields, own, shared)
+from parity.config import (
+    FIELDS,
+    RECIPES,
+    Correction,
+    CpuFp16,
+    Dtype,
+    RatioSource,
+    check_fields,
+    own,
+    shared,
+)
 from parity.diagnostics import StepDiagnostics, attribute
+from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
 from parity.integrations.trl import _without_patched_forward, install_cpu_fp16_scaler
-from parity.integrations.weight_sync import (PROBE_TOLERANCE, DirectoryWeightTransfer,
-                                            Server)
+from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
 from parity.objectives import behaviour_weights, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
-from parity.engines.scoring import disable_dropout
 
 try:
     from transformers import AttentionInterface

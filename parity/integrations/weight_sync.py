@@ -266,7 +266,8 @@ def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
     flag = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", flag, "--enforce-eager", "--max-num-batched-tokens", "16384", "--logprobs-mode", "processed_logprobs"]
+           "--dtype", flag, "--enforce-eager", "--max-num-batched-tokens", "16384",
+           "--logprobs-mode", "processed_logprobs"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with open(log, "w") as out:
