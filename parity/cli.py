@@ -215,9 +215,9 @@ def cmd_testbed(args: argparse.Namespace) -> None:
 
 
 def _clip(low: float | None, high: float | None) -> str:
-    if low is None and high is None:
-        return "none"
-    return f"{low:g}" if low == high else f"{low:g} / {high:g}"
+    def one(v: float | None) -> str:
+        return "none" if v is None else f"{v:g}"
+    return one(low) if low == high else f"{one(low)} / {one(high)}"
 
 
 def recipe_table() -> tuple[list[str], list[list[str]]]:

@@ -491,7 +491,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-
 @dataclass(frozen=True)
 class FieldSpec:
     """What the checks and the CLI need of one field of a settings dataclass, its annotation
