@@ -531,12 +531,18 @@ def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: floa
             if c["calibrated"] else
             f"(NOT calibrated: {c['audit']}'s bf16 engine never phantom-clips 18% of tokens "
             f"at any ε audited; a fixed fallback)"))
-    pre = (f"`parity reproduce{' --quick' if plan.name == 'quick' else ''}`: {seconds / 60:.1f} "
-           f"min on this machine. Audits on `{plan.audit_model}` ({plan.samples} completions "
-           f"each); sweeps: {'; '.join(sweeps)}. Clip ranges: {'; '.join(eps)}. The small-lr "
-           f"runs use ε = {Config.eps_low:g}. `claims.json` has every measured "
-           f"number.")
-    md = C.to_markdown(claims, "Claims of the seeds, measured on the CPU testbed", pre)
+    command = {"quick": "parity reproduce --quick",
+               "vllm": "parity reproduce --engine vllm"}.get(plan.name, "parity reproduce")
+    engine = (" Every audit and run samples with vLLM's engine (`--engine vllm`); the trainer, "
+              "its shadow forward and its recomputed log-probs are parity's own."
+              if plan.engine == "vllm" else "")
+    pre = (f"`{command}`: {seconds / 60:.1f} min on this machine.{engine} Audits on "
+           f"`{plan.audit_model}` ({plan.samples} completions each); sweeps: "
+           f"{'; '.join(sweeps)}. Clip ranges: {'; '.join(eps)}. The small-lr runs use "
+           f"ε = {Config.eps_low:g}. `claims.json` has every measured number.")
+    title = "Claims of the seeds, measured on the CPU testbed" + (
+        " with vLLM as the engine" if plan.engine == "vllm" else "")
+    md = C.to_markdown(claims, title, pre)
     figs = [("sweeps/neg-length/sweep.png", "neg-length: recipes at the scaled ε"),
             ("sweeps/arith/sweep.png", "arith: recipes at the scaled ε"),
             ("sweeps/arith-long/sweep.png", f"arith: {', '.join(HORIZON_RECIPES)} to "
