@@ -444,7 +444,6 @@ def _add_pool_flags(p: argparse.ArgumentParser, workers_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from parity.config import ENGINES, Config
     p = _Parser(prog="parity", description="Precision-consistent RL for language models.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     tr = sub.add_parser("train", help="GRPO training with precision as a setting.")
@@ -468,6 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
     rc.set_defaults(func=cmd_recipes)
     _add_audit_parser(sub)
     _add_fp16_check_parser(sub)
+    _add_sweep_parser(sub)
+    _add_reproduce_parser(sub)
+    rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
+                        "directories, overlaid.")
+    rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--out", default=None, help="where to write (default: the run directory "
+                    "for one run, ./report for several)")
+    rp.set_defaults(func=cmd_report)
+    return p
+
+
+def _add_sweep_parser(sub) -> None:
+    from parity.config import Config
     sw = sub.add_parser("sweep", help="A grid of runs (recipes x seeds x tasks x models) in "
                         "parallel processes, with a summary and an overlay report.")
     sw.add_argument("--recipes", required=True, help="comma-separated recipes")
@@ -480,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pool_flags(sw, "parallel runs (0: cores / threads)")
     _add_config_flags(sw, exclude=SWEEP_AXES)
     sw.set_defaults(func=cmd_sweep)
+
+
+def _add_reproduce_parser(sub) -> None:
+    from parity.config import ENGINES, Config
     rq = sub.add_parser("reproduce", help="Measure the published findings on the CPU testbed: "
                         "claims.md with a verdict per claim.")
     rq.set_defaults(func=cmd_reproduce)
@@ -496,13 +512,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")
     _add_config_option(rq, "device")
-    rp = sub.add_parser("report", help="Plots and one HTML page for one or more run "
-                        "directories, overlaid.")
-    rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    rp.add_argument("--out", default=None, help="where to write (default: the run directory "
-                    "for one run, ./report for several)")
-    rp.set_defaults(func=cmd_report)
-    return p
 
 
 AUDIT_INPUTS = ("task", "prompts", "rollouts")
