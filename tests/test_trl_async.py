@@ -38,8 +38,11 @@ from parity.precision import low_precision_copy  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
-def neg_length(prompts, completions, completion_ids, **_):
-    return [-float(len(c)) for c in completion_ids]
+def token_sum(prompts, completions, completion_ids, **_):
+    """A reward that depends on which tokens were sampled, not only how many: with lengths alone,
+    a group whose four completions all run to the length limit ties, has no advantage and leaves
+    the weights as they were, and two such steps would leave nothing for the tests to see move."""
+    return [float(sum(c) % 97) for c in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def _trainer(chat_model, url, tmp_path, recipe="bf16-engine", steps=2, lr=1e-3, 
         per_device_train_batch_size=8, token_budget=0, num_generations=4,
         max_completion_length=16, max_steps=steps, learning_rate=lr, logging_steps=1,
         report_to=[], save_strategy="no", seed=0, disable_tqdm=True, vllm_server_base_url=url)
-    return ParityAsyncGRPOTrainer(str(chat_model), neg_length, args, train_dataset=_dataset(),
+    return ParityAsyncGRPOTrainer(str(chat_model), token_sum, args, train_dataset=_dataset(),
                                   parity=AsyncParityOptions.from_recipe(recipe, **opts))
 
 
