@@ -354,7 +354,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
     _check_device(args.device)
     if args.model:
         from parity import pretrained
-        from parity.experiments.reproduce_real import RealPlan, reproduce_real
+        from parity.experiments.reproduce_real import RealPlan, reproduce_real, vllm_plan
         if args.quick:
             raise ParityError("reproduce: --quick is the testbed's; --model runs the real-model "
                               "reproduction (shorten it with --steps)")
@@ -362,9 +362,11 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
             names = [n for n in pretrained.SOURCES if f"{n}-bf16" in pretrained.SOURCES]
             raise ParityError(f"reproduce --model {args.model}: the real-model reproduction "
                               f"runs on a built-in pretrained model: {', '.join(names)}")
-        plan = RealPlan(model=args.model, device=args.device,
-                        **({"steps": args.steps} if args.steps else {}))
-        out = Path(args.out or f"reproduce-{args.model}")
+        fields = {"model": args.model, "device": args.device,
+                  **({"steps": args.steps} if args.steps else {})}
+        plan = vllm_plan(**fields) if args.engine == "vllm" else RealPlan(**fields)
+        out = Path(args.out or f"reproduce-{args.model}"
+                   + ("-vllm" if args.engine == "vllm" else ""))
         result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
         print_claims({**result, "plan": args.model})
         print(f"wrote {out}/claims.md and {out}/claims.json")
@@ -503,13 +505,14 @@ def _add_reproduce_parser(sub) -> None:
     rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
                     "pretrained model (smollm2-135m) instead of the testbed")
     rq.add_argument("--engine", default=Config.engine, choices=ENGINES,
-                    help="vllm: the testbed's arith stall, its fixes and the text audits with "
-                    "vLLM's CPU build as the engine, at ε calibrated on vLLM's own β "
-                    "(docs/vllm.md)")
+                    help="vllm: vLLM's CPU build as the engine: on the testbed, the arith "
+                    "stall, its fixes and the text audits; with --model, the audits and the "
+                    "sanity check's fp32, bf16-engine and fp16 runs (docs/vllm.md)")
     rq.add_argument("--steps", type=int, default=0, help="--model only: steps per run "
                     "(0: the real-model plan's own, as in docs/reproduce/smollm2-135m)")
     rq.add_argument("--out", default=None, help="output directory (default: reproduce-quick/, "
-                    "reproduce/ or reproduce-MODEL/); a rerun reuses what is done")
+                    "reproduce/, reproduce-vllm/, reproduce-MODEL/ or reproduce-MODEL-vllm/); "
+                    "a rerun reuses what is done")
     _add_pool_flags(rq, "parallel runs (0: one per core)")
     _add_config_option(rq, "device")
 

@@ -55,23 +55,39 @@ class RealPlan:
     max_new_tokens: int = CHAT["max_new_tokens"]
     steps: int = CHAT["steps"]
     lr: float = CHAT["lr"]
-    large_lr: float = 1e-5
+    large_lr: float | None = 1e-5   # None: no larger-lr runs
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     control_seeds: list[int] = field(default_factory=lambda: [0, 1])
     main: tuple[str, ...] = ("fp32", "bf16-engine", "fp16")
     fixes: tuple[str, ...] = ("bf16", "bf16-shadow", "no-clip", "recompute")
+    audits: tuple[str, ...] = ("bf16", "fp16", "bf16-fp32-head")
+    control: bool = True            # the bf16-rounded weights' runs (R8)
     device: str = Config.device     # every audit and run computes there (parity/devices.py)
+    engine: str = Config.engine     # every audit and run samples with it (parity/engines)
 
     @property
     def control_model(self) -> str:
         return f"{self.model}-bf16"
 
 
+def vllm_plan(**fields: Any) -> RealPlan:
+    """The reproduction against vLLM (`--engine vllm`, docs/vllm.md): the bf16 and fp16 audits
+    (vLLM computes its head in the engine's dtype, so no fp32-head audit) and the sanity check's
+    three recipes on three seeds, at the same workload as parity's engine."""
+    return RealPlan(engine="vllm", fixes=(), audits=("bf16", "fp16"), control=False,
+                    large_lr=None, **fields)
+
+
+# Each audit of the plan: its engine dtype and whether the LM head is fp32 on both sides.
+AUDITS = {"bf16": ("bf16", False), "fp16": ("fp16", False), "bf16-fp32-head": ("bf16", True)}
+
+
 def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -> dict[str, Any]:
     from parity.audit import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
-    return audit(AuditSettings(model=plan.model, engine_dtype=engine, task=TASK,
+    return audit(AuditSettings(model=plan.model, engine=plan.engine, engine_dtype=engine,
+                               task=TASK,
                                samples=plan.audit_samples,
                                group=plan.group, max_new_tokens=plan.max_new_tokens,
                                kl_exact_rows=KL_ROWS, lm_head_fp32=head, progress=progress,
@@ -85,7 +101,8 @@ def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], mode
     common = {"steps": plan.steps, "lr": lr,
               "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
               "max_new_tokens": plan.max_new_tokens, "eps_low": Config.eps_low,
-              "eps_high": Config.eps_high, "device": plan.device}
+              "eps_high": Config.eps_high, "device": plan.device,
+              "engine": plan.engine}
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[TASK], models=[model],
                      overrides=common, per_recipe={"no-clip": {"eps_low": None,
                                                                "eps_high": None}},
@@ -155,19 +172,19 @@ def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool =
     from parity import testbed
     ensure_writable(out, "reproduce --out")
     out.mkdir(parents=True, exist_ok=True)
-    for name in (plan.model, plan.control_model):   # conversions first, with their own bars
-        testbed.resolve_model(name)
+    for name in (plan.model, *([plan.control_model] if plan.control else [])):
+        testbed.resolve_model(name)             # conversions first, with their own bars
     phase = _Phases(out, plan.model, progress)
     audits = {}
-    for key, eng, head in (("bf16", "bf16", False), ("fp16", "fp16", False),
-                           ("bf16-fp32-head", "bf16", True)):
+    for key in plan.audits:
         with phase(f"audit {key}"):
-            audits[key] = _audit(plan, eng, head, out / "audits" / key, progress)
+            audits[key] = _audit(plan, *AUDITS[key], out / "audits" / key, progress)
     summaries = _sweeps(plan, out / "sweeps", workers, progress, phase)
     t_judge = time.perf_counter()
     runs, claims = _judged(plan, audits, summaries, out)
     seconds = sum(phase.timing.values()) + (time.perf_counter() - t_judge)
-    result = {"plan": plan.__dict__ | {"main": list(plan.main), "fixes": list(plan.fixes)},
+    result = {"plan": plan.__dict__ | {"main": list(plan.main), "fixes": list(plan.fixes),
+                                       "audits": list(plan.audits)},
               "seconds": seconds, "timing": phase.timing,
               "audits": {k: {m: a["metrics"].get(m) for m in _AUDIT_KEYS}
                          | {"phantom_eps_0.2": _phantom(a, 0.2),
@@ -185,9 +202,10 @@ def _sweeps(plan: RealPlan, sw: Path, workers: int, progress: bool, phase: _Phas
     most telling runs first: one seed of every recipe, the bf16-rounded control, the larger lr,
     then the remaining seeds."""
     parts = [("seed0", list(plan.main) + list(plan.fixes), plan.seeds[:1], plan.model, plan.lr),
-             ("bf16-rounded", ["fp32", "bf16-engine"], plan.control_seeds, plan.control_model,
-              plan.lr),
-             ("large-lr", list(plan.main), plan.seeds[:1], plan.model, plan.large_lr),
+             *([("bf16-rounded", ["fp32", "bf16-engine"], plan.control_seeds,
+                 plan.control_model, plan.lr)] if plan.control else []),
+             *([("large-lr", list(plan.main), plan.seeds[:1], plan.model, plan.large_lr)]
+               if plan.large_lr else []),
              ("more-seeds", list(plan.main), plan.seeds[1:], plan.model, plan.lr)]
     summaries = {}
     for name, recipes, seeds, model, lr in parts:
@@ -203,11 +221,12 @@ def _judged(plan: RealPlan, audits: dict[str, dict], summaries: dict[str, dict[s
     """Each finished run's figures by sweep (claims.json's `runs`), the plots, and the claims."""
     runs = _runs([summaries["seed0"], summaries["more-seeds"]])
     stats = {r: [run_stats(p) for p in ps] for r, ps in runs.items()}
-    control = {r: [run_stats(p) for p in ps]
-               for r, ps in _runs([summaries["bf16-rounded"]]).items()}
-    large = {r: [run_stats(p) for p in ps] for r, ps in _runs([summaries["large-lr"]]).items()}
-    _plots(runs, _runs([summaries["bf16-rounded"]]), out)
-    claims = judge(audits, stats, control, _ties(plan.model), plan)
+    rounded = _runs([summaries["bf16-rounded"]] if "bf16-rounded" in summaries else [])
+    control = {r: [run_stats(p) for p in ps] for r, ps in rounded.items()}
+    large = {r: [run_stats(p) for p in ps]
+             for r, ps in _runs([summaries["large-lr"]] if "large-lr" in summaries else []).items()}
+    _plots(runs, rounded, out)
+    claims = judge(audits, stats, control, _ties(plan.model) if plan.control else None, plan)
     return {"lr": stats, "bf16_rounded": control, "large_lr": large}, claims
 
 
@@ -244,22 +263,32 @@ def _drops(stats: dict[str, list[dict]]) -> dict[str, list[float]]:
 
 def judge(audits: dict[str, dict], stats: dict[str, list[dict]],
           control: dict[str, list[dict]], ties: float | None, plan: RealPlan) -> list[C.Claim]:
-    """Measured numbers → claims. Pure apart from reading what it is given."""
-    b, f, h = (audits[k]["metrics"] for k in ("bf16", "fp16", "bf16-fp32-head"))
+    """Measured numbers → claims, those the plan has the measurements for. Pure apart from
+    reading what it is given."""
+    b, f = (audits[k]["metrics"] for k in ("bf16", "fp16"))
     claims = [CR.real_gap(b["mismatch/beta_abs_mean"], _phantom(audits["bf16"], 0.2), plan.model),
               C.fp16_shrinks_gap(_kl(b), _kl(f), b["mismatch/beta_abs_mean"],
-                                 f["mismatch/beta_abs_mean"]),
-              CR.fp32_head_helps(_kl(b), _kl(h), b["mismatch/beta_abs_mean"],
-                                h["mismatch/beta_abs_mean"])]
+                                 f["mismatch/beta_abs_mean"])]
     claims[1].id = "R2"
+    if "bf16-fp32-head" in audits:
+        h = audits["bf16-fp32-head"]["metrics"]
+        claims.append(CR.fp32_head_helps(_kl(b), _kl(h), b["mismatch/beta_abs_mean"],
+                                         h["mismatch/beta_abs_mean"]))
     drops = _drops(stats)
     lag = CR.sanity_check(drops, plan.lr, plan.steps)
-    claims += [lag, CR.fixes_on_real_model(drops, lag), CR.fp16_like_fp32(drops)]
+    claims += [lag, *([CR.fixes_on_real_model(drops, lag)] if plan.fixes else []),
+               CR.fp16_like_fp32(drops)]
     bf = stats.get("bf16-engine", [])
     claims.append(CR.gap_grows([s["kl_first"] for s in bf if s["kl_last"] is not None],
                               [s["kl_last"] for s in bf if s["kl_last"] is not None],
                               "KL(μ‖π) (k3)", "R7"))
+    if plan.control:
+        claims.append(_ties_claim(ties, bf, control.get("bf16-engine", [])))
+    return claims
 
+
+def _ties_claim(ties: float | None, bf: list[dict], cb: list[dict]) -> C.Claim:
+    """R8, from the bf16-engine runs on the dequantised weights and on the bf16-rounded ones."""
     def first_sync(ss: list[dict]) -> float | None:
         v = [s["changed_first_sync"] for s in ss if s["changed_first_sync"] is not None]
         return statistics.fmean(v) if v else None
@@ -267,11 +296,9 @@ def judge(audits: dict[str, dict], stats: dict[str, list[dict]],
     def growth(ss: list[dict]) -> list[float]:
         return [s["kl_after_first_sync"] / s["kl_first"] for s in ss
                 if s["kl_first"] and s["kl_after_first_sync"] is not None]
-    cb = control.get("bf16-engine", [])
-    claims.append(CR.ties_make_the_gap_grow(
+    return CR.ties_make_the_gap_grow(
         ties, {"dequantised": first_sync(bf), "bf16-rounded": first_sync(cb)},
-        {"dequantised": growth(bf), "bf16-rounded": growth(cb)}))
-    return claims
+        {"dequantised": growth(bf), "bf16-rounded": growth(cb)})
 
 
 def _ties(model: str) -> float:
@@ -305,14 +332,21 @@ def _g(v: Any, fmt: str) -> str:
     return "missing" if v is None else format(v, fmt)
 
 
+VLLM_NOTE = (" Every audit and run samples with vLLM's engine (`--engine vllm`); the trainer and "
+             "its shadow forward are parity's own.")
+
+
 def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out: Path) -> str:
-    pre = (f"`parity reproduce --model {plan.model}`: {result['seconds'] / 60:.1f} min on this "
-           f"machine (2 CPU cores). {TASK} (reward −length on short chat questions), "
+    vllm = plan.engine == "vllm"
+    pre = (f"`parity reproduce --model {plan.model}{' --engine vllm' if vllm else ''}`: "
+           f"{result['seconds'] / 60:.1f} min on this machine (2 CPU cores)."
+           f"{VLLM_NOTE if vllm else ''} {TASK} (reward −length on short chat questions), "
            f"{plan.prompts_per_step} prompts × {plan.group} completions of at most "
            f"{plan.max_new_tokens} tokens per step, {plan.steps} steps, ε = {Config.eps_low:g}, "
            f"lr {plan.lr:g}, the engine's log-probs in the ratio. Seeds {plan.seeds} for "
-           f"{', '.join(plan.main)}; seed {plan.seeds[0]} for "
-           f"{', '.join(plan.fixes)}. `claims.json` has every measured number.")
+           f"{', '.join(plan.main)}"
+           + (f"; seed {plan.seeds[0]} for {', '.join(plan.fixes)}" if plan.fixes else "")
+           + ". `claims.json` has every measured number.")
     md = C.to_markdown(claims, f"Claims of the seeds, measured on {plan.model}", pre)
     md += "\n## Audits (an fp32 trainer against each engine)\n\n"
     md += _table([[k, _g(a["mismatch/beta_abs_mean"], ".3g"), _g(a["mismatch/beta_abs_max"], ".3g"),
@@ -321,10 +355,13 @@ def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out:
                   for k, a in result["audits"].items()],
                   ["engine", "|β| mean", "|β| max", "KL(μ‖π) exact", "phantom ε=0.2",
                    "phantom ε=0.05", "shadow kernel gap"])
-    for title, key in (("Runs at lr " + format(plan.lr, "g"), "lr"),
-                       ("The same weights rounded to bf16, lr " + format(plan.lr, "g"),
-                        "bf16_rounded"),
-                       ("A larger lr, " + format(plan.large_lr, "g"), "large_lr")):
+    sections = [("Runs at lr " + format(plan.lr, "g"), "lr")]
+    if plan.control:
+        sections.append(("The same weights rounded to bf16, lr " + format(plan.lr, "g"),
+                         "bf16_rounded"))
+    if plan.large_lr:
+        sections.append(("A larger lr, " + format(plan.large_lr, "g"), "large_lr"))
+    for title, key in sections:
         rows = []
         for recipe, ss in result["runs"][key].items():
             for i, s in enumerate(ss):
