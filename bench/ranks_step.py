@@ -1,6 +1,6 @@
 """What multi-process training costs: one process against torchrun ranks on the same work.
 
-    python bench/ranks_step.py [--model text] [--steps 6] [--ranks 2]
+    python bench/ranks_step.py [--model text] [--steps 6] [--ranks 2] [--engines hf,vllm]
 
 Runs the same `neg-length` GRPO steps (fp32 recipe, so the runs stay equal) as one process with
 every core, and as `--ranks` processes with a core each under DDP and under FSDP, and prints the
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import Table, json_option, publish
+from report import Table, engines_option, json_option, publish
 
 
 def run(args: list[str], ranks: int, threads: int, out: Path) -> list[dict]:
@@ -41,29 +41,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    a = json_option(ap, "ranks_step").parse_args()
+    a = json_option(engines_option(ap), "ranks_step").parse_args()
     cores = os.cpu_count() or 1
     common = ["--task", "neg-length", "--model", a.model, "--recipe", "fp32", "--steps",
               str(a.steps), "--max-new-tokens", str(a.max_new_tokens), "--no-progress",
               "--report-to", "none"]
     t = Table("ranks_step", f"{a.model}, neg-length, 8x8 completions, <= {a.max_new_tokens} "
                             f"tokens, fp32, mean of steps 2..{a.steps}, {cores} cores",
-              [("launch", None), ("threads", None, "right"), ("rollout s", "{:.3f}"),
-               ("train s", "{:.3f}"), ("step s", "{:.3f}"), ("vs one process", "{:.2f}x"),
+              [("engine", None), ("launch", None), ("threads", None, "right"),
+               ("rollout s", "{:.3f}"), ("train s", "{:.3f}"), ("step s", "{:.3f}"),
+               ("vs one process", "{:.2f}x"),
                ("reward, last step", "{:+.3f}")])
-    base = None
     per_rank = max(1, cores // a.ranks)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, ranks, threads, extra in (
-                ("one process", 1, cores, []),
+    launches = [("one process", 1, cores, []),
                 (f"torchrun x{a.ranks}, DDP", a.ranks, per_rank, ["--parallel", "ddp"]),
-                (f"torchrun x{a.ranks}, FSDP", a.ranks, per_rank, ["--parallel", "fsdp"])):
-            rows = run(common + extra, ranks, threads, Path(tmp) / name.replace(" ", "_"))
-            mean = {k: statistics.mean(r[k] for r in rows)
-                    for k in ("time/rollout_s", "time/train_s", "time/step_s")}
-            base = base or mean["time/step_s"]
-            t.add(name, f"{ranks} x {threads}", mean["time/rollout_s"], mean["time/train_s"],
-                  mean["time/step_s"], mean["time/step_s"] / base, rows[-1]["reward/mean"])
+                (f"torchrun x{a.ranks}, FSDP", a.ranks, per_rank, ["--parallel", "fsdp"])]
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine in a.engines:
+            base = None
+            for name, ranks, threads, extra in launches:
+                rows = run(common + extra + ["--engine", engine], ranks, threads,
+                           Path(tmp) / f"{engine}_{name.replace(' ', '_')}")
+                mean = {k: statistics.mean(r[k] for r in rows)
+                        for k in ("time/rollout_s", "time/train_s", "time/step_s")}
+                base = base or mean["time/step_s"]
+                t.add(engine, name, f"{ranks} x {threads}", mean["time/rollout_s"],
+                      mean["time/train_s"], mean["time/step_s"], mean["time/step_s"] / base,
+                      rows[-1]["reward/mean"])
     publish("ranks_step", [t], a)
 
 if __name__ == "__main__":

@@ -106,6 +106,25 @@ def json_option(ap: argparse.ArgumentParser, bench: str) -> argparse.ArgumentPar
     return ap
 
 
+def engines_option(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--engines hf,vllm`: the rollout engines to run the bench with, one row each
+    (parity/engines: `vllm` needs vLLM installed, docs/vllm.md)."""
+    from parity.engines import ENGINES
+    ap.add_argument("--engines", default="hf", type=lambda v: _engines(v, ENGINES),
+                    help=f"rollout engines, comma-separated, a row each: {', '.join(ENGINES)} "
+                    "(default: hf)")
+    return ap
+
+
+def _engines(value: str, known: dict) -> list[str]:
+    names = [n for n in value.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown engine {', '.join(bad) or repr(value)}: "
+                                         f"choose from {', '.join(known)}")
+    return names
+
+
 def machine(device: torch.device | None = None) -> dict:
     """What the figures were measured on."""
     import torch  # here, so that rendering the docs' tables needs no torch

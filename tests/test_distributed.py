@@ -113,6 +113,27 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
 
 
 @pytest.mark.e2e
+def test_two_ranks_sampling_with_vllm_draw_the_one_process_tokens(text_model, tmp_path,
+                                                                  vllm_ready):
+    """A vLLM engine on each rank samples its half of the batch with the rows' own seeds: the
+    two ranks draw, token for token, what one process draws, and train to its metrics."""
+    cfg = COMMON + ["--engine", "vllm", "--recipe", "bf16-engine", "--prompts-per-step", "4",
+                    "--samples-per-prompt", "2", "--max-new-tokens", "8", "--dump-rollouts",
+                    "--steps", "2"]
+    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = parity(["train", *cfg, "--parallel", "ddp", "--out", str(tmp_path / "two")], TORCHRUN)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for step in (1, 2):
+        t1, t2 = (pq.read_table(tmp_path / run / "rollouts" / f"step-{step}.parquet").to_pandas()
+                  .sort_values(["sample_id", "position"]).reset_index(drop=True)
+                  for run in ("one", "two"))
+        assert len(t1) == len(t2) > 0 and (t1["token_id"] == t2["token_id"]).all()
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_path, parallel):
     """Each rank cuts its half of the minibatch by a token budget, so the ranks' own counts of

@@ -106,6 +106,8 @@ def test_settings_the_vllm_engine_cannot_honour_are_refused_before_anything_runs
     from parity.errors import ParityError
     with pytest.raises(ParityError, match="lm-head-fp32 needs engine=hf"):
         make_config({"engine": "vllm", "lm_head_fp32": True})
+    with pytest.raises(ParityError, match="use parallel=ddp"):
+        make_config({"engine": "vllm", "parallel": "fsdp"})
     with pytest.raises(ParityError, match="asynchronous engine lives in another"):
         make_config({"shadow_kernels": "scored", "async_engine": True})
     with pytest.raises(ParityError, match="scores with the raw model"):
