@@ -500,6 +500,35 @@ def test_real_gap_head_growth_and_ties_verdicts():
         == C.NOT_MEASURABLE
 
 
+def test_the_real_plan_against_vllm_judges_only_what_it_measured():
+    """The vLLM plan has no fp32-head audit, no fix runs and no bf16-rounded control: R3, R5 and
+    R8 are left out rather than judged on nothing; R1, R2, R4, R6 and R7 are judged as for
+    parity's engine, from the same numbers."""
+    from parity.experiments.reproduce_real import RealPlan, judge, vllm_plan
+
+    def audit(beta, kl):
+        return {"metrics": {"mismatch/beta_abs_mean": beta, "mismatch/kl_exact": kl},
+                "phantom_vs_eps": [{"eps": 0.2, "phantom_frac": 0.002}]}
+    audits = {"bf16": audit(0.04, 1.6e-3), "fp16": audit(0.005, 3e-5),
+              "bf16-fp32-head": audit(0.03, 1.2e-3)}
+    run = {"drop": 5.0, "kl_first": 1e-3, "kl_last": 1e-2, "kl_after_first_sync": 5e-3,
+           "changed_first_sync": 0.037}
+    stats = {r: [dict(run, drop=d) for d in (4.0, 6.0, 5.0)]
+             for r in ("fp32", "bf16-engine", "fp16")}
+    plan = vllm_plan()
+    assert plan.engine == "vllm" and not plan.fixes and not plan.control and not plan.large_lr
+    by_vllm = {c.id: c for c in judge({k: audits[k] for k in plan.audits}, stats, {}, None, plan)}
+    assert list(by_vllm) == ["R1", "R2", "R4", "R6", "R7"]
+    fixes = {r: [dict(run)] for r in ("bf16", "bf16-shadow", "no-clip", "recompute")}
+    by_hf = {c.id: c for c in judge(audits, stats | fixes, {"bf16-engine": stats["fp32"]}, 0.08,
+                                    RealPlan())}
+    assert sorted(by_hf) == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8"]
+    for cid in by_vllm:
+        assert by_vllm[cid].verdict == by_hf[cid].verdict
+        assert by_vllm[cid].measured == by_hf[cid].measured
+    assert by_vllm["R2"].measured["kl_ratio"] == pytest.approx(1.6e-3 / 3e-5)
+
+
 def test_real_run_stats_from_a_metrics_file(tmp_path):
     from parity.experiments.reproduce_real import WINDOW, run_stats
     assert WINDOW == 3
