@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -15,7 +16,7 @@ from parity.experiments.reproduce import (
     ReproductionPlan,
     calibrated_eps,
     claims_markdown,
-    eps_at_phantom,
+    eps_at_share,
     judge,
     phantom_at,
     reproduce,
@@ -188,9 +189,9 @@ def test_fixes_fp16_and_small_lr_verdicts():
 def test_eps_interpolation():
     table = [{"eps": 0.001, "phantom_frac": 0.4}, {"eps": 0.01, "phantom_frac": 0.1},
              {"eps": 0.1, "phantom_frac": 0.0}]
-    e = eps_at_phantom(table, 0.25)
+    e = eps_at_share(table, 0.25)
     assert 0.001 < e < 0.01 and phantom_at(table, e) == pytest.approx(0.25)
-    assert eps_at_phantom(table, 0.9) is None
+    assert eps_at_share(table, 0.9) is None
     assert phantom_at(table, 0.5) == 0.0 and phantom_at(table, 1e-4) == 0.4
 
 
@@ -360,12 +361,19 @@ def test_async_claim_needs_a_lag_and_names_the_clipping():
 
 
 def test_eps_calibration_is_reported_when_it_fails(tmp_path):
-    reached = {"phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.4},
-                                  {"eps": 0.2, "phantom_frac": 0.0}]}
+    reached = {"phantom_vs_eps": [{"eps": 0.001, "clip_frac": 0.4, "phantom_frac": 0.4},
+                                  {"eps": 0.2, "clip_frac": 0.0, "phantom_frac": 0.0}]}
     eps, ok = calibrated_eps(reached)
     assert ok and 0.001 < eps < 0.2 and eps == float(f"{eps:.2g}")
-    never = {"phantom_vs_eps": [{"eps": 0.001, "phantom_frac": 0.05},
-                                {"eps": 0.2, "phantom_frac": 0.0}]}
+    # halfway in log ε between 0.001 and 0.2, by hand: 0.4 → 0.18 is 0.55 of the way
+    assert eps == float(f"{math.exp(math.log(0.001) + 0.55 * math.log(200)):.2g}")
+    # a real engine: a shadow with other kernels counts part of the engine's gap as α, so
+    # fewer clips are phantom; every clip at sync is still numerical and calibrates ε
+    real = {"phantom_vs_eps": [{"eps": 0.001, "clip_frac": 0.4, "phantom_frac": 0.1},
+                               {"eps": 0.2, "clip_frac": 0.0, "phantom_frac": 0.0}]}
+    assert calibrated_eps(real) == (eps, True)
+    never = {"phantom_vs_eps": [{"eps": 0.001, "clip_frac": 0.05, "phantom_frac": 0.05},
+                                {"eps": 0.2, "clip_frac": 0.0, "phantom_frac": 0.0}]}
     assert calibrated_eps(never) == (FALLBACK_EPS, False)
     cal = {"neg-length": {"eps": eps, "calibrated": True, "audit": "audits/a (m)"},
            "arith": {"eps": FALLBACK_EPS, "calibrated": False, "audit": "audits/b (arith)"}}
