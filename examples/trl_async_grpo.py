@@ -15,6 +15,7 @@ then, in another shell:
     python examples/trl_async_grpo.py --model $DIR --recipe bf16-engine     # the seed's setup
     python examples/trl_async_grpo.py --model $DIR --recipe bf16-shadow
     python examples/trl_async_grpo.py --model $DIR --recipe tis
+    python examples/trl_async_grpo.py --model $DIR --recipe bf16-shadow --scored-shadow
 
 `--max-num-batched-tokens` large enough for every prompt in flight keeps vLLM from splitting a
 prompt's prefill over steps: on CPU, a seeded request (AsyncGRPO seeds each one) whose prefill
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=128, help="max_completion_length")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scored-shadow", action="store_true",
+                    help="the server scores the shadow (no kernel gap; docs/trl.md)")
     ap.add_argument("--out", default="runs/trl-async-example")
     ap.add_argument("--json", default=None, help="also write TRL's log history and the wall "
                     "time here (scripts/async_sanity.py reads it)")
@@ -89,15 +92,18 @@ def main() -> None:
         save_strategy="no", report_to=[], disable_tqdm=True, vllm_server_base_url=a.server)
     trainer = ParityAsyncGRPOTrainer(model_dir, neg_length, args, train_dataset=dataset,
                                      processing_class=tok,
-                                     parity=AsyncParityOptions.from_recipe(a.recipe))
+                                     parity=AsyncParityOptions.from_recipe(
+                                         a.recipe, scored_shadow=a.scored_shadow))
     trainer.train()
     if a.json:
         Path(a.json).write_text(json.dumps({"wall_s": time.time() - t0, "recipe": a.recipe,
-                                            "seed": a.seed, "log": trainer.state.log_history}))
+                                            "seed": a.seed, "scored_shadow": a.scored_shadow,
+                                            "log": trainer.state.log_history}))
 
     cols = ("reward", "completions/mean_length", "completions/clipped_ratio",
             "clip_ratio/region_mean", "clip/phantom_frac", "mismatch/beta_abs_mean",
-            "mismatch/kl_k3", "staleness/mean", "perf/weight_sync_s", "sync/probe_gap_abs_mean")
+            "mismatch/kl_k3", "mismatch/alpha_abs_mean", "staleness/mean", "time/shadow_s",
+            "perf/weight_sync_s", "sync/probe_gap_abs_mean")
     print("\nstep  " + "  ".join(f"{c.split('/')[-1]:>18}" for c in cols))
     for h in trainer.state.log_history:
         if "clip/frac" in h:

@@ -81,13 +81,15 @@ def _dataset(n=32):
                                        for p in testbed.text_prompts(n)])
 
 
-def _trainer(chat_model, url, tmp_path, recipe="bf16-engine", steps=2, lr=1e-3, **opts):
+def _trainer(chat_model, url, tmp_path, recipe="bf16-engine", steps=2, lr=1e-3,
+             config=None, **opts):
     from trl.experimental.async_grpo import AsyncGRPOConfig
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=8, token_budget=0, num_generations=4,
         max_completion_length=16, max_steps=steps, learning_rate=lr, logging_steps=1,
-        report_to=[], save_strategy="no", seed=0, disable_tqdm=True, vllm_server_base_url=url)
+        report_to=[], save_strategy="no", seed=0, disable_tqdm=True, vllm_server_base_url=url,
+        **(config or {}))
     return ParityAsyncGRPOTrainer(str(chat_model), token_sum, args, train_dataset=_dataset(),
                                   parity=AsyncParityOptions.from_recipe(recipe, **opts))
 
@@ -212,6 +214,38 @@ def test_logged_beta_agrees_with_an_independent_fp32_rescoring(run, chat_model):
                                                            abs=1e-6)
     ref_abs = float((pi_ref - s_ref).abs().mean())
     assert 0.5 * ref_abs < log1["mismatch/beta_abs_mean"] < 2 * ref_abs
+
+
+def test_the_server_scored_shadow_has_no_kernel_gap(chat_model, server, tmp_path):
+    """With `scored_shadow`, the server scores the shadow. Step 1 trains on completions sampled
+    at the very weights the server holds, so ℓ_s − ℓ_μ there is the server's scoring against
+    its own sampling: it has none of the kernel gap that a bf16 forward on the trainer's side
+    (an independent rescoring of the same tokens) shows. Step 2 scores after the sync between
+    them; sampling the server does not score as it samples is refused."""
+    from transformers import AutoModelForCausalLM
+    tr = _trainer(chat_model, server, tmp_path, recipe="bf16-shadow", keep_tokens=True,
+                  scored_shadow=True)
+    assert tr.shadow is None       # no trainer-side copy is kept
+    tr.train()
+    bf16 = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.bfloat16).eval()
+    s, mu, trainer_side = [], [], []
+    for r in (r for r in tr.parity_tokens if r["step"] == 1):
+        for i, (seq, pos) in enumerate(zip(r["sequences"], r["positions"])):
+            s.append(torch.tensor(r["logp_s"][i], dtype=torch.float64))
+            mu.append(torch.tensor(r["logp_mu"][i], dtype=torch.float64))
+            trainer_side.append(_logp(bf16, seq, pos))
+    s, mu, trainer_side = torch.cat(s), torch.cat(mu), torch.cat(trainer_side)
+    scored_gap = float((s - mu).abs().mean())
+    kernel_gap = float((trainer_side - mu).abs().mean())
+    assert kernel_gap > 1e-3 and scored_gap < 0.05 * kernel_gap, (scored_gap, kernel_gap)
+    logged = [h for h in tr.state.log_history if "time/shadow_s" in h]
+    assert len(logged) == 2 and all(h["time/shadow_s"] > 0 for h in logged)
+    with pytest.raises(ParityError, match="temperature 1"):
+        _trainer(chat_model, server, tmp_path, recipe="bf16-shadow", scored_shadow=True,
+                 config={"temperature": 0.7})
+    with pytest.raises(ParityError, match="weight_sync_steps=1"):
+        _trainer(chat_model, server, tmp_path, recipe="bf16-shadow", scored_shadow=True,
+                 config={"weight_sync_steps": 2})
 
 
 @pytest.mark.parametrize("recipe", ["tis", "seq-mis"])

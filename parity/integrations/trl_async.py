@@ -16,7 +16,9 @@ advantages, packing, TRL's loss and logging to TRL, and changes four things:
 - the weight sync: `DirectoryWeightTransfer` (parity/integrations/weight_sync.py) unless the
   caller passes another `weight_transfer`; each sync is checked against a probe;
 - `compute_loss`: the shadow forward (the current weights in the server's dtype, on the same
-  packed tree) gives ℓ_s; the ratio source and the behaviour weights of parity's recipes are
+  packed tree) gives ℓ_s, or with `scored_shadow` the server scores the update's sequences
+  itself (it holds the loss's weights when it syncs every step), which leaves no kernel gap
+  against its own kernels; the ratio source and the behaviour weights of parity's recipes are
   applied by rewriting TRL's inputs (`old_log_probs`, `advantages`) and the forward's value;
 - the metrics: every clip attributed (docs/design.md) under parity's names beside TRL's;
 - on CPU, TRL's tree attention (a CUDA flash-attention kernel) runs as a masked SDPA.
@@ -25,6 +27,7 @@ advantages, packing, TRL's loss and logging to TRL, and changes four things:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +195,10 @@ class AsyncParityOptions:
                                   "server. None: <output_dir>/.parity_weights.")
     keep_tokens: bool = own(False, "Keep every update's sequences and log-probs (l_mu, l_pi, l_s "
                             "per trained token) in trainer.parity_tokens, for checks and dumps.")
+    scored_shadow: bool = own(False, "Let the server score the shadow (vLLM's prompt_logprobs of "
+                              "each update's sequences) instead of a trainer-side forward in "
+                              "its dtype: no kernel gap (docs/trl.md). Needs a sync every step "
+                              "and sampling at T = 1 without truncation.")
     probe_tolerance: float = own(PROBE_TOLERANCE, "Largest mean |difference| per probe token "
                                  "between the server's log-probs and a forward of the synced "
                                  "weights in its dtype.", gt=0)
@@ -224,6 +231,20 @@ class AsyncParityOptions:
         return cls(**{**dict(engine_dtype=st["engine_dtype"], trainer_dtype=st["trainer_dtype"],
                              ratio_source=st["ratio_source"], correction=st["correction"],
                              **clip), **overrides}).validate()
+
+
+def _check_scored_shadow(args: Any) -> None:
+    """The server can stand in for the shadow only where it holds the loss's weights and its
+    scores are the sampling distribution's: vLLM's prompt_logprobs are the raw model's."""
+    if args.weight_sync_steps != 1:
+        raise ParityError(f"scored_shadow needs a weight sync every step (weight_sync_steps=1, "
+                          f"not {args.weight_sync_steps}): the server must hold the weights "
+                          f"the loss uses")
+    if args.temperature != 1.0 or args.top_p != 1.0 or args.top_k not in (0, -1) or \
+            args.min_p not in (None, 0.0) or args.repetition_penalty != 1.0:
+        raise ParityError("scored_shadow needs sampling at temperature 1 with no top-p, top-k, "
+                          "min-p or repetition penalty: the server scores a sequence with the "
+                          "raw model, which is then not the distribution it sampled from")
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -293,6 +314,8 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
                 args.vllm_server_base_url,
                 p.weights_dir or os.path.join(args.output_dir, ".parity_weights"),
                 timeout=args.weight_sync_timeout, tolerance=p.probe_tolerance)
+        if p.scored_shadow:
+            _check_scored_shadow(args)
         super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer,
                          **kwargs)
         use_cpu_tree_attention()
@@ -319,7 +342,10 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         if self.trainer_dtype == "fp16":
             install_cpu_fp16_scaler(self.accelerator)
         self.shadow = None   # an fp32 server against an fp32 trainer: ℓ_s is ℓ_π
-        if not (self.engine_dtype == "fp32" and self.trainer_dtype == "fp32"):
+        self.scorer = Server(self.args.vllm_server_base_url) if p.scored_shadow else None
+        self._synced_step: int | None = None
+        if self.scorer is None and not (self.engine_dtype == "fp32" and
+                                        self.trainer_dtype == "fp32"):
             self.shadow = _without_patched_forward(low_precision_copy(master, self.engine_dtype))
             add_fused_lm_head(self.shadow, temperature=self.temperature)
         self._shadow_step: int | None = None
@@ -341,6 +367,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def _sync_weight(self) -> None:
         super()._sync_weight()
+        self._synced_step = self.state.global_step   # the server now holds these weights
         if isinstance(self.weight_transfer, DirectoryWeightTransfer):
             for k, v in self.weight_transfer.last.items():
                 self._metrics["train"][k].append(v)
@@ -359,6 +386,9 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             return output
         lp = output.log_probs
         call["pi"] = lp.detach().flatten().float()
+        if "s_at" in call:      # the server scored the trained tokens only
+            call["s"] = call["pi"].clone()
+            call["s"][call["s_index"]] = call.pop("s_at").to(call["s"])
         if self.parity.ratio_source == "shadow" and "s" in call:
             output.log_probs = lp + (call["s"].to(lp.dtype).view_as(lp) - lp).detach()
         return output
@@ -375,6 +405,23 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             out = self.shadow(**packed, fused_lm_head=True)
         return out.log_probs.flatten().float()
 
+    def _scored_logps(self, packed: dict[str, Any], index: torch.Tensor, seg: torch.Tensor
+                      ) -> torch.Tensor:
+        """ℓ_s of each trained token (term order) as the server scores it: it holds this
+        optimizer step's weights, synced at the end of the last one."""
+        if self._synced_step != self.state.global_step:
+            raise ParityError(f"scored_shadow: the server holds the weights of step "
+                              f"{self._synced_step}, the trainer is at step "
+                              f"{self.state.global_step}; it needs a sync every step")
+        seqs, where = sequences(packed, index.cpu(), seg.cpu())
+        scored = self.scorer.score(seqs, "the shadow's scoring request")
+        nth = [0] * len(seqs)
+        out = torch.empty(index.numel(), dtype=torch.float64)
+        for t, i in enumerate(seg.tolist()):     # term t is sample i's nth[i]-th trained token
+            out[t] = scored[i][where[i][nth[i]] - 1]
+            nth[i] += 1
+        return out.to(index.device)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         p = self.parity
         sel = inputs["token_index"] >= 0
@@ -382,8 +429,12 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         index, seg = inputs["token_index"][sel], inputs["segment_id"][sel]
         mu, adv = inputs["old_log_probs"][sel].float(), inputs["advantages"][sel].float()
         inputs, call, stats = dict(inputs), {}, {}
-        if self.shadow is not None and (p.diagnostics or p.ratio_source == "shadow"):
+        t0 = time.perf_counter()
+        if self.scorer is not None and (p.diagnostics or p.ratio_source == "shadow"):
+            call["s_at"], call["s_index"] = self._scored_logps(packed, index, seg), index
+        elif self.shadow is not None and (p.diagnostics or p.ratio_source == "shadow"):
             call["s"] = self._shadow_logps(packed)
+        shadow_s = time.perf_counter() - t0
         if p.ratio_source == "recompute":
             # ℓ_old at the weights of this optimizer step, before it updates them (decoupled
             # PPO); TRL's ratio becomes exp(ℓ_π − ℓ_old), the weights w multiply A.
@@ -404,6 +455,8 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         finally:
             self._loss_call = None
         metrics = self._metrics["train"]
+        if "s" in call:
+            metrics["time/shadow_s"].append(shadow_s)
         if self.accelerator.scaler is not None:
             metrics["loss/scale"].append(float(self.accelerator.scaler.get_scale()))
         for k, v in stats.items():

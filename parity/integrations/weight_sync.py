@@ -87,12 +87,17 @@ class Server:
 
     def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
         """log p(ids[t] | ids[:t]) for t ≥ 1, as the server computes them at T = 1."""
-        out = self.call("POST", "/v1/completions", "the probe request", json={
-            "model": self.model(), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+        return self.score([ids], "the probe request")[0]
+
+    def score(self, seqs: list[list[int]], what: str) -> list[torch.Tensor]:
+        """`prompt_logprobs` of several sequences in one request (the server batches them);
+        vLLM scores with the raw model, whatever the sampling's temperature and truncation."""
+        out = self.call("POST", "/v1/completions", what, json={
+            "model": self.model(), "prompt": seqs, "max_tokens": 1, "temperature": 1.0,
             "prompt_logprobs": 0})
-        rows = out["choices"][0]["prompt_logprobs"][1:]
-        return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:])],
-                            dtype=torch.float64)
+        by_index = {c["index"]: c["prompt_logprobs"][1:] for c in out["choices"]}
+        return [torch.tensor([row[str(t)]["logprob"] for row, t in zip(by_index[i], ids[1:])],
+                             dtype=torch.float64) for i, ids in enumerate(seqs)]
 
 
 @torch.no_grad()
