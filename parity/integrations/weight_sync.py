@@ -257,12 +257,14 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @contextlib.contextmanager
 def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
-               port: int = 0, startup_s: float = 300.0) -> Iterator[str]:
+               port: int = 0, startup_s: float = 300.0, cpus: str | None = None
+               ) -> Iterator[str]:
     """A vLLM OpenAI server in development mode on 127.0.0.1, serving `model_dir` under its own
     path as AsyncGRPO asks for it; yields its URL and always stops it, with its engine
     processes (its own process group). The batch-token budget keeps prompts' prefill whole: on
     CPU, vLLM 0.32 dies on a seeded request whose prefill is split ("CPU Generator does not use
-    offset"), and AsyncGRPO seeds every request."""
+    offset"), and AsyncGRPO seeds every request. `cpus` ("1", "2-3"): the cores the server and
+    its OpenMP threads keep to, so that a trainer on the other cores does not share them."""
     import requests
     if not port:
         with socket.socket() as s:
@@ -275,6 +277,9 @@ def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
            "--logprobs-mode", "processed_logprobs"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
