@@ -157,6 +157,34 @@ def test_independent_shadow_kernels_leave_a_gap_of_the_order_of_beta(text_model,
     assert h["mismatch/kernel_gap_abs_mean"] > 0.05 * h["mismatch/beta_abs_mean"]
 
 
+@pytest.mark.usefixtures("vllm_ready")
+def test_vllm_as_the_engine_and_its_scored_shadow_in_trl(text_model, tmp_path):
+    """`engine='vllm'`: TRL's GRPOTrainer samples through vLLM's CPU build behind the same
+    Engine interface. At step 1 (θ = θ_old) a shadow computed with parity's kernels misses
+    vLLM's log-probs by vLLM's kernel gap; the shadow vLLM scores itself
+    (`shadow_kernels='scored'`) has none. Either way the ratio reaches TRL's loss (its clip
+    count is parity's)."""
+    gaps = {}
+    for kernels in ("engine", "scored"):
+        t = _trainer(text_model, tmp_path / kernels, steps=1, lr=1e-6,
+                     parity=ParityOptions.from_recipe("bf16-shadow", engine="vllm",
+                                                      shadow_kernels=kernels))
+        try:
+            assert (t.shadow is None) == (kernels == "scored")
+            t.train()
+        finally:
+            t.engine.close()
+        h = _steps(t)[0]
+        assert h["clip/frac"] == pytest.approx(h["clip_ratio/region_mean"], abs=1e-6)
+        gaps[kernels] = h["mismatch/kernel_gap_abs_mean"]
+    print(f"\nkernel gap against vLLM in TRL: parity's kernels {gaps['engine']:.2e}, "
+          f"vLLM-scored {gaps['scored']:.2e}")
+    assert gaps["engine"] > 1e-4 and gaps["scored"] < 0.01 * gaps["engine"]
+    with pytest.raises(ParityError, match="temperature 1"):
+        _trainer(text_model, tmp_path / "t", temperature=0.7, parity=ParityOptions.from_recipe(
+            "bf16-shadow", engine="vllm", shadow_kernels="scored"))
+
+
 def test_fp16_fix_on_cpu(text_model, tmp_path, bf16_engine_run):
     """accelerate runs fp16=True on CPU as fp32 with no scaler; parity supplies both. The
     gradient is unscaled before clipping (grad_norm near the fp32 run's, not 65536x), and the

@@ -13,12 +13,14 @@ A subclass, because TRL's extension points for generation (`rollout_func`) canno
 loss; it overrides three methods of GRPOTrainer and leaves the rest (datasets, rewards,
 advantages, the loss itself, logging, checkpoints) to TRL:
 
-- `_generate_single_turn`: completions come from parity's engine, a copy of the policy in
-  `engine_dtype` (the role vLLM plays on a GPU). It records ℓ_μ, each sampled token's log-prob
-  under the distribution it was drawn from, which TRL keeps as `sampling_per_token_logps`.
+- `_generate_single_turn`: completions come from a parity engine (`engine`: `hf`, its own, or
+  `vllm` in this process, behind the same `Engine` interface), a copy of the policy in
+  `engine_dtype`. It records ℓ_μ, each sampled token's log-prob under the distribution it was
+  drawn from, which TRL keeps as `sampling_per_token_logps`.
 - `_get_per_token_logps_and_entropies`: in the loss, the shadow forward (the current weights
   cast to engine precision, no grad, at the engine's position ids) gives ℓ_s next to the
-  trainer's ℓ_π.
+  trainer's ℓ_π; with `shadow_kernels='scored'` the engine itself scores the sequences on the
+  current weights (`Engine.score`), so ℓ_s carries no kernel gap against ℓ_μ.
 - `_compute_loss`: sets the ratio's denominator by `ratio_source`, then attributes every clip
   (clipped, phantom, hidden: docs/design.md) and appends parity's metrics to TRL's
   `_metrics`, so they reach TRL's log and every `report_to` backend under parity's names:
@@ -35,6 +37,7 @@ emulated, parity/precision.py) and a dynamic loss scaler on accelerate's own hoo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,15 +47,16 @@ from parity.config import (
     RECIPES,
     CpuFp16,
     Dtype,
+    EngineName,
     RatioSource,
     ShadowKernels,
     check_fields,
+    check_scored_sampling,
     shared,
 )
 from parity.diagnostics import StepDiagnostics, attribute
-from parity.engines import Sampling, positions
+from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, positions
 from parity.engines.attention import ENGINE_ATTENTION
-from parity.engines.hf import HFEngine
 from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
 from parity.objectives import clipped_tokens
@@ -72,6 +76,7 @@ CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 @dataclass(kw_only=True)
 class ParityOptions:
     """What parity changes in GRPOTrainer; every other setting stays GRPOConfig's."""
+    engine: EngineName = shared("engine")
     engine_dtype: Dtype = shared("engine_dtype")
     ratio_source: RatioSource = shared("ratio_source")
     diagnostics: bool = shared("diagnostics", help="Shadow forward on every loss call: alpha/beta "
@@ -180,15 +185,25 @@ class ParityGRPOTrainer(GRPOTrainer):
             disable_dropout(self.ref_model)
             _count_positions_as_the_engine(self.ref_model)
         head32 = bool(a.cast_lm_head_to_fp32)
-        self.engine = HFEngine(master, self.parity.engine_dtype, self.eos_token_ids,
-                               self._tokenizer.pad_token_id, self.parity.cpu_fp16, head32)
-        _without_patched_forward(self.engine.model)
         self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0)
+        check_scored_sampling(SimpleNamespace(
+            shadow_kernels=self.parity.shadow_kernels, engine=self.parity.engine,
+            temperature=self.temperature, top_p=a.top_p, top_k=a.top_k or 0))
+        check_engine(self.parity.engine, master.config)
+        self.engine = make_engine(self.parity.engine, EngineSpec(
+            master=master, model_dir=str(getattr(master, "name_or_path", "")),
+            dtype=self.parity.engine_dtype, eos_ids=list(self.eos_token_ids),
+            pad_id=self._tokenizer.pad_token_id, seed=a.seed + self.accelerator.process_index,
+            max_len=a.vllm_max_model_length or master.config.max_position_embeddings,
+            rows=a.generation_batch_size, cpu_fp16=self.parity.cpu_fp16, lm_head_fp32=head32))
+        _without_patched_forward(self.engine.model)
         self.generator = torch.Generator().manual_seed(a.seed + self.accelerator.process_index)
         self._synced_step: int | None = None
         # An fp32 engine against an fp32 trainer: the shadow forward is the trainer's own.
         self.shadow = None
-        if not (self.parity.engine_dtype == "fp32" and self.trainer_dtype == "fp32"):
+        scored = self.parity.shadow_kernels == "scored"   # the engine scores, no copy here
+        if not scored and not (self.parity.engine_dtype == "fp32" and
+                               self.trainer_dtype == "fp32"):
             self.shadow = _without_patched_forward(
                 low_precision_copy(master, self.parity.engine_dtype, head32))
             if self.parity.shadow_kernels == "engine":  # else the trainer's own attention
@@ -244,6 +259,15 @@ class ParityGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _shadow_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       logits_to_keep: int, logp_pi: torch.Tensor) -> torch.Tensor:
+        if self.parity.shadow_kernels == "scored":
+            k = logits_to_keep
+            r = Rollout(prompt_ids=input_ids[:, :-k], prompt_mask=attention_mask[:, :-k],
+                        completion_ids=input_ids[:, -k:],
+                        completion_mask=attention_mask[:, -k:].float(),
+                        engine_logprobs=torch.zeros_like(logp_pi, dtype=torch.float32),
+                        finished=torch.zeros(len(input_ids), dtype=torch.bool))
+            return self.engine.score(self.accelerator.unwrap_model(self.model), r,
+                                     self.sampling).to(logp_pi.device)
         if self.shadow is None:
             return logp_pi.detach()
         if self._shadow_step != self.state.global_step:  # weights move only at optimizer steps
