@@ -41,6 +41,23 @@ def groups(**steps):
     return out
 
 
+def test_the_engine_scored_shadow_claim_follows_its_seeds():
+    """3-scored: judged as claim 3 is, on the scored bf16-shadow's own seeds; the shadow with
+    parity's kernels is reported beside it and does not decide."""
+    lagging = dict(fp32=[240, 250, 260], bf16_engine=(401, 0),
+                   bf16_shadow=(401, 0))
+    restored = groups(**lagging, bf16_shadow_scored=[250, 262, 270])
+    c = C.scored_shadow_restores(restored, 0.0019)
+    assert c.verdict == C.HOLDS and "bf16-shadow-scored 262 (3/3)" in c.reason
+    assert "bf16-shadow 401 (0/2)" in c.reason
+    stalled = groups(**lagging, bf16_shadow_scored=(401, 0))
+    assert C.scored_shadow_restores(stalled, 0.0019).verdict == C.NOT_AT_SCALE
+    no_lag = groups(fp32=[240, 250, 260], bf16_engine=[245, 255, 262],
+                    bf16_shadow_scored=[250, 262, 270])
+    assert C.scored_shadow_restores(no_lag, 0.0019).verdict == C.NOT_MEASURABLE
+    assert C.scored_shadow_restores(groups(fp32=250), 0.0019).verdict == C.NOT_MEASURABLE
+
+
 def test_restores_and_lags_only_beyond_the_seed_spread():
     """Lags: medians 20% (plus one step) apart and the 95% interval of the difference of means
     above zero. Hand computation for fp32 [100, 110] against bf16-engine [140, 160]: d = 45,

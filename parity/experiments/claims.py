@@ -254,6 +254,32 @@ def stall_and_fixes(task: str, groups: dict[str, dict], eps: float) -> Claim:
                         f"({'only ' if fixed else ''}of bf16-shadow, no-clip): {detail}")
 
 
+def scored_shadow_restores(groups: dict[str, dict], eps: float) -> Claim:
+    """3-scored. Against a real engine a shadow parity computes carries the engine's kernel gap
+    in its ratio; one the engine scores itself (`shadow_kernels=scored`, the recipe named
+    bf16-shadow-scored here) does not. Lags and restores as in claim 3."""
+    names = ("fp32", "bf16-engine", "bf16-shadow", "bf16-shadow-scored")
+    st, m = _steps_reached(groups, names)
+    m = {"eps": eps, **m}
+    s = ("arith against a real engine: bf16-shadow restores convergence once the engine "
+         "scores the shadow")
+    seeds = "removing β from the ratio restores convergence (a shadow in engine precision)"
+    if any(st[r] is None for r in ("fp32", "bf16-engine", "bf16-shadow-scored")):
+        return Claim(id="3-scored", statement=s, seeds=seeds, measured=m,
+                     verdict=NOT_MEASURABLE, reason="a recipe's runs are missing")
+    detail = (f"at ε = {eps:.3g}: steps to threshold (median; seeds reaching it): "
+              + ", ".join(f"{r} {st[r]:g} ({m['reached_' + r]})" for r in names
+                          if st[r] is not None))
+    if not _lags(groups, "bf16-engine", "fp32"):
+        return Claim(id="3-scored", statement=s, seeds=seeds, measured=m,
+                     verdict=NOT_MEASURABLE, reason=f"bf16-engine does not lag fp32: {detail}")
+    if _converges(groups, "bf16-shadow-scored", "bf16-engine"):
+        return Claim(id="3-scored", statement=s, seeds=seeds, measured=m, verdict=HOLDS,
+                     reason=detail)
+    return Claim(id="3-scored", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
+                 reason=f"the engine-scored shadow does not restore it: {detail}")
+
+
 def async_stall_and_fixes(groups: dict[str, dict], eps: float, setting: str) -> Claim:
     """3-async. The stall and its fixes in the seeds' asynchronous regime (a stale engine and
     several minibatches per rollout: α ≠ 0, so real clipping competes with phantom clipping and

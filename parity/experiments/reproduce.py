@@ -72,6 +72,8 @@ class ReproductionPlan:
     algorithm_seeds: list[int] = field(default_factory=list)
     async_seeds: list[int] = field(default_factory=list)   # claim 3-async; [] skips it
     lora_seeds: list[int] = field(default_factory=list)    # claim 11 (LoRA); [] skips it
+    # claim 3-scored: bf16-shadow with the shadow the engine scores itself; [] skips it
+    scored_seeds: list[int] = field(default_factory=list)
     horizon_steps: int = 0    # claim 5b-arith's horizon (> arith_steps); 0: the sweep's own
     drivers: bool = False     # claim 10: what makes β large
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
@@ -99,7 +101,7 @@ VLLM_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "recompute", "t
 VLLM = ReproductionPlan(name="vllm", audit_model=testbed.DEFAULT_TEXT, samples=128,
                         scale_models=[], sweep_model=testbed.DEFAULT_TEXT, seeds=[], steps=0,
                         arith_steps=400, arith_seeds=[0, 1, 2], arith_recipes=VLLM_RECIPES,
-                        engine="vllm")
+                        scored_seeds=[0, 1, 2], engine="vllm")
 FULL = ReproductionPlan(name="full", audit_model=testbed.LARGEST, samples=512,
                         scale_models=list(testbed.LADDER), sweep_model=testbed.DEFAULT_TEXT,
                         seeds=[0, 1], steps=30, arith_steps=400, arith_seeds=[0, 1, 2],
@@ -295,7 +297,8 @@ def _arith(plan: ReproductionPlan, out: Path, workers: int, progress: bool, stag
            calibration: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], float | None]:
     """The arith sweeps at arith's own calibrated ε: the recipes, their long horizon, the other
     objectives, the asynchronous regime, LoRA. Returns the sweeps' summaries by name ("arith",
-    "long", "algos" by objective, "async", "lora"; absent where the plan skips one) and ε."""
+    "scored", "long", "algos" by objective, "async", "lora"; absent where the plan skips one)
+    and ε."""
     sw: dict[str, Any] = {}
     if not plan.arith_steps:
         return sw, None
@@ -309,6 +312,11 @@ def _arith(plan: ReproductionPlan, out: Path, workers: int, progress: bool, stag
     with stage("arith sweep"):
         sw["arith"] = _sweep(plan, out / "sweeps" / "arith", plan.arith_recipes, plan.arith_seeds,
                              "arith", plan.arith_model, clip, workers, progress, scaled_clip(eps))
+    if plan.scored_seeds:
+        with stage("arith scored-shadow sweep"):
+            sw["scored"] = _sweep(plan, out / "sweeps" / "arith-scored", ["bf16-shadow"],
+                                  plan.scored_seeds, "arith", plan.arith_model,
+                                  {**clip, "shadow_kernels": "scored"}, workers, progress)
     horizon = [r for r in HORIZON_RECIPES if r in plan.arith_recipes]
     if plan.horizon_steps > plan.arith_steps and horizon:
         with stage("arith long horizon"):
@@ -381,7 +389,8 @@ def reproduce(plan: ReproductionPlan, out: Path, workers: int = 0, progress: boo
             (out / "drivers.json").write_text(json.dumps(drivers, indent=1))
 
     claims = judge(a16, f16, sc, main, sw.get("arith"), lr, eps_run, plan, eps_arith,
-                   sw.get("algos"), drivers, sw.get("async"), sw.get("lora"), sw.get("long"))
+                   sw.get("algos"), drivers, sw.get("async"), sw.get("lora"), sw.get("long"),
+                   sw.get("scored"))
     seconds = max(time.perf_counter() - t_start, sum(stage.timing.values()))
     result = {"plan": plan.name, "seconds": seconds, "timing": stage.timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
@@ -421,7 +430,7 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
           eps_run: float, plan: ReproductionPlan, eps_arith: float | None = None,
           algos: dict[str, dict] | None = None, drivers: dict | None = None,
           asy: dict | None = None, lora_sweep: dict | None = None,
-          long_sweep: dict | None = None) -> list[C.Claim]:
+          long_sweep: dict | None = None, scored: dict | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
     the plan did not run (`None`), or a recipe it left out, judges none of its claims. 5b-arith
     is judged over the long horizon where the plan ran one, else over the sweep's steps."""
@@ -433,6 +442,10 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
         out.append(C.stall_and_fixes("neg-length", _groups(main), eps_run))
     if arith is not None:
         out.append(_renamed(C.stall_and_fixes("arith", _groups(arith), eps_arith), "3-arith"))
+    if arith is not None and scored is not None:
+        both = {**_groups(arith), **{f"{k} (scored)": {**g, "recipe": "bf16-shadow-scored"}
+                                     for k, g in _groups(scored).items()}}
+        out.append(C.scored_shadow_restores(both, eps_arith))
     if asy is not None:
         out.append(C.async_stall_and_fixes(_groups(asy), eps_arith, ASYNC_SETTING))
     out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), m16["mismatch/beta_abs_mean"],
@@ -523,6 +536,9 @@ def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: floa
     if plan.arith_steps and plan.async_seeds:
         sweeps.append(f"arith asynchronous ({ASYNC_SETTING}; {', '.join(ASYNC_RECIPES)}; seeds "
                       f"{plan.async_seeds})")
+    if plan.arith_steps and plan.scored_seeds:
+        sweeps.append(f"arith bf16-shadow with the shadow the engine scores itself "
+                      f"(`--shadow-kernels scored`; seeds {plan.scored_seeds})")
     if plan.arith_steps and plan.lora_seeds:
         sweeps.append(f"arith with {LORA_SETTING} ({', '.join(LORA_RECIPES)}; seeds "
                       f"{plan.lora_seeds})")
