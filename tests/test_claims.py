@@ -58,6 +58,23 @@ def test_the_engine_scored_shadow_claim_follows_its_seeds():
     assert C.scored_shadow_restores(groups(fp32=250), 0.0019).verdict == C.NOT_MEASURABLE
 
 
+def test_sweep_table_rows_per_recipe_and_seed():
+    from parity.experiments.reproduce import sweep_table
+    run = {"ok": True, "group": "g-fp32"}
+    summary = {"groups": {
+        "g-fp32": {"recipe": "fp32", "reached": 2, "steps_to_threshold_median": 230.0,
+                   "final_reward": 0.9123, "early_clip_frac": 0.0, "early_phantom_frac": 0.0},
+        "g-b": {"recipe": "bf16-engine", "reached": 0, "steps_to_threshold_median": 401.0,
+                "final_reward": 0.6, "early_clip_frac": 0.154, "early_phantom_frac": None}},
+        "runs": {"a": {**run, "seed": 1, "steps_to_threshold": 240},
+                 "b": {**run, "seed": 0, "steps_to_threshold": 220},
+                 "c": {"ok": True, "group": "g-b", "seed": 0, "steps_to_threshold": None},
+                 "d": {"ok": False, "group": "g-b", "seed": 1}}}
+    rows = sweep_table(summary).splitlines()[2:]
+    assert rows == ["| `fp32` | 2/2 | 230 (220, 240) | 0.912 | 0.0% | 0.0% |",
+                    "| `bf16-engine` | 0/1 | never (never) | 0.600 | 15.4% | missing |"]
+
+
 def test_restores_and_lags_only_beyond_the_seed_spread():
     """Lags: medians 20% (plus one step) apart and the 95% interval of the difference of means
     above zero. Hand computation for fp32 [100, 110] against bf16-engine [140, 160]: d = 45,

@@ -579,10 +579,37 @@ def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: floa
             ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε"),
             ("audits/bf16-arith/phantom_vs_eps.png",
              "bf16 engine on arith: clip fractions against ε (its sweep's calibration)")]
+    for name, caption in (("arith", "arith: each recipe's seeds"),
+                          ("arith-scored", "arith: bf16-shadow with the engine-scored shadow")):
+        if (out / "sweeps" / name / "summary.json").is_file():
+            summary = read_json(out / "sweeps" / name / "summary.json", "sweep summary")
+            md += f"\n### {caption}\n\n" + sweep_table(summary) + "\n"
     for path, caption in figs:
         if (out / path).is_file():
             md += f"\n### {caption}\n\n![{caption}]({path})\n"
     return md
+
+
+def sweep_table(summary: dict[str, Any]) -> str:
+    """One row per recipe of a sweep: seeds reaching the task's threshold, their steps to it
+    ("never": not within the run), the final reward and the share clipped (of which phantom)
+    over the first steps."""
+    lines = ["| recipe | seeds reaching it | steps to it (median; per seed) | final reward | "
+             "clipped, first steps | of which phantom |", "|---|---:|---|---:|---:|---:|"]
+    runs = list(summary["runs"].values())
+    for name, g in summary["groups"].items():
+        mine = sorted((r for r in runs if r.get("group") == name and r.get("ok")),
+                      key=lambda r: r["seed"])
+        per_seed = ", ".join("never" if r.get("steps_to_threshold") is None
+                             else str(r["steps_to_threshold"]) for r in mine)
+        med = g.get("steps_to_threshold_median")
+        pct = ("missing" if g.get(k) is None else f"{100 * g[k]:.1f}%"
+               for k in ("early_clip_frac", "early_phantom_frac"))
+        lines.append(f"| `{g['recipe']}` | {g.get('reached', 0)}/{len(mine)} | "
+                     f"{'never' if med is None or not g.get('reached') else f'{med:g}'} "
+                     f"({per_seed}) | "
+                     f"{g['final_reward']:.3f} | " + " | ".join(pct) + " |")
+    return "\n".join(lines)
 
 
 def print_claims(result: dict[str, Any]) -> None:
