@@ -116,8 +116,17 @@ def _one(a: argparse.Namespace, model: Path, url: str, name: str, recipe: str,
         return {**base, "failed": tail[0], "wall_s": time.time() - t0}
     d = json.loads(path.read_text())
     path.unlink()
-    steps = [{k: h.get(k) for k in (*KEYS, "step")} for h in d["log"] if "clip/frac" in h]
-    return {**base, "wall_s": d["wall_s"], "steps": steps}
+    return {**base, "wall_s": d["wall_s"], "steps": steps_of(d["log"]), "log": d["log"]}
+
+
+def steps_of(log: list[dict]) -> list[dict]:
+    """KEYS per optimizer step from TRL's log history, whose entries for one step may be
+    several (TRL logs some metrics apart from the loss's)."""
+    by: dict[int, dict] = {}
+    for h in log:
+        if "step" in h and "clip/frac" in h or h.get("step") in by:
+            by.setdefault(h["step"], {}).update({k: v for k, v in h.items() if k in KEYS})
+    return [{**{k: v.get(k) for k in KEYS}, "step": st} for st, v in sorted(by.items())]
 
 
 # What the phantom share at sync would take on this model: live audits of a bf16 server at
