@@ -56,13 +56,16 @@ def _row(recipe, seed=0, first=30.0, last=30.0, **kw):
 
 
 def test_claims_follow_the_numbers():
-    rows = [_row("bf16-engine", beta_abs=0.05, phantom=0.001, probe_gap=0.08),
+    rows = [_row("bf16-engine", beta_abs=0.05, phantom=0.001, clip_first=0.002, probe_gap=0.08),
             _row("fp16", beta_abs=0.005), _row("fp32"),
             _row("bf16-shadow", alpha_first=0.08, shadow_s=2.0),
             _row("bf16-shadow-scored", alpha_first=0.001, shadow_s=3.0)]
     by = {c[0]: c for c in S.claims(rows, steps=3)}
     assert "not measurable here" in by["A1"][3]            # one seed, three steps
-    assert "does not hold" in by["A2"][3]                  # 0.1% is not 18%
+    assert "does not hold" in by["A2"][3] and "0.20% clipped at step 1" in by["A2"][2]
+    rows[0]["clip_first"] = 0.15                           # within a factor 3 of 18%
+    assert "holds" in {c[0]: c for c in S.claims(rows, 3)}["A2"][3]
+    rows[0]["clip_first"] = 0.002
     assert "10.0× smaller" in by["A3"][2] and "holds" in by["A3"][3]
     assert "holds" in by["A6"][3] and "0.08" in by["A6"][2] and "3 s" in by["A6"][2]
     rows[-1]["alpha_first"] = 0.02                         # a scored shadow with a gap
