@@ -262,8 +262,10 @@ def summary(runs: list[dict]) -> list[dict]:
 
 def write(out: Path, a: argparse.Namespace, runs: list[dict], wall: float) -> None:
     rows = summary(runs)
+    # TRL's whole log of each run stays in runs/, where a later invocation reuses it
+    kept = [{k: v for k, v in r.items() if k != "log"} for r in runs]
     (out / "runs.json").write_text(json.dumps({"settings": vars(a), "wall_s": wall,
-                                               "runs": runs, "summary": rows}, indent=1))
+                                               "runs": kept, "summary": rows}, indent=1))
     head = ("| recipe | seed | steps | length first | length last | truncated | \\|β\\| | "
             "clip | phantom | hidden | α-clipped | probe gap | \\|α\\| step 1 | shadow s | "
             "sync s | step s |")
