@@ -210,8 +210,10 @@ def _beside() -> list[str]:
           "([../vllm/smollm2-135m/claims.md](../vllm/smollm2-135m/claims.md)): vLLM's "
           "in-process engine, parity's trainer, the same reward, prompts, ε and lr.", "",
           "| claim | statement | measured | verdict |", "|---|---|---|---|"]
-    md += [f"| {c['id']} | {c['statement']} | {c['reason'].replace('|', chr(92) + '|')} | "
-           f"**{c['verdict']}** |" for c in d["claims"]]
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    md += [f"| {c['id']} | {cell(c['statement'])} | {cell(c['reason'])} | **{c['verdict']}** |"
+           for c in d["claims"]]
     return md
 
 

@@ -94,3 +94,14 @@ def test_audit_rows_read_the_clip_share_at_sync(tmp_path):
     assert all(r.get("missing") for r in rows[1:])
     md = "\n".join(S._audits_section(tmp_path))
     assert "| 1 | 64 | 4 | 25.0 | 0.04 | 1.00% | 0.032 |" in md and "missing" in md
+
+
+def test_parity_trainers_claims_sit_beside_as_a_well_formed_table():
+    """The section reads docs/reproduce/vllm/smollm2-135m/claims.json; a |β| in a claim must
+    not split its row into more cells than the header has."""
+    import re
+    md = S._beside()
+    assert md and any(line.startswith("| R1 |") for line in md)
+    rows = [line for line in md if line.startswith("|")]
+    cells = {len(re.split(r"(?<!\\)\|", line)) for line in rows}
+    assert len(cells) == 1, cells
