@@ -521,8 +521,8 @@ def _fp16_claims(arith: dict | None, algos: dict[str, dict] | None, ran: set[str
     return out
 
 
-def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: float,
-                    calibration: dict[str, dict[str, Any]], out: Path) -> str:
+def _sweeps_said(plan: ReproductionPlan) -> list[str]:
+    """What each sweep the plan runs trains, in words."""
     sweeps = []
     if plan.steps:
         sweeps.append(f"neg-length on `{plan.sweep_model}`, {plan.steps} steps, seeds "
@@ -547,6 +547,12 @@ def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: floa
         sweeps.append(f"arith with objectives {', '.join(plan.algorithms)} ({recipes}; seeds "
                       f"{plan.algorithm_seeds}; the scaled ε where the objective clips tokens, "
                       f"its own clip otherwise)")
+    return sweeps
+
+
+def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: float,
+                    calibration: dict[str, dict[str, Any]], out: Path) -> str:
+    sweeps = _sweeps_said(plan)
     eps = []
     for task, c in calibration.items():
         eps.append(f"{task} ε = {c['eps']:g} " + (
@@ -579,14 +585,20 @@ def claims_markdown(claims: list[C.Claim], plan: ReproductionPlan, seconds: floa
             ("audits/bf16-vs-fp32/phantom_vs_eps.png", "bf16 engine: clip fractions against ε"),
             ("audits/bf16-arith/phantom_vs_eps.png",
              "bf16 engine on arith: clip fractions against ε (its sweep's calibration)")]
+    md += _sweep_tables(out)
+    for path, caption in figs:
+        if (out / path).is_file():
+            md += f"\n### {caption}\n\n![{caption}]({path})\n"
+    return md
+
+
+def _sweep_tables(out: Path) -> str:
+    md = ""
     for name, caption in (("arith", "arith: each recipe's seeds"),
                           ("arith-scored", "arith: bf16-shadow with the engine-scored shadow")):
         if (out / "sweeps" / name / "summary.json").is_file():
             summary = read_json(out / "sweeps" / name / "summary.json", "sweep summary")
             md += f"\n### {caption}\n\n" + sweep_table(summary) + "\n"
-    for path, caption in figs:
-        if (out / path).is_file():
-            md += f"\n### {caption}\n\n![{caption}]({path})\n"
     return md
 
 

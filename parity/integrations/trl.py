@@ -186,17 +186,7 @@ class ParityGRPOTrainer(GRPOTrainer):
             _count_positions_as_the_engine(self.ref_model)
         head32 = bool(a.cast_lm_head_to_fp32)
         self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0)
-        check_scored_sampling(SimpleNamespace(
-            shadow_kernels=self.parity.shadow_kernels, engine=self.parity.engine,
-            temperature=self.temperature, top_p=a.top_p, top_k=a.top_k or 0))
-        check_engine(self.parity.engine, master.config)
-        self.engine = make_engine(self.parity.engine, EngineSpec(
-            master=master, model_dir=str(getattr(master, "name_or_path", "")),
-            dtype=self.parity.engine_dtype, eos_ids=list(self.eos_token_ids),
-            pad_id=self._tokenizer.pad_token_id, seed=a.seed + self.accelerator.process_index,
-            max_len=a.vllm_max_model_length or master.config.max_position_embeddings,
-            rows=a.generation_batch_size, cpu_fp16=self.parity.cpu_fp16, lm_head_fp32=head32))
-        _without_patched_forward(self.engine.model)
+        self.engine = self._make_engine(master, head32)
         self.generator = torch.Generator().manual_seed(a.seed + self.accelerator.process_index)
         self._synced_step: int | None = None
         # An fp32 engine against an fp32 trainer: the shadow forward is the trainer's own.
@@ -214,6 +204,23 @@ class ParityGRPOTrainer(GRPOTrainer):
         self._loss_call: dict[str, torch.Tensor] | None = None
         if self.trainer_dtype == "fp16":
             install_cpu_fp16_scaler(self.accelerator)
+
+    def _make_engine(self, master: torch.nn.Module, head32: bool) -> Any:
+        """The engine `ParityOptions.engine` names, behind the Engine interface; an
+        engine-scored shadow only where the engine scores what it samples."""
+        a = self.args
+        check_scored_sampling(SimpleNamespace(
+            shadow_kernels=self.parity.shadow_kernels, engine=self.parity.engine,
+            temperature=self.temperature, top_p=a.top_p, top_k=a.top_k or 0))
+        check_engine(self.parity.engine, master.config)
+        engine = make_engine(self.parity.engine, EngineSpec(
+            master=master, model_dir=str(getattr(master, "name_or_path", "")),
+            dtype=self.parity.engine_dtype, eos_ids=list(self.eos_token_ids),
+            pad_id=self._tokenizer.pad_token_id, seed=a.seed + self.accelerator.process_index,
+            max_len=a.vllm_max_model_length or master.config.max_position_embeddings,
+            rows=a.generation_batch_size, cpu_fp16=self.parity.cpu_fp16, lm_head_fp32=head32))
+        _without_patched_forward(engine.model)
+        return engine
 
     # -- sampling --------------------------------------------------------------------------
 
