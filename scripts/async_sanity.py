@@ -124,7 +124,7 @@ def steps_of(log: list[dict]) -> list[dict]:
     several (TRL logs some metrics apart from the loss's)."""
     by: dict[int, dict] = {}
     for h in log:
-        if "step" in h and "clip/frac" in h or h.get("step") in by:
+        if "step" in h and ("clip/frac" in h or h["step"] in by):   # starts at its loss entry
             by.setdefault(h["step"], {}).update({k: v for k, v in h.items() if k in KEYS})
     return [{**{k: v.get(k) for k in KEYS}, "step": st} for st, v in sorted(by.items())]
 

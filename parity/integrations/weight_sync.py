@@ -83,7 +83,12 @@ class Server:
         return SERVER_DTYPES[d]
 
     def model(self) -> str:
-        return self.call("GET", "/v1/models", "the model list", timeout=30)["data"][0]["id"]
+        """The served model's name, asked once: every scoring request names it, and a server
+        does not change what it serves under a running trainer."""
+        if getattr(self, "_model", None) is None:
+            self._model = self.call("GET", "/v1/models", "the model list",
+                                    timeout=30)["data"][0]["id"]
+        return self._model
 
     def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
         """log p(ids[t] | ids[:t]) for t ≥ 1, as the server computes them at T = 1."""
