@@ -138,6 +138,9 @@ def machine(device: torch.device | None = None) -> dict:
         out["transformers"] = transformers.__version__
     except ImportError:
         pass
+    # Only when a bench ran it: importing vLLM just to name it would cost seconds.
+    if "vllm" in sys.modules:
+        out["vllm"] = getattr(sys.modules["vllm"], "__version__", "unknown")
     device = device or torch.device("cpu")
     out["device"] = str(device)
     if device.type == "cuda":

@@ -43,6 +43,7 @@ def provenance(data: dict, link: str) -> str:
     if m:
         where = f" on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, {m['device']}"
         where += f" ({m['gpu']})" if m.get("gpu") else ""
+        where += f", vLLM {m['vllm']}" if m.get("vllm") else ""
         where += f", {m['torch_threads']} threads"
         if m.get("load_1min_at_start") is not None:
             where += f", load {m['load_1min_at_start']:.1f} as it started"
