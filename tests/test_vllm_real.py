@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.engines import Engine, EngineSpec, Sampling, make_engine
+from parity.engines import Engine, Sampling
 from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 from parity.runs import load_policy as load_model
+from vllm_helpers import prompts_of, vllm_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
@@ -27,17 +28,7 @@ def master(text_model):
 
 @pytest.fixture(scope="module")
 def engine(master, text_model):
-    model, tok = master
-    eng = make_engine("vllm", EngineSpec(model, str(text_model), "bf16", [tok.eos_token_id],
-                                         tok.pad_token_id, 0, 64, 16))
-    eng.sync(model)
-    yield eng
-    eng.close()
-
-
-def prompts_of(tok, n=8):
-    texts = ["the cat", "a man went", "in the", "she said", "it was", "we", "on a", "and then"]
-    return [tok(t)["input_ids"] for t in texts[:n]]
+    yield from vllm_engine(*master, text_model)
 
 
 def test_both_engines_implement_the_engine_protocol(master, engine):
@@ -135,6 +126,39 @@ def test_engine_scored_shadow_is_the_samplers_own_arithmetic(master, engine):
     # the next rollout samples from the synced weights again, not the scored ones
     again = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(4))
     assert again.completions() == r.completions()
+
+
+def test_scoring_loads_the_master_once_per_optimizer_step(master, engine):
+    """The minibatches and micro-batches of one step score the same weights: vLLM loads them
+    at the first and again only once the master has moved (an optimizer step writes in place)."""
+    model, tok = master
+    moved = type(model)(model.config)
+    moved.load_state_dict(model.state_dict())
+    s = Sampling()
+    r = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(7))
+    mask = r.completion_mask
+    loads = []
+    load = engine._load
+    engine._load = lambda weights: (loads.append(1), load(weights))
+    try:
+        first = engine.score(moved, r, s)
+        again = engine.score(moved, r, s)
+        assert len(loads) == 1 and torch.equal(first, again)
+        opt = torch.optim.SGD(moved.parameters(), lr=1e-2)
+        (-score(moved, r, s) * mask).sum().backward()
+        opt.step()
+        after = engine.score(moved, r, s)
+        assert len(loads) == 2
+        # vLLM scores the stepped weights, not the ones it held
+        bf16 = HFEngine(moved, "bf16", tok.eos_token_id, tok.pad_token_id).score(moved, r, s)
+        to_new = float(((after - bf16).abs() * mask).sum() / mask.sum())
+        to_old = float(((first - bf16).abs() * mask).sum() / mask.sum())
+        assert to_new < 0.05 and to_old > 4 * to_new, (to_new, to_old)
+    finally:
+        del engine._load
+    # sampling goes back to the synced weights
+    assert engine.generate(prompts_of(tok), 16, s,
+                           torch.Generator().manual_seed(7)).completions() == r.completions()
 
 
 def test_vllm_scores_with_the_raw_model_whatever_the_sampling(master, engine):

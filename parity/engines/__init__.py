@@ -31,9 +31,10 @@ from parity.engines.rollout import (
     uniforms,
 )
 
-__all__ = ["ENGINES", "Engine", "EngineSpec", "Rollout", "Sampling", "Shard", "check_engine",
-           "keep_last", "left_pad", "logprobs_from_logits", "make_engine", "positions",
-           "processed_logits", "sample_rows", "stop_token_ids", "uniforms"]
+__all__ = ["ENGINES", "Engine", "EngineEntry", "EngineSpec", "Rollout", "Sampling", "Shard",
+           "check_engine", "keep_last", "left_pad", "logprobs_from_logits",
+           "make_engine", "positions", "processed_logits", "sample_rows", "stop_token_ids",
+           "uniforms"]
 
 
 @runtime_checkable
@@ -109,18 +110,25 @@ def _vllm_check(config: Any) -> None:
         check_architecture(config)
 
 
-# name → (check that it can run here, and on this model's config when given, before a run
-# directory exists; build)
-ENGINES: dict[str, tuple[Callable[[Any], None], Callable[[EngineSpec], Engine]]] = {
-    "hf": (lambda config: None, _hf),
-    "vllm": (_vllm_check, _vllm),
+@dataclass(frozen=True)
+class EngineEntry:
+    """One implementation of `Engine`. What it cannot do is said, before any engine is built,
+    by `parity.config.ENGINE_CAN`."""
+    # Can it run here (and on this model's config, when given)? Asked before a run directory
+    # exists, so that a run that cannot start leaves nothing behind.
+    check: Callable[[Any], None]
+    build: Callable[[EngineSpec], Engine]
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "hf": EngineEntry(check=lambda config: None, build=_hf),
+    "vllm": EngineEntry(check=_vllm_check, build=_vllm),
 }
 
 
 def make_engine(name: str, spec: EngineSpec) -> Engine:
-    return ENGINES[name][1](spec)
+    return ENGINES[name].build(spec)
 
 
 def check_engine(name: str, config: Any = None) -> None:
-    ENGINES[name][0](config)
-
+    ENGINES[name].check(config)

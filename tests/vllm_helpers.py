@@ -1,0 +1,25 @@
+"""What the tests of the `vllm` engine share, on the CPU (test_vllm_real.py) and on a GPU
+(test_gpu_vllm.py): the engine on a testbed model, and prompts for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from parity.engines import EngineSpec, make_engine
+
+TEXTS = ["the cat", "a man went", "in the", "she said", "it was", "we", "on a", "and then"]
+
+
+def vllm_engine(model: torch.nn.Module, tok, model_dir) -> Iterator:
+    """A bf16 vLLM engine synced to `model` (on `model`'s device), closed after the fixture."""
+    eng = make_engine("vllm", EngineSpec(model, str(model_dir), "bf16", [tok.eos_token_id],
+                                         tok.pad_token_id, 0, 64, 16))
+    eng.sync(model)
+    yield eng
+    eng.close()
+
+
+def prompts_of(tok, n: int = 8) -> list[list[int]]:
+    return [tok(t)["input_ids"] for t in TEXTS[:n]]
