@@ -56,14 +56,10 @@ def main() -> None:
     launches = [("one process", 1, cores, []),
                 (f"torchrun x{a.ranks}, DDP", a.ranks, per_rank, ["--parallel", "ddp"]),
                 (f"torchrun x{a.ranks}, FSDP", a.ranks, per_rank, ["--parallel", "fsdp"])]
-    from parity.config import ENGINE_CAN
     with tempfile.TemporaryDirectory() as tmp:
         for engine in a.engines:
             base = None
             for name, ranks, threads, extra in launches:
-                if "fsdp" in extra and not ENGINE_CAN[engine].fsdp:
-                    print(f"{engine}: no FSDP row (refused: docs/vllm.md)")
-                    continue
                 rows = run(common + extra + ["--engine", engine], ranks, threads,
                            Path(tmp) / f"{engine}_{name.replace(' ', '_')}")
                 mean = {k: statistics.mean(r[k] for r in rows)

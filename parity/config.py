@@ -57,13 +57,10 @@ class EngineCan:
     # is. vLLM's prompt log-probs are the raw model's (docs/vllm.md).
     score_processed: bool
     lm_head_fp32: bool     # it can compute its LM head in fp32
-    # A rank running it can write FSDP's sharded weights to a checkpoint. With vLLM started in
-    # the rank's process, gathering them fails (docs/vllm.md).
-    fsdp: bool
 
 
-ENGINE_CAN = {"hf": EngineCan(score_processed=True, lm_head_fp32=True, fsdp=True),
-              "vllm": EngineCan(score_processed=False, lm_head_fp32=False, fsdp=False)}
+ENGINE_CAN = {"hf": EngineCan(score_processed=True, lm_head_fp32=True),
+              "vllm": EngineCan(score_processed=False, lm_head_fp32=False)}
 
 
 def engines_that(can: str) -> str:
@@ -379,11 +376,6 @@ class Config:
         if self.lm_head_fp32 and not can.lm_head_fp32:
             raise ParityError(f"engine={self.engine} runs its LM head in the engine's dtype: "
                               f"--lm-head-fp32 needs {engines_that('lm_head_fp32')}")
-        if self.parallel == "fsdp" and not can.fsdp:
-            raise ParityError(f"engine={self.engine} with parallel=fsdp cannot write its "
-                              f"checkpoint (the engine in the rank's process and FSDP's sharded "
-                              f"weights, docs/vllm.md): use parallel=ddp, or "
-                              f"{engines_that('fsdp')}")
         if self.shadow_kernels == "scored" and self.async_engine:
             raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
                               "process: the asynchronous engine lives in another one")

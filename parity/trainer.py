@@ -165,9 +165,11 @@ def _train(run: Run, resume: bool) -> Path:
                 bar.advance(1, _step_line(m))
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
                 save(run, step)  # on every rank: FSDP gathers the shards first
-    # else a finished run was "resumed": its final checkpoint stands
-    if run.first_step <= cfg.steps:
-        save(run, cfg.steps)
+        # Before the engine closes: vLLM's shutdown tears down the process group it was
+        # started in, which under torchrun is the run's own, and FSDP's gather needs it.
+        # (A finished run that was "resumed" keeps its final checkpoint.)
+        if run.first_step <= cfg.steps:
+            save(run, cfg.steps)
     return run.dir
 
 

@@ -113,17 +113,23 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
 
 
 @pytest.mark.e2e
-def test_two_ranks_sampling_with_vllm_draw_the_one_process_tokens(text_model, tmp_path,
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_sampling_with_vllm_draw_the_one_process_tokens(parallel, text_model, tmp_path,
                                                                   vllm_ready):
     """A vLLM engine on each rank samples its half of the batch with the rows' own seeds: the
-    two ranks draw, token for token, what one process draws, and train to its metrics."""
+    two ranks draw, token for token, what one process draws, and train to its metrics. Under
+    FSDP the last checkpoint is gathered before vLLM's shutdown tears the run's process group
+    down."""
     cfg = COMMON + ["--engine", "vllm", "--recipe", "bf16-engine", "--prompts-per-step", "4",
                     "--samples-per-prompt", "2", "--max-new-tokens", "8", "--dump-rollouts",
                     "--steps", "2"]
     one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = parity(["train", *cfg, "--parallel", "ddp", "--out", str(tmp_path / "two")], TORCHRUN)
+    args = ["train", *cfg, "--parallel", parallel, "--out", str(tmp_path / "two")]
+    two = (launch_fsdp(args, tmp_path / "two") if parallel == "fsdp"
+           else parity(args, TORCHRUN))
     assert two.returncode == 0, two.stderr[-3000:]
+    assert (tmp_path / "two" / "checkpoints" / "step-2" / "model.safetensors").is_file()
     for step in (1, 2):
         t1, t2 = (pq.read_table(tmp_path / run / "rollouts" / f"step-{step}.parquet").to_pandas()
                   .sort_values(["sample_id", "position"]).reset_index(drop=True)

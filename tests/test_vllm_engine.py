@@ -111,8 +111,6 @@ def test_settings_the_vllm_engine_cannot_honour_are_refused_before_anything_runs
     from parity.errors import ParityError
     with pytest.raises(ParityError, match="lm-head-fp32 needs engine=hf"):
         make_config({"engine": "vllm", "lm_head_fp32": True})
-    with pytest.raises(ParityError, match="use parallel=ddp"):
-        make_config({"engine": "vllm", "parallel": "fsdp"})
     with pytest.raises(ParityError, match="asynchronous engine lives in another"):
         make_config({"shadow_kernels": "scored", "async_engine": True})
     with pytest.raises(ParityError, match="scores with the raw model"):
@@ -120,5 +118,6 @@ def test_settings_the_vllm_engine_cannot_honour_are_refused_before_anything_runs
     with pytest.raises(ParityError, match="scores with the raw model"):
         make_config({"engine": "vllm", "shadow_kernels": "scored", "top_k": 20})
     make_config({"engine": "vllm", "async_engine": True, "lora_rank": 0})  # both run
+    make_config({"engine": "vllm", "parallel": "fsdp"})
     make_config({"engine": "vllm", "shadow_kernels": "scored"})
     make_config({"engine": "hf", "shadow_kernels": "scored", "temperature": 0.7})
