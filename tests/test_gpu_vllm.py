@@ -16,7 +16,7 @@ from parity.config import RECIPES
 from parity.engines import Sampling
 from parity.engines.hf import HFEngine
 from parity.runs import load_policy
-from vllm_helpers import prompts_of, vllm_engine
+from vllm_helpers import moved_copy, prompts_of, vllm_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
@@ -63,12 +63,7 @@ def test_vllm_on_the_gpu_draws_the_same_rows_in_any_piece(master, engine):
 
 def test_sync_on_the_gpu_changes_what_vllm_samples_from(master, engine):
     model, tok = master
-    moved = type(model)(model.config).to("cuda")
-    moved.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for name, p in moved.named_parameters():
-            if "layers.0" in name:
-                p.mul_(1.5)
+    moved = moved_copy(model)
     s = Sampling()
     try:
         assert 0.1 < engine.sync(moved) <= 1.0

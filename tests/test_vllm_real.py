@@ -15,7 +15,7 @@ from parity.engines import Engine, Sampling
 from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 from parity.runs import load_policy as load_model
-from vllm_helpers import prompts_of, vllm_engine
+from vllm_helpers import moved_copy, prompts_of, vllm_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
@@ -90,12 +90,7 @@ def test_sync_changes_what_vllm_serves_to_the_new_weights(master, engine):
     """After a sync from moved master weights, vLLM's log-probs are the new weights' (within
     the bf16 kernel gap of parity's own bf16 forward) and far from the old ones'."""
     model, tok = master
-    moved = type(model)(model.config)
-    moved.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for name, p in moved.named_parameters():
-            if "layers.0" in name:
-                p.mul_(1.5)
+    moved = moved_copy(model)
     s = Sampling()
     before = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(3))
     changed = engine.sync(moved)

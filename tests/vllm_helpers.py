@@ -21,5 +21,17 @@ def vllm_engine(model: torch.nn.Module, tok, model_dir) -> Iterator:
     eng.close()
 
 
+def moved_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model`, on its device, with its first layer's weights scaled by 1.5: weights
+    that sample and score visibly differently."""
+    moved = type(model)(model.config).to(next(model.parameters()).device)
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            if "layers.0" in name:
+                p.mul_(1.5)
+    return moved
+
+
 def prompts_of(tok, n: int = 8) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in TEXTS[:n]]
