@@ -47,6 +47,11 @@ LOSS_AGGS = typing.get_args(LossAgg)
 DPO_REFS = typing.get_args(DpoRef)
 OPTIMIZERS = typing.get_args(OptimizerName)
 ENGINES = typing.get_args(EngineName)
+PARALLEL = typing.get_args(Parallel)
+# A device setting: `auto`, `cpu`, `cuda` or `cuda:N` (parity/devices.py resolves it).
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+# report_to is a comma-separated list of these, so no Literal can say it.
+REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,6 @@ ENGINE_CAN = {"hf": EngineCan(score_processed=True, lm_head_fp32=True),
 def engines_that(can: str) -> str:
     """The engines that can (an EngineCan field), for a refusal to name."""
     return " or ".join(f"engine={n}" for n, c in ENGINE_CAN.items() if getattr(c, can))
-PARALLEL = typing.get_args(Parallel)
-# A device setting: `auto`, `cpu`, `cuda` or `cuda:N` (parity/devices.py resolves it).
-DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
-# report_to is a comma-separated list of these, so no Literal can say it.
-REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
