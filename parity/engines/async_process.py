@@ -143,8 +143,10 @@ class AsyncEngine:
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         # A copy of its own on the CPU: the mirror is cast into again while the engine still
-        # reads this, and a checkpoint writes it.
-        return {k: v.detach().to("cpu", copy=True) for k, v in
+        # reads this, and a checkpoint writes it. In shared memory before it is queued: else
+        # the queue's feeder thread moves each tensor's storage there while a checkpoint of
+        # the same step may be reading it, and the checkpoint can hold other weights.
+        return {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in
                 self.mirror.model.state_dict().items()}
 
     def submit(self, request: Request) -> None:
