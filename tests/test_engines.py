@@ -84,6 +84,26 @@ def test_eos_and_padding(tiny_lm):
     assert r.prompt_ids[0, -2:].tolist() == [2, 3]
 
 
+@pytest.mark.e2e
+def test_engine_scoring_follows_the_master_across_optimizer_steps(tiny_lm):
+    """The engine's own scoring (the engine-scored shadow) casts the master once per optimizer
+    step, and after a step scores the stepped weights: the same numbers as an engine built on
+    them, and not the old ones."""
+    import copy
+    master = copy.deepcopy(tiny_lm).float()
+    engine = HFEngine(master, "bf16", eos_id=1, pad_id=0)
+    r = engine.generate([[2, 3], [4, 5, 6]] * 4, 8, Sampling(), torch.Generator().manual_seed(0))
+    first = engine.score(master, r, Sampling())
+    assert torch.equal(first, engine.score(master, r, Sampling()))
+    opt = torch.optim.SGD(master.parameters(), lr=0.5)
+    (-score(master, r, Sampling()) * r.completion_mask).sum().backward()
+    opt.step()
+    after = engine.score(master, r, Sampling())
+    fresh = HFEngine(master, "bf16", eos_id=1, pad_id=0).score(master, r, Sampling())
+    assert torch.equal(after, fresh)
+    assert ((after - first).abs() * r.completion_mask).max() > 1e-2
+
+
 def test_processed_logits_keeps_the_sampled_token():
     logits = torch.tensor([[4.0, 3.0, 0.0, -1.0]])
     s = Sampling(1.0, top_k=2)

@@ -6,9 +6,6 @@ on a GPU machine with vLLM's CUDA build runs them; docs/vllm.md)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,7 +13,7 @@ from parity.config import RECIPES
 from parity.engines import Sampling
 from parity.engines.hf import HFEngine
 from parity.runs import load_policy
-from vllm_helpers import moved_copy, prompts_of, vllm_engine
+from vllm_helpers import moved_copy, prompts_of, resume, train, vllm_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
@@ -99,13 +96,6 @@ def test_the_engine_scored_shadow_on_the_gpu(master, engine):
     assert again.completions() == r.completions()
 
 
-def train(args: list[str], out: Path) -> list[dict]:
-    from parity.cli import main
-    assert main(["train", *args, "--out", str(out)]) == 0
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "throughput/"))}
-            for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 ARGS = ["--model", "text-xs", "--engine", "vllm", "--device", "cuda", "--prompts-per-step", "2",
         "--samples-per-prompt", "4", "--max-new-tokens", "8", "--no-progress", "--lr", "1e-3",
         "--report-to", "none"]
@@ -120,14 +110,9 @@ def test_every_recipe_trains_with_vllm_on_cuda(recipe, tmp_path, text_model):
 
 
 def test_a_vllm_run_on_cuda_resumes_as_one_run(tmp_path, text_model):
-    from parity.cli import main
     full = train([*ARGS, "--steps", "4"], tmp_path / "full")
     train([*ARGS, "--steps", "2"], tmp_path / "part")
-    assert main(["train", "--resume", str(tmp_path / "part"), "--steps", "4",
-                 "--no-progress"]) == 0
-    resumed = [{k: v for k, v in json.loads(x).items()
-                if not k.startswith(("time/", "throughput/"))}
-               for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    resumed = resume(tmp_path / "part", 4)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     # Sampling is seeded per row, so the tokens are the same; the GPU's reductions need not
     # be bitwise repeatable, so the numbers are compared to a tolerance.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from parity.engines import Engine, Sampling
 from parity.engines.hf import HFEngine
 from parity.engines.scoring import score
 from parity.runs import load_policy as load_model
-from vllm_helpers import moved_copy, prompts_of, vllm_engine
+from vllm_helpers import moved_copy, prompts_of, resume, train, vllm_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
@@ -170,33 +169,19 @@ def test_vllm_scores_with_the_raw_model_whatever_the_sampling(master, engine):
     assert ((scored - raw).abs() * mask).sum() / mask.sum() < 0.05
 
 
-def run(args: list[str], out: Path) -> list[dict]:
-    from parity.cli import main
-    assert main(["train", *args, "--out", str(out)]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
-            for m in rows]
-
-
 ARGS = ["--model", "text-xs", "--engine", "vllm", "--prompts-per-step", "2",
         "--samples-per-prompt", "4", "--max-new-tokens", "8", "--threads", "1", "--no-progress",
         "--lr", "1e-3", "--report-to", "none"]
 
 
 def test_training_with_vllm_then_resume_equals_the_uninterrupted_run(tmp_path, text_model):
-    full = run([*ARGS, "--steps", "4"], tmp_path / "full")
+    full = train([*ARGS, "--steps", "4"], tmp_path / "full")
     assert [m["step"] for m in full] == [1, 2, 3, 4]
     for m in full:
         assert m["mismatch/beta_abs_mean"] > 0 and m["mismatch/kl_exact_positions"] > 0
     assert any(m["sync/changed_frac"] > 0 for m in full[1:])
-    run([*ARGS, "--steps", "2"], tmp_path / "part")
-    from parity.cli import main
-    assert main(["train", "--resume", str(tmp_path / "part"), "--steps", "4",
-                 "--no-progress"]) == 0
-    rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
-    resumed = [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
-               for m in rows]
-    assert resumed == full
+    train([*ARGS, "--steps", "2"], tmp_path / "part")
+    assert resume(tmp_path / "part", 4) == full
 
 
 def test_an_architecture_vllm_lacks_is_refused_in_one_line_before_the_run_starts(

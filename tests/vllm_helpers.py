@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,25 @@ def moved_copy(model: torch.nn.Module) -> torch.nn.Module:
             if "layers.0" in name:
                 p.mul_(1.5)
     return moved
+
+
+def steps(run) -> list[dict]:
+    """A run's metrics.jsonl, timing aside: what two runs of the same steps must agree on."""
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "throughput/"))}
+            for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(args: list[str], out) -> list[dict]:
+    """`parity train ARGS --out OUT` in this process; its steps."""
+    from parity.cli import main
+    assert main(["train", *args, "--out", str(out)]) == 0
+    return steps(out)
+
+
+def resume(run, steps_to: int) -> list[dict]:
+    from parity.cli import main
+    assert main(["train", "--resume", str(run), "--steps", str(steps_to), "--no-progress"]) == 0
+    return steps(run)
 
 
 def prompts_of(tok, n: int = 8) -> list[list[int]]:

@@ -55,6 +55,7 @@ class Server:
     def __init__(self, url: str, timeout: float = 600.0):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._model: str | None = None
 
     def call(self, method: str, path: str, what: str, **kw: Any) -> Any:
         import requests
@@ -85,7 +86,7 @@ class Server:
     def model(self) -> str:
         """The served model's name, asked once: every scoring request names it, and a server
         does not change what it serves under a running trainer."""
-        if getattr(self, "_model", None) is None:
+        if self._model is None:
             self._model = self.call("GET", "/v1/models", "the model list",
                                     timeout=30)["data"][0]["id"]
         return self._model
