@@ -26,7 +26,7 @@ from parity.engines import Engine, Rollout, Sampling, processed_logits
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import score
 from parity.objectives import clip_predicate, clipped_tokens
-from parity.precision import cast_if_moved, fp16_kernels, low_precision_copy
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 # Buckets for β by the trainer's token probability and by position in the completion: where
 # the gap lives (rare tokens? late positions?) decides which fix helps.
@@ -47,7 +47,7 @@ class Shadow:
                  kernels: str = "engine", engine: Engine | None = None):
         self.identity = engine_dtype == "fp32" and trainer_dtype == "fp32" and kernels != "scored"
         self.dtype, self.cpu_fp16, self.chunk = engine_dtype, cpu_fp16, chunk
-        self.model, self._key = None, None
+        self.model = None
         # `scored`: the engine computes ℓ_s itself (Engine.score), so its kernels are the
         # sampler's own.
         self.engine = engine if kernels == "scored" else None
@@ -58,15 +58,17 @@ class Shadow:
 
     @torch.no_grad()
     def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,
-                 logp_pi: torch.Tensor | None = None) -> torch.Tensor:
-        """ℓ_s of `r` on `master`'s weights (cast into the shadow's copy when they moved)."""
+                 logp_pi: torch.Tensor | None = None, cast: bool = True) -> torch.Tensor:
+        """ℓ_s of `r` on `master`'s weights; `cast=False` when they were cast for an earlier
+        piece of the same update and have not moved since."""
         if self.identity:
             if logp_pi is None:
                 return score(master, r, s, chunk=self.chunk)
             return logp_pi.detach()
         if self.engine is not None:
             return self.engine.score(master, r, s)
-        self._key = cast_if_moved(master, self.model, self._key)
+        if cast:
+            cast_weights_into(master, self.model, count=False)
         device = next(self.model.parameters()).device
         with fp16_kernels(self.dtype, device, self.cpu_fp16):
             return score(self.model, r, s, chunk=self.chunk)

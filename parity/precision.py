@@ -163,24 +163,6 @@ def all_finite(params: list[torch.nn.Parameter]) -> bool:
     return True
 
 
-def weights_key(master: torch.nn.Module) -> tuple:
-    """Which weights `master` holds now: an optimizer step and a `load_state_dict` write them in
-    place (FSDP's sharded parameters too), and every in-place write bumps a tensor's version
-    counter. A copy that follows the master is cast again only when this changed."""
-    return id(master), tuple(p._version for p in master.parameters())
-
-
-def cast_if_moved(master: torch.nn.Module, target: torch.nn.Module, seen: tuple | None
-                  ) -> tuple:
-    """Cast `master` into `target` unless `target` already holds the weights `seen` names (a
-    `weights_key`): the minibatches and micro-batches of one optimizer step score the same
-    weights. Returns the key `target` now holds."""
-    key = weights_key(master)
-    if key != seen:
-        cast_weights_into(master, target, count=False)
-    return key
-
-
 @torch.no_grad()
 def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: bool = True
                       ) -> float:

