@@ -157,7 +157,6 @@ class VLLMEngine:
         self._spec = dict(model_dir=model_dir, dtype=dtype, seed=seed, max_len=max_len,
                           rows=rows, gpu_memory=gpu_memory)
         self._llm, self._stale = None, True
-        self._scoring: tuple | None = None   # the master weights vLLM holds for `score`
 
     @property
     def device(self) -> torch.device:
@@ -179,7 +178,7 @@ class VLLMEngine:
         """vLLM holds the engine copy's weights (they are loaded once per sync, when used)."""
         if self._stale:
             self._load(iter(self.model.state_dict().items()))
-            self._stale, self._scoring = False, None
+            self._stale = False
 
     @torch.no_grad()
     def sync(self, master: torch.nn.Module) -> float:
@@ -244,13 +243,12 @@ class VLLMEngine:
         every token given the ones before it), [B, T] on the rollout's device. The engine's
         copy is left alone: the next sync still counts changes against the sampled weights."""
         from vllm import SamplingParams
-        # A load per optimizer step, not per call: the minibatches and micro-batches of one
-        # step score the same weights.
-        if self._scoring != weights_key(master):
-            dt = torch_dtype(self.dtype)
-            self._load((k, v.to(dt)) for k, v in _master_state(master, self.model).items())
-            self._scoring = weights_key(master)
-            self._stale = True   # vLLM now holds the master's weights, not the sampled ones
+        # Loaded at every call. Skipping the load while the master's tensors' version counters
+        # stand still is not safe: under TRL with fp16 the weights change across optimizer
+        # steps while those counters do not.
+        dt = torch_dtype(self.dtype)
+        self._load((k, v.to(dt)) for k, v in _master_state(master, self.model).items())
+        self._stale = True   # vLLM now holds the master's weights, not the sampled ones
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
                                 temperature=s.temperature, top_p=s.top_p,
                                 top_k=s.top_k if s.top_k > 0 else -1)
@@ -274,12 +272,6 @@ class VLLMEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
-
-
-def weights_key(master: torch.nn.Module) -> tuple:
-    """Which weights `master` holds now: an optimizer step and a `load_state_dict` write them
-    in place, and every in-place write bumps a tensor's version counter."""
-    return id(master), tuple(p._version for p in master.parameters())
 
 
 def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
