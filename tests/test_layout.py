@@ -1,5 +1,5 @@
-"""The architecture as README.md's "How it works" draws it, checked on the source: data flows one
-way (the command line → the experiments → the library's components), the import graph has no
+"""The architecture as CONTRIBUTING.md's "The layout" draws it, checked on the source: data flows
+one way (the command line → the experiments → the library's components), the import graph has no
 cycle, and no function grows past what one can read at once."""
 
 from __future__ import annotations
