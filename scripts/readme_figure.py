@@ -53,8 +53,9 @@ def draw(stall: list[dict], fix: list[dict], out: Path) -> Path:
     left.plot(*series(stall, "reward/mean"), color="C3", label="bf16 engine, fp32 trainer")
     left.plot(*series(fix, "reward/mean"), color="C2", label="the same, β out of the ratio "
                                                              "(--recipe bf16-shadow)")
-    left.set_title("reward: the mismatch stalls training")
+    left.set_title("reward, with and without β in the ratio")
     left.set_ylabel(f"reward ({WINDOW}-step mean)")
+    left.set_ylim(min(0.2, left.get_ylim()[0]), max(1.0, left.get_ylim()[1]))
     left.legend(fontsize=8, loc="lower right")
 
     steps, clipped = series(stall, "clip/frac")
@@ -71,9 +72,9 @@ def draw(stall: list[dict], fix: list[dict], out: Path) -> Path:
     for ax in (left, right):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle("arith on the CPU testbed, ε = 0.0013: "
-                 "`parity report runs/stall runs/fix` draws the same runs", fontsize=9, y=0.02)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.suptitle("arith on the CPU testbed, ε = 0.0013; `parity report runs/stall runs/fix` "
+                 "draws the same runs", fontsize=9, y=0.03)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -153,8 +153,9 @@ def test_the_stall_path_shows_phantom_clips_and_their_fix(arith_model, tmp_path)
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_the_stall_path_at_the_readmes_length(cache, tmp_path):
-    """As written: the `arith` model, 300 steps. The README says its bf16 engine phantom-clips
-    about 18% of tokens at this ε: early in the run, within a factor of two."""
+    """As written: the `arith` model, 300 steps. At this ε, β alone clips tokens of the
+    mismatched run on nearly every step (README.md's picture: on 297 of 300, 9% of the tokens
+    over the first 20), and none of the fixed run's."""
     runs = _third_path(tmp_path, {})
-    early = [r["clip/phantom_frac"] for r in runs["stall"][:10]]
-    assert 0.09 <= sum(early) / len(early) <= 0.36, early
+    assert sum(r["clip/phantom_frac"] > 0 for r in runs["stall"]) >= 0.9 * len(runs["stall"])
+    assert all(r["clip/phantom_frac"] == 0 for r in runs["fix"])
