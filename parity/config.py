@@ -621,13 +621,15 @@ def check_scored_sampling(c: Config | AuditSettings) -> None:
     distribution it sampled from: an engine whose scoring is the raw model's (vLLM's prompt
     log-probs ignore temperature, top-p and top-k; measured: docs/vllm.md) needs sampling
     that leaves the distribution as it is."""
-    if c.shadow_kernels != "scored" or (c.temperature == 1.0 and c.top_p >= 1.0
-                                        and c.top_k <= 0):
+    # min_p and repetition_penalty: only the TRL integration samples with them
+    plain = (c.temperature == 1.0 and c.top_p >= 1.0 and c.top_k <= 0
+             and getattr(c, "min_p", 0.0) <= 0.0 and getattr(c, "repetition_penalty", 1.0) == 1.0)
+    if c.shadow_kernels != "scored" or plain:
         return
     if not ENGINE_CAN[c.engine].score_processed:
         raise ParityError(f"shadow_kernels=scored with engine={c.engine} scores with the raw "
-                          f"model (its scoring ignores temperature, top-p and top-k): sample "
-                          f"at temperature 1 without top-p/top-k (here "
+                          f"model (its scoring ignores temperature, top-p, top-k, min-p and "
+                          f"repetition penalties): sample at temperature 1 without them (here "
                           f"{c.temperature}/{c.top_p}/{c.top_k}), or use shadow_kernels=engine")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import types
 
@@ -80,6 +81,25 @@ def fp16_kernels(dtype: str, device: torch.device, mode: str) -> contextlib.Abst
     if dtype == "fp16" and device.type == "cpu" and mode == "emulate":
         return FP16MatmulOnCPU()
     return contextlib.nullcontext()
+
+
+def _recompute_emulated() -> tuple[contextlib.AbstractContextManager, FP16MatmulOnCPU]:
+    # The checkpointed forward itself runs inside the caller's emulation already.
+    return contextlib.nullcontext(), FP16MatmulOnCPU()
+
+
+def checkpoint_under_emulation(model: torch.nn.Module, kwargs: dict | None) -> None:
+    """Make gradient checkpointing recompute `model`'s layers under FP16MatmulOnCPU, as their
+    forward ran. The backward that recomputes them starts inside the mode's own handler (for
+    `Tensor.backward`), where torch has popped the mode: the recomputation would run native
+    fp16 products, whose tensors do not match the forward's saved ones. Non-reentrant
+    checkpointing only (`context_fn`); `kwargs` are the caller's other checkpoint options."""
+    from torch.utils.checkpoint import checkpoint
+    fn = functools.partial(checkpoint, **{**(kwargs or {}), "use_reentrant": False,
+                                          "context_fn": _recompute_emulated})
+    for m in model.modules():
+        if "_gradient_checkpointing_func" in vars(m):  # where transformers put its own
+            m._gradient_checkpointing_func = fn
 
 
 def autocast(trainer_dtype: str, device: torch.device,
@@ -203,14 +223,39 @@ def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# The hooks an nn.Module keeps per instance.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+def without_patches(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with no hook and no per-instance method left on any of its modules. A deep copy
+    keeps whatever a trainer put on the master, and those were written for the master: TRL's
+    fp32 head keeps the embedding's output in the master's dtype (fp32 into a bf16 copy's
+    layers), its fused-head forward calls the master's own forward, and a patched method
+    closes over the master's weights. A copy runs its class's code, in its own dtype."""
+    for m in model.modules():
+        for name in _HOOK_DICTS:
+            if getattr(m, name, None):
+                getattr(m, name).clear()
+        for name, value in list(vars(m).items()):
+            if callable(value) and hasattr(type(m), name):
+                del m.__dict__[name]
+        m.__dict__.pop("_original_forward", None)  # accelerate's, beside its patched forward
+    return model
+
+
 def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool = False
                        ) -> torch.nn.Module:
-    """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's); of
-    a LoRA master, the adapted weights as the master's `lora_merge` says (parity/lora.py)."""
+    """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's),
+    without the master's hooks and patched methods (`without_patches`); of a LoRA master, the
+    adapted weights as the master's `lora_merge` says (parity/lora.py)."""
     if lora.is_lora(master):
         copy_ = lora.engine_copy(master, torch_dtype(dtype))
     else:
         copy_ = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
+    without_patches(copy_)
     for p in copy_.parameters():
         p.requires_grad_(False)
     if lm_head_fp32:

@@ -20,14 +20,20 @@ def chi2_critical(df: int, z: float = 3.72) -> float:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.6), Sampling(1.3, top_k=5),
-                               Sampling(1.0, top_p=0.7), Sampling(0.8, top_p=0.9, top_k=8)])
+                               Sampling(1.0, top_p=0.7), Sampling(0.8, top_p=0.9, top_k=8),
+                               Sampling(0.9, min_p=0.3), Sampling(1.0, repetition_penalty=4.0),
+                               Sampling(0.8, top_k=10, min_p=0.1, repetition_penalty=0.5)])
 def test_sampling_matches_exact_softmax(tiny_lm, s):
     n = 40_000
     engine = HFEngine(tiny_lm, "fp32", eos_id=1, pad_id=0)
     r = engine.generate([PROMPT] * n, 1, s, torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = tiny_lm(torch.tensor([PROMPT])).logits[0, -1].double()
-    # The exact sampling distribution, written independently: float64, explicit sort.
+    # The exact sampling distribution, written independently: float64, explicit sort; the
+    # prompt's tokens are the ones a repetition penalty counts before the first new token.
+    for t in set(PROMPT):
+        logits[t] = logits[t] / s.repetition_penalty if logits[t] > 0 else \
+            logits[t] * s.repetition_penalty
     z = logits / s.temperature
     keep = torch.ones_like(z, dtype=torch.bool)
     if s.top_k:
@@ -39,6 +45,9 @@ def test_sampling_matches_exact_softmax(tiny_lm, s):
         kept = torch.zeros_like(keep)
         kept[order[before < s.top_p]] = True
         keep &= kept
+    if s.min_p:
+        p = torch.where(keep, z, -torch.inf).softmax(-1)
+        keep &= p >= s.min_p * p.max()
     p = torch.where(keep, z, -torch.inf).softmax(-1)
     counts = torch.bincount(r.completion_ids[:, 0], minlength=16).double()
     assert counts[~keep].sum() == 0, "a truncated token was sampled"
@@ -112,8 +121,93 @@ def test_processed_logits_keeps_the_sampled_token():
     assert torch.isfinite(kept[0, 3]) and torch.isinf(kept[0, 2])
 
 
+# transformers' own processors, in the order its generate applies them
+def _transformers_processors(s: Sampling):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+    out = LogitsProcessorList()
+    if s.repetition_penalty != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty))
+    out.append(TemperatureLogitsWarper(s.temperature))
+    if s.top_k:
+        out.append(TopKLogitsWarper(s.top_k))
+    if s.top_p < 1:
+        out.append(TopPLogitsWarper(s.top_p))
+    if s.min_p:
+        out.append(MinPLogitsWarper(s.min_p))
+    return out
+
+
+SAMPLINGS = [Sampling(1.0, repetition_penalty=1.3), Sampling(0.7, min_p=0.1),
+             Sampling(1.2, top_p=0.8, repetition_penalty=1.5),
+             Sampling(0.8, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=0.8)]
+
+
+@pytest.mark.parametrize("s", SAMPLINGS)
+def test_processed_logits_are_transformers_processors(s):
+    """Each row's history (an unpadded prompt and the tokens sampled so far) through
+    transformers' own processors gives the distribution `processed_logits` gives with that
+    history as `seen`."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 64, generator=g) * 3
+    history = torch.randint(0, 64, (8, 12), generator=g)
+    seen = torch.zeros(8, 64, dtype=torch.bool).scatter(1, history, True)
+    want = _transformers_processors(s)(history, logits.clone()).log_softmax(-1)
+    got = processed_logits(logits, s, seen=seen).log_softmax(-1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isinf(got).any() == s.truncates
+    assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)], atol=1e-5)
+
+
+def test_seen_before_counts_the_prompt_and_the_completion_so_far():
+    from parity.engines.rollout import seen_before
+    prompt = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 3]])
+    pmask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    comp = torch.tensor([[2, 5, 1, 0], [4, 4, 2, 1]])
+    cmask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    seen = seen_before(prompt, pmask, comp, cmask, vocab=10)
+    for b in range(2):
+        for t in range(4):
+            want = {int(x) for x, m in zip(prompt[b], pmask[b]) if m} | set(comp[b, :t].tolist())
+            assert set(seen[b, t].nonzero().flatten().tolist()) == want, (b, t)
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.7, top_p=0.9, top_k=20)])
+@pytest.mark.parametrize("s", [Sampling(0.9, min_p=0.1, repetition_penalty=1.5),
+                               Sampling(1.0, top_k=8, repetition_penalty=0.7)])
+def test_engine_logprobs_are_transformers_processors_in_float64(tiny_lm, s):
+    """Several tokens per row from left-padded prompts: each ℓ_μ equals a float64 forward of
+    the unpadded row, its logits put through transformers' processors with the row's history
+    (the pad token 0 is also a token the model samples: padding must not count as seen)."""
+    import copy
+    engine = HFEngine(tiny_lm, "fp32", eos_id=1, pad_id=0)
+    prompts = [[2, 3], [4, 5, 6, 7, 0], [9]] * 20
+    r = engine.generate(prompts, 6, s, torch.Generator().manual_seed(0))
+    ref = copy.deepcopy(tiny_lm).double()
+    procs = _transformers_processors(s)
+    n = 0
+    for i, p in enumerate(prompts):
+        c = r.completions()[i]
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            logits = ref(ids).logits[0]
+        for t, tok in enumerate(c):
+            x = procs(ids[:, :len(p) + t], logits[None, len(p) + t - 1].clone())
+            want = float(x.log_softmax(-1)[0, tok])
+            assert r.engine_logprobs[i, t].item() == pytest.approx(want, abs=1e-5), (i, t)
+            n += 1
+    assert n > 150
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.7, top_p=0.9, top_k=20),
+                               Sampling(0.8, top_k=20, min_p=0.05, repetition_penalty=1.3)])
 def test_engine_logprobs_match_trainer_forward_fp32_and_differ_in_bf16(text_model, s):
     """With an fp32 engine the KV-cache log-probs equal a full trainer forward within 1e-4;
     a bf16 engine on the same weights disagrees: that gap is β's raw material."""

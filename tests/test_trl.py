@@ -7,6 +7,10 @@ that the ratio source reached TRL's loss."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,21 +32,21 @@ def neg_length(prompts, completions, completion_ids, **_):
 
 
 def _trainer(model_dir, tmp_path, recipe="bf16-engine", steps=3, eps=0.2, lr=1e-4, parity=None,
-             peft_config=None, **cfg):
+             peft_config=None, model=None, reward=neg_length, **cfg):
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
     from parity import testbed
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ds = datasets.Dataset.from_list([{"prompt": p} for p in testbed.text_prompts(64)])
     base = dict(output_dir=str(tmp_path / "trl"), use_cpu=True, per_device_train_batch_size=16,
                 num_generations=4, max_completion_length=16, max_steps=steps, logging_steps=1,
                 report_to=[], learning_rate=lr, save_strategy="no", seed=0, epsilon=eps,
                 bf16=False, disable_tqdm=True)
     args = GRPOConfig(**{**base, **cfg})
-    return ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=neg_length,
+    return ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=reward,
                              args=args, train_dataset=ds, peft_config=peft_config,
                              parity=parity or ParityOptions.from_recipe(recipe))
 
@@ -196,8 +200,10 @@ def test_fp16_fix_on_cpu(text_model, tmp_path, bf16_engine_run):
     steps = _steps(t)
     assert all(h["loss/scale"] == 2.0**16 for h in steps)
     ref = _steps(bf16_engine_run)
-    for h, r in zip(steps, ref):
-        assert math.isfinite(h["grad_norm"]) and h["grad_norm"] < 20 * r["grad_norm"]
+    # against the reference run's largest norm: a step whose groups all tie has a zero gradient
+    most = max(r["grad_norm"] for r in ref)
+    for h in steps:
+        assert math.isfinite(h["grad_norm"]) and h["grad_norm"] < 20 * most
     beta16 = sum(h["mismatch/beta_abs_mean"] for h in steps) / len(steps)
     beta_bf16 = sum(h["mismatch/beta_abs_mean"] for h in ref) / len(ref)
     print(f"\n|beta| mean: fp16/fp16 {beta16:.2e}, bf16 engine/fp32 {beta_bf16:.2e} "
@@ -216,8 +222,9 @@ def test_bad_setups_are_refused(text_model, tmp_path):
         ParityOptions(engine_dtype="fp8").validate()
     with pytest.raises(ParityError, match=r"set GRPOConfig\(fp16=True\)"):
         _trainer(text_model, tmp_path, recipe="fp16")
-    with pytest.raises(ParityError, match="gradient_checkpointing=False"):
-        _trainer(text_model, tmp_path, recipe="fp16", fp16=True)
+    with pytest.raises(ParityError, match="min_p before top_p"):
+        _trainer(text_model, tmp_path, min_p=0.1, top_p=0.9,
+                 parity=ParityOptions.from_recipe("bf16-engine", engine="vllm"))
 
 
 def test_trl_peft_config_trains_adapters_that_the_engine_samples_from(text_model, tmp_path):
@@ -238,3 +245,186 @@ def test_trl_peft_config_trains_adapters_that_the_engine_samples_from(text_model
     assert all(s["mismatch/beta_abs_mean"] > 0 for s in steps)
     assert steps[-1]["sync/changed_frac"] > 0  # the adapters moved and the engine followed
     assert all("lora_" in n for n, p in master.named_parameters() if p.requires_grad)
+
+
+def odd_tokens(prompts, completions, completion_ids, **_):
+    # a random model rarely ends a completion early: its lengths would not vary, its tokens do
+    return [float(sum(t % 2 for t in c)) for c in completion_ids]
+
+
+def _tied_model(model_dir):
+    """The test-size Llama with its head tied to its input embedding, as SmolLM2, Qwen2.5 and
+    Llama-3.2 ship."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model
+
+
+def _hooks(module: torch.nn.Module) -> list[str]:
+    """Every hook, and every per-instance method not bound to its own module, in `module`."""
+    out = []
+    for name, m in module.named_modules():
+        out += [f"{name}.{k}" for k in ("_forward_hooks", "_forward_pre_hooks",
+                                        "_forward_hooks_with_kwargs", "_backward_hooks",
+                                        "_backward_pre_hooks") if getattr(m, k)]
+        out += [f"{name}.{k}" for k, v in vars(m).items() if callable(v)
+                and hasattr(type(m), k) and getattr(v, "__self__", None) is not m]
+    return out
+
+
+@pytest.mark.parametrize("engine_dtype", ["bf16", "fp16"])
+def test_a_tied_model_with_an_fp32_head_trains(text_model, tmp_path, engine_dtype):
+    """GRPOConfig(cast_lm_head_to_fp32=True) on tied embeddings: TRL hooks the embedding to cast
+    its output to the model's own dtype (fp32) and replaces the head's forward with a closure
+    over the master's head. Copies that kept them fed fp32 into the copy's bf16/fp16 layers
+    (`expected m1 and m2 to have the same dtype`). The engine's and the shadow's copies keep
+    none of them: only parity's own methods, bound to the copy."""
+    t = _trainer(text_model, tmp_path, steps=1, model=_tied_model(text_model), reward=odd_tokens,
+                 cast_lm_head_to_fp32=True,
+                 parity=ParityOptions(engine_dtype=engine_dtype, ratio_source="shadow"))
+    master = t.accelerator.unwrap_model(t.model)
+    assert master.model.embed_tokens._forward_hooks  # TRL's cast is on the master
+    assert _hooks(t.engine.model) == [] and _hooks(t.shadow) == []
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.train()
+    h = _steps(t)[0]
+    # the engine and the shadow: the same weights and arithmetic at θ = θ_old
+    assert h["mismatch/kernel_gap_abs_mean"] < 1e-6
+    assert 0 < h["mismatch/beta_abs_mean"] < 5e-2 and math.isfinite(h["grad_norm"])
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in t.model.named_parameters())
+
+
+def test_fp16_runs_under_trls_default_gradient_checkpointing(text_model, tmp_path):
+    """TRL checkpoints by default. The recomputation in backward runs outside the fp16
+    emulation unless parity puts it back in; then the step is the one without checkpointing,
+    to the bit."""
+    runs = {}
+    for checkpointing in (True, False):
+        extra = {} if checkpointing else {"gradient_checkpointing": False}
+        t = _trainer(text_model, tmp_path / str(checkpointing), recipe="fp16", steps=1,
+                     fp16=True, **extra)
+        assert t.args.gradient_checkpointing is checkpointing
+        assert t.parity.cpu_fp16 == "emulate"
+        t.train()
+        runs[checkpointing] = (_steps(t)[0], {n: p.detach().clone()
+                                              for n, p in t.model.named_parameters()})
+    (h, w), (h0, w0) = runs[True], runs[False]
+    assert h["grad_norm"] > 0 and h["grad_norm"] == h0["grad_norm"]
+    assert h["mismatch/beta_abs_mean"] == h0["mismatch/beta_abs_mean"]
+    assert all(torch.equal(w[n], w0[n]) for n in w)
+
+
+def test_fp16_under_reentrant_checkpointing_runs_natively_and_says_so(text_model, tmp_path,
+                                                                     caplog):
+    t = _trainer(text_model, tmp_path, recipe="fp16", steps=1, fp16=True,
+                 gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert t.parity.cpu_fp16 == "native"
+    said = [r.getMessage() for r in caplog.records if "reentrant" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0]
+
+
+def _bypass_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("parity") and "without model.generate" in r.getMessage()]
+
+
+def test_what_the_engine_cannot_honour_is_named_once(text_model, tmp_path, caplog):
+    """parity's engine never calls model.generate: a patched generate and the logits processors
+    transformers would build from the generation config are named, once, in one line. A plain
+    setup says nothing."""
+    from transformers import AutoModelForCausalLM
+    _trainer(text_model, tmp_path / "plain", steps=1).train()
+    assert _bypass_warnings(caplog) == []
+    model = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32)
+    model.generate = lambda *a, **k: None
+    model.generation_config.no_repeat_ngram_size = 3
+    _trainer(text_model, tmp_path / "hooked", steps=2, model=model, temperature=0.9,
+             generation_kwargs={"suppress_tokens": [5], "temperature": 0.7}).train()
+    said = _bypass_warnings(caplog)
+    assert len(said) == 1 and "\n" not in said[0]
+    for what in ("patched model.generate", "no_repeat_ngram_size=3", "suppress_tokens=[5]",
+                 "temperature=0.7 (parity samples with GRPOConfig's 0.9)"):
+        assert what in said[0], what
+    with pytest.raises(ParityError, match="beam search"):
+        _trainer(text_model, tmp_path / "beams", generation_kwargs={"num_beams": 2})
+
+
+def _figures(t: dict[str, torch.Tensor], eps: float) -> dict[str, float]:
+    """Some of parity's figures, from flat float64 tokens (ℓ_π, ℓ_s, ℓ_μ, A) by their
+    definitions (docs/diagnostics.md), with the engine ratio's clip as TRL's loss applies it."""
+    r, d, beta = (t["pi"] - t["mu"]).exp(), t["pi"] - t["mu"], t["pi"] - t["s"]
+    clipped = ((r < 1 - eps) & (t["adv"] < 0)) | ((r > 1 + eps) & (t["adv"] > 0))
+    pdiff = t["pi"].exp() - t["mu"].exp()
+    return {"clip/frac": float(clipped.double().mean()),
+            "mismatch/beta_abs_mean": float(beta.abs().mean()),
+            "mismatch/beta_abs_max": float(beta.abs().max()),
+            "mismatch/kernel_gap_abs_mean": float((t["s"] - t["mu"]).abs().mean()),
+            "mismatch/kl_k3": float((d.exp() - d - 1).mean()),
+            "mismatch/prob_diff_max": float(pdiff.max()),
+            "mismatch/prob_diff_min": float(pdiff.min())}
+
+
+def _tokens(call: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    m = call["mask"] > 0
+    adv = call["adv"] if call["adv"].dim() == 2 else call["adv"][:, None]
+    return {"pi": call["pi"][m].double(), "s": call["s"][m].double(),
+            "mu": call["mu"][m].double(), "adv": adv.expand_as(m)[m].double()}
+
+
+def test_two_ranks_log_the_figures_of_all_their_tokens(text_model, tmp_path):
+    """Two processes on gloo (torchrun), each sampling and scoring its own completions
+    (tests/trl_ranks.py). parity's figures in TRL's log are those of both ranks' tokens
+    together, as one process holding them all computes them: token means weighted by each
+    rank's tokens, maxima and minima over all; the same on both ranks; and clip/frac equals
+    TRL's own clip count, which TRL reduces over the ranks the same way."""
+    eps = 0.002  # as tests/trl_ranks.py sets it: some tokens clip
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(Path(__file__).parent / "trl_ranks.py"),
+                        str(text_model), str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    logs = [[h for h in r["log"] if "clip/frac" in h] for r in ranks]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for k in range(2):
+        own = [_tokens(r["calls"][k]) for r in ranks]
+        both = {key: torch.cat([o[key] for o in own]) for key in own[0]}
+        want = _figures(both, eps)
+        for name, v in want.items():
+            assert logs[0][k][name] == pytest.approx(v, rel=1e-6, abs=1e-12), (k, name)
+            assert logs[1][k][name] == logs[0][k][name], (k, name)
+        assert logs[0][k]["clip/frac"] == pytest.approx(logs[0][k]["clip_ratio/region_mean"],
+                                                        abs=1e-6)
+        # the ranks' own figures differ from the pooled ones: the check tells them apart
+        mine = _figures(own[0], eps)
+        assert mine["mismatch/beta_abs_mean"] != pytest.approx(want["mismatch/beta_abs_mean"],
+                                                               rel=1e-6)
+    assert sum(h["clip/frac"] for h in logs[0]) > 0
+
+
+def test_trls_sampling_arguments_are_the_engines_and_the_ratios(text_model, tmp_path):
+    """GRPOConfig's top_p, top_k, min_p and repetition_penalty shape the distribution the engine
+    draws from. TRL's fused head scores log_softmax(logits / T) alone, which would put the cut
+    mass and the penalty into ℓ_π − ℓ_μ; parity scores ℓ_π, and ℓ_s, under the engine's
+    distribution. At step 1 (θ = θ_old) an fp32 trainer's ℓ_π is then the fp32 engine's ℓ_μ up to
+    kernel noise, and the bf16 shadow's ℓ_s the bf16 engine's."""
+    from parity.engines import Sampling
+    sampling = dict(temperature=0.9, top_p=0.95, top_k=30, min_p=0.02, repetition_penalty=1.3)
+    t = _trainer(text_model, tmp_path / "fp32", recipe="fp32", steps=1, lr=1e-6, **sampling)
+    assert t.sampling == Sampling(0.9, 0.95, 30, 0.02, 1.3)
+    t.train()
+    h = _steps(t)[0]
+    print(f"\nfp32, processed sampling: kl_k1 {h['mismatch/kl_k1']:.2e}, "
+          f"|p_pi - p_mu| {h['mismatch/prob_diff_abs_mean']:.2e}")
+    assert abs(h["mismatch/kl_k1"]) < 1e-5 and h["mismatch/prob_diff_abs_mean"] < 1e-5
+    t = _trainer(text_model, tmp_path / "bf16", recipe="bf16-shadow", steps=1, lr=1e-6,
+                 **sampling)
+    t.train()
+    h = _steps(t)[0]
+    assert h["mismatch/kernel_gap_abs_mean"] < 1e-6
+    assert 1e-4 < h["mismatch/beta_abs_mean"] < 5e-2
+    assert h["clip/frac"] == pytest.approx(h["clip_ratio/region_mean"], abs=1e-6)

@@ -23,6 +23,8 @@ def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob_with_parity_settings
     assert kw["logprobs"] == 0          # the sampled token's own log-prob only
     assert kw["max_tokens"] == 24 and kw["stop_token_ids"] == [2, 7] and kw["seed"] == 5
     assert sampling_kwargs(Sampling(1.0, 1.0, 20), 8, [2], 0)["top_k"] == 20
+    kw = sampling_kwargs(Sampling(1.0, min_p=0.05, repetition_penalty=1.3), 8, [2], 0)
+    assert kw["min_p"] == 0.05 and kw["repetition_penalty"] == 1.3
 
 
 @pytest.mark.e2e

@@ -41,12 +41,14 @@ def test_both_engines_implement_the_engine_protocol(master, engine):
             assert list(got)[:len(want)] == list(want), (type(eng).__name__, name)
 
 
-def test_samples_carry_processed_logprobs_the_trainer_recomputes(master, engine):
-    """At T = 0.7 with top-k 20, vLLM's ℓ_μ is the log-prob under the truncated, tempered
-    distribution: an fp32 trainer forward scoring the same tokens the same way lands within
-    the bf16 gap of it, while the raw model's log-probs are far off."""
+@pytest.mark.parametrize("s", [Sampling(0.7, 1.0, 20),
+                               Sampling(0.9, min_p=0.05, repetition_penalty=1.5)])
+def test_samples_carry_processed_logprobs_the_trainer_recomputes(master, engine, s):
+    """At T = 0.7 with top-k 20, or with min-p and a repetition penalty, vLLM's ℓ_μ is the
+    log-prob under the processed distribution: an fp32 trainer forward scoring the same tokens
+    the same way lands within the bf16 gap of it, while the raw model's log-probs are far
+    off."""
     model, tok = master
-    s = Sampling(0.7, 1.0, 20)
     r = engine.generate(prompts_of(tok), 24, s, torch.Generator().manual_seed(1))
     mask = r.completion_mask
     assert mask.sum() > 40

@@ -23,6 +23,7 @@ from parity.engines.rollout import (
     sample_rows,
     uniforms,
 )
+from parity.engines.scoring import seen_in
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
@@ -86,7 +87,8 @@ class HFEngine:
                                    position_ids=positions(mask),
                                    logits_to_keep=keep_last(ids.shape[1], T + 1, ids.device)
                                    ).logits[:, :-1]
-        return logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+        seen = seen_in(r, logits.shape[-1], s)
+        return logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
 
     def replica(self) -> tuple[Callable[..., HFEngine], dict[str, Any]]:
         return _hf_replica, dict(model=copy.deepcopy(self.model).cpu(), dtype=self.dtype,
@@ -151,6 +153,7 @@ class HFEngine:
                                    for _, r in kept])
         return out
 
+    # long: one decode loop; split, its state (cache, tokens, draws) would pass between pieces
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                   generator: torch.Generator, record_rows: list[int], shard: Shard
                   ) -> tuple[Rollout, int]:
@@ -181,8 +184,9 @@ class HFEngine:
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         attn, last_pos = mask, pos[:, -1:]
         recorded = []
+        seen = _prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
         for t in range(max_new_tokens):
-            x = processed_logits(out.logits[:, -1], s)
+            x = processed_logits(out.logits[:, -1], s, seen=seen)
             logp = torch.log_softmax(x, dim=-1)
             if keep is not None:
                 recorded.append(logp[keep])
@@ -192,6 +196,7 @@ class HFEngine:
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
             valid[:, t] = alive.float()
             done |= alive & torch.isin(tok, self.eos_ids)
+            _see(seen, alive, tok)
             if shard.all_done(bool(done.all())) or t == max_new_tokens - 1:
                 break
             # Finished rows keep decoding a pad token; their output is discarded above. Stopping
@@ -211,6 +216,20 @@ class HFEngine:
             r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
             r.dists = torch.stack(recorded[:T], dim=1)
         return r, t + 1
+
+
+def _prompt_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] bool: the tokens of each prompt, its padding excepted (what a repetition penalty
+    counts before the first sampled token)."""
+    seen = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.bool, device=ids.device)
+    seen.scatter_(1, ids.clamp(max=vocab).masked_fill(mask == 0, vocab), True)
+    return seen[:, :vocab].contiguous()
+
+
+def _see(seen: torch.Tensor | None, alive: torch.Tensor, tok: torch.Tensor) -> None:
+    """Each live row's new token counts as seen from the next position on."""
+    if seen is not None:
+        seen[alive, tok[alive]] = True
 
 
 def _hf_replica(model: torch.nn.Module, device: torch.device, **kw: Any) -> HFEngine:

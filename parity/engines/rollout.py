@@ -2,9 +2,9 @@
 an engine returns.
 
 Every engine records, for every sampled token, ℓ_μ: its log-prob under the distribution actually
-sampled from (temperature, top-k and top-p applied, renormalised). The trainer scores tokens with
-the same `logprobs_from_logits`, so with equal weights and equal precision ℓ_π = ℓ_μ up to kernel
-noise.
+sampled from (repetition penalty, temperature, top-k, top-p and min-p applied, renormalised).
+The trainer scores tokens with the same `logprobs_from_logits`, so with equal weights and equal
+precision ℓ_π = ℓ_μ up to kernel noise.
 """
 
 from __future__ import annotations
@@ -20,19 +20,35 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def truncates(self) -> bool:
-        return self.top_p < 1.0 or self.top_k > 0
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+    @property
+    def penalises(self) -> bool:
+        """A token's logit depends on the tokens before it, not on the model alone."""
+        return self.repetition_penalty != 1.0
 
 
-def processed_logits(logits: torch.Tensor, s: Sampling,
-                     keep: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 logits of the sampling distribution: temperature, then top-k, then top-p (the order
-    transformers and vLLM use); removed tokens get -inf. `keep` (token ids, shape logits[..., 0])
-    is never removed: the trainer must not score a token the engine really sampled as impossible
-    just because its own logits put it a hair outside the nucleus."""
-    x = logits.float() / s.temperature
+def processed_logits(logits: torch.Tensor, s: Sampling, keep: torch.Tensor | None = None,
+                     seen: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits of the sampling distribution, in transformers' order: the repetition penalty,
+    temperature, top-k, top-p, min-p; removed tokens get -inf. The penalty divides a positive
+    logit and multiplies a negative one for every token in `seen` (bool, the shape of `logits`:
+    the tokens of the row's prompt, its padding excepted, and of its completion before this
+    position, `seen_before`). `keep` (token ids, shape logits[..., 0]) is never removed: the
+    trainer must not score a token the engine really sampled as impossible just because its own
+    logits put it a hair outside the nucleus."""
+    x = logits.float()
+    if s.penalises:
+        if seen is None:
+            raise ValueError("a repetition penalty needs the tokens seen before each position")
+        p = s.repetition_penalty
+        x = torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+    x = x / s.temperature
     if not s.truncates:
         return x
     remove = torch.zeros_like(x, dtype=torch.bool)
@@ -44,16 +60,38 @@ def processed_logits(logits: torch.Tensor, s: Sampling,
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
         remove |= torch.zeros_like(remove).scatter(-1, order, mass_before >= s.top_p)
+    if s.min_p > 0.0:
+        probs = x.masked_fill(remove, float("-inf")).softmax(-1)
+        remove |= probs < s.min_p * probs.amax(-1, keepdim=True)
     if keep is not None:
         remove.scatter_(-1, keep.unsqueeze(-1), False)
     return x.masked_fill(remove, float("-inf"))
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling,
-                         keep_sampled: bool = True) -> torch.Tensor:
-    """log p(token) under the sampling distribution defined by `s`; fp32, shape of `tokens`."""
-    x = processed_logits(logits, s, keep=tokens if keep_sampled else None)
+                         keep_sampled: bool = True, seen: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """log p(token) under the sampling distribution defined by `s`; fp32, shape of `tokens`.
+    `seen`: as `processed_logits` needs it with a repetition penalty."""
+    x = processed_logits(logits, s, keep=tokens if keep_sampled else None, seen=seen)
     return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+
+def seen_before(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                completion_ids: torch.Tensor, completion_mask: torch.Tensor, vocab: int
+                ) -> torch.Tensor:
+    """[B, T, V] bool: at completion position t, the tokens a repetition penalty counts there,
+    those of the row's prompt (not its padding: a row's distribution does not depend on the
+    batch it was padded in, as in vLLM) and of its completion before t."""
+    B, T = completion_ids.shape
+    dev = completion_ids.device
+    # the first position at which each token is seen: -1 in the prompt, T if never
+    first = torch.full((B, vocab + 1), T, dtype=torch.long, device=dev)
+    at = torch.arange(T, device=dev).expand(B, T).masked_fill(completion_mask == 0, T)
+    first.scatter_reduce_(1, completion_ids.clamp(max=vocab), at, reduce="amin")
+    first.scatter_reduce_(1, prompt_ids.clamp(max=vocab),
+                          torch.where(prompt_mask > 0, -1, T).expand_as(prompt_ids), reduce="amin")
+    return first[:, None, :vocab] < torch.arange(T, device=dev)[None, :, None]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A model's log-probs of a rollout's completion tokens: the trainer's forward (ℓ_π, with
 gradient), the shadow's (ℓ_s) and the audit's. Scoring uses the sampling distribution the engine
-drew from (temperature, top-k, top-p), so ℓ_π and ℓ_μ are log-probs of the same distribution."""
+drew from (repetition penalty, temperature, top-k, top-p, min-p), so ℓ_π and ℓ_μ are log-probs
+of the same distribution."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from parity.engines.rollout import Rollout, Sampling, keep_last, logprobs_from_logits, positions
+from parity.engines.rollout import (
+    Rollout,
+    Sampling,
+    keep_last,
+    logprobs_from_logits,
+    positions,
+    seen_before,
+)
 from parity.errors import ParityError
 
 
@@ -45,8 +53,16 @@ def _check_chunkable(model: torch.nn.Module) -> None:
 
 
 def _chunk_logp(head: torch.nn.Module, h: torch.Tensor, tokens: torch.Tensor,
-                s: Sampling) -> torch.Tensor:
-    return logprobs_from_logits(head(h), tokens, s)
+                s: Sampling, seen: torch.Tensor | None) -> torch.Tensor:
+    return logprobs_from_logits(head(h), tokens, s, seen=seen)
+
+
+def seen_in(r: Rollout, vocab: int, s: Sampling) -> torch.Tensor | None:
+    """What a repetition penalty counts at each completion position of `r` (`seen_before`);
+    None when `s` has none."""
+    if not s.penalises:
+        return None
+    return seen_before(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, vocab)
 
 
 def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = False,
@@ -70,7 +86,8 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
                     use_cache=False, logits_to_keep=keep_last(L, T + 1, ids.device),
                     output_hidden_states=hidden)
         logits = out.logits[:, :T]
-        logp = logprobs_from_logits(logits, r.completion_ids, s) * r.completion_mask
+        seen = seen_in(r, logits.shape[-1], s)
+        logp = logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
         h = out.hidden_states[-1][:, L - T - 1:L - 1] if hidden else None
         return Scored(logp, logits[rows].detach() if rows else None, h)
     _check_chunkable(model)
@@ -78,13 +95,15 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
                 use_cache=False, logits_to_keep=1, output_hidden_states=True)
     h = out.hidden_states[-1][:, L - T - 1:L - 1]
     head = _unwrapped(model).get_output_embeddings()
+    seen = seen_in(r, head.weight.shape[0], s)
     parts = []
     for a in range(0, T, chunk):
         hc, tc = h[:, a:a + chunk], r.completion_ids[:, a:a + chunk]
+        sc = None if seen is None else seen[:, a:a + chunk]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logp, head, hc, tc, s, use_reentrant=False))
+            parts.append(checkpoint(_chunk_logp, head, hc, tc, s, sc, use_reentrant=False))
         else:
-            parts.append(_chunk_logp(head, hc, tc, s))
+            parts.append(_chunk_logp(head, hc, tc, s, sc))
     logp = torch.cat(parts, dim=1) * r.completion_mask
     with torch.no_grad():
         logits = head(h[rows]) if rows else None

@@ -92,7 +92,8 @@ def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: 
     """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob;
     `whole`: every token's log-prob at every position (the exact KL's recorded rows)."""
     return dict(n=1, temperature=s.temperature, top_p=s.top_p,
-                top_k=s.top_k if s.top_k > 0 else -1, min_p=0.0, max_tokens=max_new_tokens,
+                top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty, max_tokens=max_new_tokens,
                 logprobs=-1 if whole else 0, seed=seed, stop_token_ids=list(eos_ids),
                 ignore_eos=False, detokenize=False, skip_special_tokens=False)
 

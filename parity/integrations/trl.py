@@ -20,10 +20,13 @@ advantages, the loss itself, logging, checkpoints) to TRL:
 - `_get_per_token_logps_and_entropies`: in the loss, the shadow forward (the current weights
   cast to engine precision, no grad, at the engine's position ids) gives ℓ_s next to the
   trainer's ℓ_π; with `shadow_kernels='scored'` the engine itself scores the sequences on the
-  current weights (`Engine.score`), so ℓ_s carries no kernel gap against ℓ_μ.
+  current weights (`Engine.score`), so ℓ_s carries no kernel gap against ℓ_μ. Where the
+  sampling distribution truncates or penalises repetitions, every log-prob is taken under it
+  rather than through TRL's fused head (`trl_sampling.token_logps`).
 - `_compute_loss`: sets the ratio's denominator by `ratio_source`, then attributes every clip
   (clipped, phantom, hidden: docs/design.md) and appends parity's metrics to TRL's
-  `_metrics`, so they reach TRL's log and every `report_to` backend under parity's names:
+  `_metrics` (over every rank's tokens), so they reach TRL's log and every `report_to`
+  backend under parity's names:
 
       engine     log r = ℓ_π − ℓ_μ                      (TRL's AsyncGRPO; β inside the clip)
       shadow     log r = ℓ_s − ℓ_μ, gradient via ℓ_π    (β out of the ratio)
@@ -31,12 +34,14 @@ advantages, the loss itself, logging, checkpoints) to TRL:
 
 Trainer precision is GRPOConfig's (`bf16=True`, `fp16=True`). On CPU accelerate silently runs
 `fp16=True` in fp32, so parity supplies what it leaves out: fp16 autocast (tensor-core numerics
-emulated, parity/precision.py) and a dynamic loss scaler on accelerate's own hooks.
+emulated, parity/precision.py, also in gradient checkpointing's recomputation) and a dynamic
+loss scaler on accelerate's own hooks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,18 +60,33 @@ from parity.config import (
     shared,
 )
 from parity.diagnostics import StepDiagnostics, attribute
+from parity.distributed import Dist
 from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, positions
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
+from parity.integrations.trl_sampling import (
+    bypassed,
+    check_sampling,
+    effective_config,
+    token_logps,
+    warn_bypassed,
+)
 from parity.objectives import clipped_tokens
-from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.precision import (
+    cast_weights_into,
+    checkpoint_under_emulation,
+    fp16_kernels,
+    low_precision_copy,
+)
 
 try:
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("parity.integrations.trl needs TRL: pip install 'parity[trl]'") from e
+
+logger = logging.getLogger(__name__)
 
 CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -114,15 +134,6 @@ class ParityOptions:
                    trainer_dtype=st["trainer_dtype"], **overrides).validate()
 
 
-def _without_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy keeps TRL's fused-head forward, which closes over the original model's
-    forward: generating with the copy would run the original. Drop it (and accelerate's
-    wrapper) so the copy runs its own class forward."""
-    model.__dict__.pop("forward", None)
-    model.__dict__.pop("_original_forward", None)
-    return model
-
-
 def _count_positions_as_the_engine(model: torch.nn.Module) -> None:
     """TRL's forwards pass no position ids, so transformers numbers a left-padded row from its
     padding, where the engine numbers it from its first token (`engines.positions`). With
@@ -158,24 +169,16 @@ class ParityGRPOTrainer(GRPOTrainer):
         if self.use_vllm:
             raise ParityError("ParityGRPOTrainer samples with parity's engine; set "
                               "GRPOConfig(use_vllm=False)")
-        if (a.min_p is not None or a.repetition_penalty != 1.0 or a.generation_kwargs
-                or self.tools or self.rollout_func is not None):
-            raise ParityError("parity's engine samples with temperature, top_p and top_k only: "
-                              "min_p, repetition_penalty, generation_kwargs, tools and "
-                              "rollout_func are not supported")
+        if self.tools or self.rollout_func is not None:
+            raise ParityError("parity's engine samples one turn of text: tools and rollout_func "
+                              "are not supported")
         self.trainer_dtype = "fp16" if a.fp16 else "bf16" if a.bf16 else "fp32"
         want = self.parity.trainer_dtype
         if want is not None and want != self.trainer_dtype:
             flag = {"fp16": "fp16=True", "bf16": "bf16=True", "fp32": "bf16=False, fp16=False"}
             raise ParityError(f"these parity options expect a {want} trainer but GRPOConfig "
                               f"says {self.trainer_dtype}: set GRPOConfig({flag[want]})")
-        if (self.trainer_dtype == "fp16" and self.accelerator.device.type == "cpu"
-                and self.parity.cpu_fp16 == "emulate" and a.gradient_checkpointing):
-            # Checkpointing recomputes the forward inside backward, where the emulation's
-            # torch-function mode is not active: the recomputed tensors would differ.
-            raise ParityError("fp16 emulation on CPU cannot run under gradient checkpointing: "
-                              "set GRPOConfig(gradient_checkpointing=False), or "
-                              "ParityOptions(cpu_fp16='native') (several times slower)")
+        self._emulated_checkpoints = self._fp16_emulation_under_checkpointing()
         master = self.accelerator.unwrap_model(self.model)
         # Whatever GRPOConfig(disable_dropout=...) says: dropout noise in the loss's forward
         # would be measured as precision gap.
@@ -185,7 +188,11 @@ class ParityGRPOTrainer(GRPOTrainer):
             disable_dropout(self.ref_model)
             _count_positions_as_the_engine(self.ref_model)
         head32 = bool(a.cast_lm_head_to_fp32)
-        self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0)
+        self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0, a.min_p or 0.0,
+                                 a.repetition_penalty)
+        generation = effective_config(master, self.generation_config)
+        check_sampling(generation)
+        warn_bypassed(bypassed(master, generation, self.sampling, self.max_completion_length))
         self.engine = self._make_engine(master, head32)
         self.generator = torch.Generator().manual_seed(a.seed + self.accelerator.process_index)
         self._synced_step: int | None = None
@@ -194,8 +201,7 @@ class ParityGRPOTrainer(GRPOTrainer):
         scored = self.parity.shadow_kernels == "scored"   # the engine scores, no copy here
         if not scored and not (self.parity.engine_dtype == "fp32" and
                                self.trainer_dtype == "fp32"):
-            self.shadow = _without_patched_forward(
-                low_precision_copy(master, self.parity.engine_dtype, head32))
+            self.shadow = low_precision_copy(master, self.parity.engine_dtype, head32)
             if self.parity.shadow_kernels == "engine":  # else the trainer's own attention
                 self.shadow.set_attn_implementation(ENGINE_ATTENTION)
             add_fused_lm_head(self.shadow, temperature=self.temperature,
@@ -205,13 +211,36 @@ class ParityGRPOTrainer(GRPOTrainer):
         if self.trainer_dtype == "fp16":
             install_cpu_fp16_scaler(self.accelerator)
 
+    def _fp16_emulation_under_checkpointing(self) -> bool:
+        """Whether the loss must recompute checkpointed layers under the fp16 emulation
+        (`checkpoint_under_emulation`). Reentrant checkpointing has no hook to enter it, so
+        there fp16 runs natively, with one warning."""
+        a = self.args
+        if not (self.trainer_dtype == "fp16" and self.accelerator.device.type == "cpu"
+                and self.parity.cpu_fp16 == "emulate" and a.gradient_checkpointing):
+            return False
+        if (a.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            logger.warning("parity: fp16 emulation on CPU cannot run under reentrant gradient "
+                           "checkpointing (gradient_checkpointing_kwargs use_reentrant=True): "
+                           "fp16 runs natively instead, several times slower "
+                           "(ParityOptions(cpu_fp16='native'))")
+            self.parity = replace(self.parity, cpu_fp16="native")
+            return False
+        return True
+
     def _make_engine(self, master: torch.nn.Module, head32: bool) -> Any:
         """The engine `ParityOptions.engine` names, behind the Engine interface; an
         engine-scored shadow only where the engine scores what it samples."""
         a = self.args
+        s = self.sampling
         check_scored_sampling(SimpleNamespace(
             shadow_kernels=self.parity.shadow_kernels, engine=self.parity.engine,
-            temperature=self.temperature, top_p=a.top_p, top_k=a.top_k or 0))
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty))
+        if self.parity.engine == "vllm" and s.min_p > 0 and s.top_p < 1:
+            raise ParityError("engine='vllm' applies min_p before top_p, where transformers and "
+                              "parity's scoring apply it after: set min_p or top_p, not both, or "
+                              "use engine='hf'")
         check_engine(self.parity.engine, master.config)
         engine = make_engine(self.parity.engine, EngineSpec(
             master=master, model_dir=str(getattr(master, "name_or_path", "")),
@@ -219,7 +248,6 @@ class ParityGRPOTrainer(GRPOTrainer):
             pad_id=self._tokenizer.pad_token_id, seed=a.seed + self.accelerator.process_index,
             max_len=a.vllm_max_model_length or master.config.max_position_embeddings,
             rows=a.generation_batch_size, cpu_fp16=self.parity.cpu_fp16, lm_head_fp32=head32))
-        _without_patched_forward(engine.model)
         return engine
 
     # -- sampling --------------------------------------------------------------------------
@@ -250,8 +278,10 @@ class ParityGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, *args, **kwargs):
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        forward = (self._processed_logps if self.sampling.truncates or self.sampling.penalises
+                   else super()._get_per_token_logps_and_entropies)
+        logps, entropies, aux = forward(model, input_ids, attention_mask, logits_to_keep, *args,
+                                        **kwargs)
         call = self._loss_call
         if call is None or "pi" in call:  # not the loss's own forward (old, ref, eval)
             return logps, entropies, aux
@@ -261,6 +291,26 @@ class ParityGRPOTrainer(GRPOTrainer):
             if self.parity.ratio_source == "shadow":
                 # value ℓ_s, gradient ∇ℓ_π: TRL's exp(logps − ℓ_μ) becomes the shadow ratio
                 logps = logps - logps.detach() + call["s"]
+        return logps, entropies, aux
+
+    def _processed_logps(self, model, input_ids, attention_mask, logits_to_keep,
+                         batch_size=None, compute_entropy=False, compute_aux_loss=False, **_):
+        """TRL's fused head scores log_softmax(logits / T) alone, where the engine drew from a
+        truncated or penalised distribution: ℓ_π, ℓ_old and the reference's log-probs are taken
+        under the engine's distribution too, from the whole vocabulary's logits."""
+        n = batch_size or len(input_ids)
+        parts = []
+        for a in range(0, len(input_ids), n):
+            ids, mask = input_ids[a:a + n], attention_mask[a:a + n]
+            extra = {"output_router_logits": True} if compute_aux_loss else {}
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                            logits_to_keep=logits_to_keep + 1, **extra)
+            parts.append((*token_logps(out.logits[:, :-1], ids, mask, self.sampling,
+                                       compute_entropy), getattr(out, "aux_loss", None)))
+        logps = torch.cat([p[0] for p in parts])
+        entropies = torch.cat([p[1] for p in parts]) if compute_entropy else None
+        aux = torch.stack([p[2] for p in parts]).mean() if compute_aux_loss else None
         return logps, entropies, aux
 
     @torch.no_grad()
@@ -288,8 +338,15 @@ class ParityGRPOTrainer(GRPOTrainer):
         # position ids. TRL passes none, so transformers would count a left-padded prompt's
         # padding, and in bf16 RoPE rounds differently at shifted positions: on SmolLM2-135M
         # that alone made |α| at θ = θ_old 0.043 per token, not 8e-6 (docs/trl.md).
+        processed = self.sampling.truncates or self.sampling.penalises
         with torch.autocast(dev.type, enabled=False), \
                 fp16_kernels(self.parity.engine_dtype, dev, self.parity.cpu_fp16):
+            if processed:  # as the trainer's forward (`_processed_logps`)
+                out = self.shadow(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=positions(attention_mask), use_cache=False,
+                                  logits_to_keep=logits_to_keep + 1)
+                return token_logps(out.logits[:, :-1], input_ids, attention_mask,
+                                   self.sampling)[0]
             out = self.shadow(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=positions(attention_mask), labels=labels,
                               fused_lm_head=True)
@@ -304,6 +361,9 @@ class ParityGRPOTrainer(GRPOTrainer):
                               "from parity's engine")
         if self.parity.ratio_source in ("engine", "shadow"):
             inputs = {**inputs, "old_per_token_logps": mu}
+        if self._emulated_checkpoints:  # TRL re-enables checkpointing after each generation
+            checkpoint_under_emulation(self.accelerator.unwrap_model(model),
+                                       self.args.gradient_checkpointing_kwargs)
         self._loss_call = {}
         try:
             loss = super()._compute_loss(model, inputs)
@@ -346,6 +406,13 @@ class ParityGRPOTrainer(GRPOTrainer):
         fresh = self._synced_step == self.state.global_step
         diag = StepDiagnostics()
         diag.add(att, pi, mu, adv, mask, first=fresh)
+        if self.accelerator.num_processes > 1:
+            # Every rank's tokens, as one process holding them all would measure them: token
+            # means weighted by each rank's tokens, maxima over all. TRL gathers its own figures
+            # at this same call, on every rank.
+            dist = Dist(self.accelerator.process_index, self.accelerator.num_processes,
+                        self.accelerator.device)
+            diag = StepDiagnostics.merge(dist.gather(diag))
         m = diag.metrics()
         if not fresh:
             m.pop("mismatch/kernel_gap_abs_mean", None)

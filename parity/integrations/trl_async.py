@@ -47,7 +47,7 @@ from parity.config import (
 from parity.diagnostics import StepDiagnostics, attribute
 from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
-from parity.integrations.trl import _without_patched_forward, install_cpu_fp16_scaler
+from parity.integrations.trl import install_cpu_fp16_scaler
 from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
 from parity.objectives import behaviour_weights, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
@@ -346,11 +346,11 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._synced_step: int | None = None
         if self.scorer is None and not (self.engine_dtype == "fp32" and
                                         self.trainer_dtype == "fp32"):
-            self.shadow = _without_patched_forward(low_precision_copy(master, self.engine_dtype))
+            self.shadow = low_precision_copy(master, self.engine_dtype)
             add_fused_lm_head(self.shadow, temperature=self.temperature)
         self._shadow_step: int | None = None
         if self.own_transfer and self.accelerator.is_main_process:
-            ref = _without_patched_forward(low_precision_copy(master, self.engine_dtype))
+            ref = low_precision_copy(master, self.engine_dtype)
             ref.set_attn_implementation("sdpa")
             self.weight_transfer.attach(ref, _probe_ids(self.processing_class,
                                                         self.train_dataset))
