@@ -1,15 +1,14 @@
 """README.md's picture: phantom clipping stalls training, and taking β out of the ratio fixes it.
 
     python scripts/readme_figure.py                      # from the committed runs' metrics
-    python scripts/readme_figure.py --stall runs/stall --fix runs/fix --keep
+    python scripts/readme_figure.py --stall RUN --fix RUN --keep
 
 The runs are README.md's third path in ("Show me phantom clipping and its fix"):
 
-    parity train --task arith --recipe bf16-engine --eps-low 0.0013 --eps-high 0.0013 \
-        --steps 300 --out runs/stall
-    parity train --task arith --recipe bf16-shadow --eps-low 0.0013 --eps-high 0.0013 \
-        --steps 300 --out runs/fix
+    parity sweep --task arith --recipes bf16-engine,bf16-shadow --seeds 0 --eps-low 0.0013 \
+        --eps-high 0.0013 --steps 300 --out sweeps/phantom
 
+with RUN sweeps/phantom/runs/arith-default-bf16-engine-s0 (stall) and ...-bf16-shadow-s0 (fix).
 `--keep` writes the figures it draws from (KEPT, per step) into docs/data/phantom-demo/, where
 the figure is drawn from by default. Left: the reward of both runs. Right: the stalled run's
 clipped tokens split into those the policy's own change clips (α alone would clip them) and
@@ -72,8 +71,8 @@ def draw(stall: list[dict], fix: list[dict], out: Path) -> Path:
     for ax in (left, right):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle("arith on the CPU testbed, ε = 0.0013; `parity report runs/stall runs/fix` "
-                 "draws the same runs", fontsize=9, y=0.03)
+    fig.suptitle("arith on the CPU testbed, ε = 0.0013, seed 0: the runs of `parity sweep --task "
+                 "arith --recipes bf16-engine,bf16-shadow ...` (README.md)", fontsize=9, y=0.03)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -114,10 +114,9 @@ def test_the_trl_snippet_names_what_parity_exports():
 def test_the_trl_path_logs_parity_beside_trl(text_model, tmp_path):
     runs = re.findall(r"`(python examples/trl_grpo\.py[^`]*)`", path_text(PATHS[1]))
     assert runs, "the TRL way in names no runnable example"
-    # The test-size text model for the testbed's `text`, and two steps instead of ten.
+    # The README's flags (its model: text-xs, the session's build of it), two steps of ten.
     argv = swapped(runs[0], {"python examples/": f"{sys.executable} {ROOT}/examples/"})
-    out = run([*argv, "--model", str(text_model), "--steps", "2", "--batch", "8", "--group", "4"],
-              tmp_path)
+    out = run([*argv, "--steps", "2", "--batch", "8", "--group", "4"], tmp_path)
     header = next(line for line in out.splitlines() if line.startswith("step "))
     assert "clip_ratio/region_mean" in header and "clip/phantom_frac" in header
     rows = [line.split() for line in out.splitlines()[out.splitlines().index(header) + 1:]
@@ -128,16 +127,20 @@ def test_the_trl_path_logs_parity_beside_trl(text_model, tmp_path):
 # ---------------------------------------------------------------- 3: the stall and its fix
 
 def _third_path(tmp_path: Path, swaps: dict[str, str]) -> dict[str, list[dict]]:
-    cmds = commands(PATHS[2])
-    assert [c.split()[:2] for c in cmds] == [["parity", "train"]] * 2 + [["parity", "report"]]
-    for c in cmds[:2]:
-        run(swapped(c, swaps), tmp_path)
-    run(swapped(cmds[2], {}), tmp_path)
-    page = (tmp_path / "report" / "report.html").read_text()
-    assert "stall" in page and "fix" in page and page.count("<img") >= 2
-    return {name: [json.loads(line) for line in
-                   (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("stall", "fix")}
+    (cmd,) = commands(PATHS[2])
+    assert cmd.startswith("parity sweep ") and "--out sweeps/phantom" in cmd
+    out = run(swapped(cmd, swaps), tmp_path)
+    sweep = tmp_path / "sweeps" / "phantom"
+    # the printed table: one row per recipe, with the early phantom share
+    assert "phantom" in out and "bf16-engine" in out and "bf16-shadow" in out, out[-3000:]
+    page = (sweep / "report.html").read_text()
+    assert "bf16-engine" in page and "bf16-shadow" in page and "<img" in page
+    runs = {}
+    for name, recipe in (("stall", "bf16-engine"), ("fix", "bf16-shadow")):
+        (run_dir,) = (sweep / "runs").glob(f"*-{recipe}-s0")
+        runs[name] = [json.loads(line) for line in
+                      (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return runs
 
 
 @pytest.mark.e2e
