@@ -54,7 +54,7 @@ def draw(stall: list[dict], fix: list[dict], out: Path) -> Path:
                                                              "(--recipe bf16-shadow)")
     left.set_title("reward, with and without β in the ratio")
     left.set_ylabel(f"reward ({WINDOW}-step mean)")
-    left.set_ylim(min(0.2, left.get_ylim()[0]), max(1.0, left.get_ylim()[1]))
+    left.set_ylim(0.0, max(1.0, left.get_ylim()[1]))  # room below the curves for the legend
     left.legend(fontsize=8, loc="lower right")
 
     steps, clipped = series(stall, "clip/frac")

@@ -162,3 +162,18 @@ def test_the_stall_path_at_the_readmes_length(cache, tmp_path):
     runs = _third_path(tmp_path, {})
     assert sum(r["clip/phantom_frac"] > 0 for r in runs["stall"]) >= 0.9 * len(runs["stall"])
     assert all(r["clip/phantom_frac"] == 0 for r in runs["fix"])
+
+
+def test_the_picture_is_drawn_from_the_kept_runs(tmp_path):
+    """README.md's picture comes from scripts/readme_figure.py and the runs' figures kept in
+    docs/data/phantom-demo/: the script draws it again from them, and they show what the
+    picture does (β alone clips the mismatched run's tokens, none of the fixed run's)."""
+    assert "](docs/figures/phantom-clipping.png)" in README.read_text()
+    out = tmp_path / "picture.png"
+    run([sys.executable, str(ROOT / "scripts" / "readme_figure.py"), "--out", str(out)], tmp_path)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    kept = {name: [json.loads(line) for line in
+                   (ROOT / "docs" / "data" / "phantom-demo" / f"{name}.jsonl").open()]
+            for name in ("stall", "fix")}
+    assert sum(r["clip/phantom_frac"] > 0 for r in kept["stall"]) >= 0.9 * len(kept["stall"])
+    assert all(r["clip/phantom_frac"] == 0 for r in kept["fix"])
