@@ -6,7 +6,7 @@
 The runs are README.md's third path in ("Show me phantom clipping and its fix"):
 
     parity sweep --task arith --recipes bf16-engine,bf16-shadow --seeds 0 --eps-low 0.0013 \
-        --eps-high 0.0013 --steps 300 --out sweeps/phantom
+        --eps-high 0.0013 --steps 150 --out sweeps/phantom
 
 with RUN sweeps/phantom/runs/arith-default-bf16-engine-s0 (stall) and ...-bf16-shadow-s0 (fix).
 `--keep` writes the figures it draws from (KEPT, per step) into docs/data/phantom-demo/, where

@@ -146,7 +146,7 @@ def _third_path(tmp_path: Path, swaps: dict[str, str]) -> dict[str, list[dict]]:
 @pytest.mark.e2e
 def test_the_stall_path_shows_phantom_clips_and_their_fix(arith_model, tmp_path):
     runs = _third_path(tmp_path, {"--task arith": f"--task arith --model {arith_model}",
-                                  "--steps 300": "--steps 4"})
+                                  "--steps 150": "--steps 4"})
     # the mismatch clips tokens on β alone; with β out of the ratio none is
     assert any(r["clip/phantom_frac"] > 0 for r in runs["stall"])
     assert all(r["clip/phantom_frac"] == 0 for r in runs["fix"])
@@ -156,8 +156,8 @@ def test_the_stall_path_shows_phantom_clips_and_their_fix(arith_model, tmp_path)
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_the_stall_path_at_the_readmes_length(cache, tmp_path):
-    """As written: the `arith` model, 300 steps. At this ε, β alone clips tokens of the
-    mismatched run on nearly every step (README.md's picture: on 297 of 300, 9% of the tokens
+    """As written: the `arith` model, 150 steps. At this ε, β alone clips tokens of the
+    mismatched run on nearly every step (README.md's picture: on 148 of 150, 9% of the tokens
     over the first 20), and none of the fixed run's."""
     runs = _third_path(tmp_path, {})
     assert sum(r["clip/phantom_frac"] > 0 for r in runs["stall"]) >= 0.9 * len(runs["stall"])
