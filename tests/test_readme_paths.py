@@ -61,6 +61,8 @@ def test_the_first_screen_holds_the_commands_and_the_three_ways_in():
     for title in PATHS:
         assert f"**{title}**" in first, title
         assert commands(title, "bash") or commands(title, "python"), title
+        # what to look at is said on the first screen too
+        assert "Look at" in path_text(title) and first.count("Look at") == len(PATHS)
     assert len(lines) <= 250
 
 
