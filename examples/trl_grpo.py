@@ -5,6 +5,7 @@
     python examples/trl_grpo.py --recipe fp16
     python examples/trl_grpo.py --recipe bf16-shadow --eps 0.01 --iterations 2
     python examples/trl_grpo.py --recipe bf16-shadow --device cuda
+    python examples/trl_grpo.py --recipe bf16-engine --eps 0.01 --use-vllm
 
 Prints, per step, TRL's own clip count next to parity's attribution of it.
 """
@@ -46,10 +47,15 @@ def main() -> None:
                     help="max_completion_length")
     ap.add_argument("--iterations", type=int, default=1,
                     help="GRPOConfig.num_iterations: updates per batch of completions")
-    ap.add_argument("--shadow-kernels", default="engine", choices=("engine", "independent"),
-                    help="the shadow's attention: the engine's, or the trainer's own")
+    ap.add_argument("--shadow-kernels", default="engine",
+                    choices=("engine", "independent", "scored"),
+                    help="the shadow's attention: the engine's, or the trainer's own; scored: "
+                         "vLLM scores it (--use-vllm)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="TRL's accelerator (use_cpu), which parity's engine and shadow follow")
+    ap.add_argument("--use-vllm", action="store_true",
+                    help="TRL's own vLLM samples, in this process (GRPOConfig(use_vllm=True, "
+                         "vllm_mode='colocate')), instead of parity's engine")
     ap.add_argument("--out", default="runs/trl-example")
     a = ap.parse_args()
 
@@ -64,7 +70,10 @@ def main() -> None:
                       max_completion_length=a.max_tokens, num_iterations=a.iterations,
                       epsilon=a.eps, logging_steps=1,
                       bf16=a.recipe == "bf16", fp16=fp16, gradient_checkpointing=not fp16,
-                      save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
+                      save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+                      # the recipe's ratio without TRL's importance weights on top (docs/trl.md)
+                      use_vllm=a.use_vllm, vllm_mode="colocate",
+                      vllm_importance_sampling_correction=False)
     trainer = ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=neg_length,
                                 args=args, train_dataset=dataset,
                                 parity=ParityOptions.from_recipe(a.recipe,

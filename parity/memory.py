@@ -9,6 +9,7 @@ SmolLM2-135M's unbatched 64 x 64 step but 39% under a 16 x 1024 step with checkp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -212,6 +213,17 @@ def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimat
         return f"--micro-batch {ok[0]}"
     return ("--micro-batch 1 with --logprob-chunk 64 --gradient-checkpointing, or shorter "
             "--max-new-tokens")
+
+
+def kv_cache_bytes(config: Any, dtype: str, rows: int, max_len: int) -> int:
+    """The KV cache every row of a vLLM batch needs at its full length at once, with room for
+    vLLM's block rounding. Asked for explicitly: vLLM's CPU backend would otherwise reserve a
+    share of the machine's whole memory (and refuse to start when that much is not free)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * _BYTES[dtype]
+    blocks = math.ceil(max_len / 16) + 1
+    return int(rows * blocks * 16 * per_token * 1.25) + (16 << 20)
 
 
 def out_of_memory(e: BaseException) -> bool:

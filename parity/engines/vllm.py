@@ -19,7 +19,6 @@ finished sequence as it sampled it (kernel gap 0 on the testbed, 1e-3 on SmolLM2
 from __future__ import annotations
 
 import copy
-import math
 import os
 from typing import Any, Iterator
 
@@ -27,6 +26,7 @@ import torch
 
 from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
+from parity.memory import kv_cache_bytes
 from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -74,17 +74,6 @@ def check_fits(config: Any, max_len: int) -> None:
     if limit is not None and max_len > limit:
         raise ParityError(f"engine=vllm: the longest prompt plus max_new_tokens is {max_len} "
                           f"tokens, beyond the model's {limit} positions; lower max_new_tokens")
-
-
-def kv_cache_bytes(config: Any, dtype: str, rows: int, max_len: int) -> int:
-    """The KV cache every row of a batch needs at its full length at once, with room for
-    vLLM's block rounding. Asked for explicitly: vLLM's CPU backend would otherwise reserve a
-    share of the machine's whole memory (and refuse to start when that much is not free)."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * heads * head_dim * torch_dtype(dtype).itemsize
-    blocks = math.ceil(max_len / 16) + 1
-    return int(rows * blocks * 16 * per_token * 1.25) + (16 << 20)
 
 
 def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: int,

@@ -32,6 +32,10 @@ advantages, the loss itself, logging, checkpoints) to TRL:
       shadow     log r = ℓ_s − ℓ_μ, gradient via ℓ_π    (β out of the ratio)
       recompute  TRL's own ratio, ℓ_π − ℓ_old            (ℓ_old recomputed by the trainer)
 
+With `GRPOConfig(use_vllm=True)` TRL's own vLLM samples instead, colocated or a server
+(parity/integrations/trl_vllm.py): parity keeps TRL's sampling and its ℓ_μ, and checks that
+vLLM returns processed log-probs in the recipe's engine precision.
+
 Trainer precision is GRPOConfig's (`bf16=True`, `fp16=True`). On CPU accelerate silently runs
 `fp16=True` in fp32, so parity supplies what it leaves out: fp16 autocast (tensor-core numerics
 emulated, parity/precision.py, also in gradient checkpointing's recomputation) and a dynamic
@@ -40,7 +44,9 @@ loss scaler on accelerate's own hooks.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -65,6 +71,7 @@ from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_eng
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
+from parity.integrations import trl_vllm
 from parity.integrations.trl_sampling import (
     bypassed,
     check_sampling,
@@ -121,9 +128,13 @@ class ParityOptions:
             raise ParityError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}")
         st = RECIPES[name].settings
         if st["correction"] != "none":
+            # TRL's own correction on vLLM's samples: the same weights (parity/objectives.py).
+            mode = {"token-tis": "token_truncate", "seq-mis": "sequence_mask"}[st["correction"]]
             raise ParityError(f"recipe {name!r} reweights by exp(l_old - l_mu), which TRL's "
-                              f"GRPOTrainer applies only to vLLM samples; use parity train, or "
-                              f"ratio_source='recompute' here")
+                              f"GRPOTrainer applies only to vLLM samples: use "
+                              f"from_recipe('recompute') with GRPOConfig(use_vllm=True, "
+                              f"vllm_importance_sampling_mode={mode!r}, "
+                              f"vllm_importance_sampling_clip_max={FIELDS['is_cap'].default})")
         # GRPOConfig's epsilon sets the clip range: a recipe may only keep Config's own.
         if (st["eps_low"], st["eps_high"]) != (FIELDS["eps_low"].default,
                                                FIELDS["eps_high"].default):
@@ -164,14 +175,14 @@ class ParityGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, parity: ParityOptions | None = None, **kwargs: Any):
         self.parity = (parity or ParityOptions()).validate()
-        super().__init__(*args, **kwargs)
+        bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs)
+        trl_vllm.check_config(bound.arguments.get("args"), self.parity)   # before vLLM starts
+        with trl_vllm.parity_generation(self.parity.engine_dtype):
+            super().__init__(*args, **kwargs)
         a = self.args
-        if self.use_vllm:
-            raise ParityError("ParityGRPOTrainer samples with parity's engine; set "
-                              "GRPOConfig(use_vllm=False)")
         if self.tools or self.rollout_func is not None:
-            raise ParityError("parity's engine samples one turn of text: tools and rollout_func "
-                              "are not supported")
+            raise ParityError("ParityGRPOTrainer trains on one turn of text: tools and "
+                              "rollout_func are not supported")
         self.trainer_dtype = "fp16" if a.fp16 else "bf16" if a.bf16 else "fp32"
         want = self.parity.trainer_dtype
         if want is not None and want != self.trainer_dtype:
@@ -187,13 +198,10 @@ class ParityGRPOTrainer(GRPOTrainer):
         if getattr(self, "ref_model", None) is not None:
             disable_dropout(self.ref_model)
             _count_positions_as_the_engine(self.ref_model)
-        head32 = bool(a.cast_lm_head_to_fp32)
-        self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0, a.min_p or 0.0,
-                                 a.repetition_penalty)
-        generation = effective_config(master, self.generation_config)
-        check_sampling(generation)
-        warn_bypassed(bypassed(master, generation, self.sampling, self.max_completion_length))
-        self.engine = self._make_engine(master, head32)
+        # vLLM computes its head in engine precision, and the shadow is the engine's arithmetic.
+        head32 = bool(a.cast_lm_head_to_fp32) and not self.use_vllm
+        self.engine = (self._use_trls_vllm() if self.use_vllm
+                       else self._make_engine(master, head32))
         self.generator = torch.Generator().manual_seed(a.seed + self.accelerator.process_index)
         self._synced_step: int | None = None
         # An fp32 engine against an fp32 trainer: the shadow forward is the trainer's own.
@@ -228,19 +236,42 @@ class ParityGRPOTrainer(GRPOTrainer):
             return False
         return True
 
-    def _make_engine(self, master: torch.nn.Module, head32: bool) -> Any:
-        """The engine `ParityOptions.engine` names, behind the Engine interface; an
-        engine-scored shadow only where the engine scores what it samples."""
-        a = self.args
+    def _check_engine_sampling(self, engine: str) -> None:
+        """An engine-scored shadow only where the engine scores what it samples; vLLM's order
+        of min-p and top-p is not the one parity scores with."""
         s = self.sampling
         check_scored_sampling(SimpleNamespace(
-            shadow_kernels=self.parity.shadow_kernels, engine=self.parity.engine,
+            shadow_kernels=self.parity.shadow_kernels, engine=engine,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             repetition_penalty=s.repetition_penalty))
-        if self.parity.engine == "vllm" and s.min_p > 0 and s.top_p < 1:
-            raise ParityError("engine='vllm' applies min_p before top_p, where transformers and "
-                              "parity's scoring apply it after: set min_p or top_p, not both, or "
-                              "use engine='hf'")
+        if engine == "vllm" and s.min_p > 0 and s.top_p < 1:
+            fix = "" if self.use_vllm else ", or use engine='hf'"
+            raise ParityError(f"vLLM applies min_p before top_p, where transformers and "
+                              f"parity's scoring apply it after: set min_p or top_p, not "
+                              f"both{fix}")
+
+    def _use_trls_vllm(self) -> None:
+        """TRL's vLLM samples (trl_vllm.py): its distribution is parity's `sampling`, its
+        log-probs are refused unless they are ℓ_μ in the recipe's precision. No parity engine."""
+        trl_vllm.check(self)
+        vg = self.vllm_generation
+        self.sampling, beyond = vg.sampling()
+        if beyond:
+            logger.warning("parity: TRL's vLLM samples with %s, which the trainer's log-probs "
+                           "and parity's shadow do not apply: it enters every ratio and beta "
+                           "(docs/trl.md)", ", ".join(beyond))
+        self._check_engine_sampling("vllm")
+        vg.sync_through(os.path.join(self.args.output_dir, ".parity_weights"))
+
+    def _make_engine(self, master: torch.nn.Module, head32: bool) -> Any:
+        """The engine `ParityOptions.engine` names, behind the Engine interface."""
+        a = self.args
+        self.sampling = Sampling(self.temperature, a.top_p, a.top_k or 0, a.min_p or 0.0,
+                                 a.repetition_penalty)
+        generation = effective_config(master, self.generation_config)
+        check_sampling(generation)
+        warn_bypassed(bypassed(master, generation, self.sampling, self.max_completion_length))
+        self._check_engine_sampling(self.parity.engine)
         check_engine(self.parity.engine, master.config)
         engine = make_engine(self.parity.engine, EngineSpec(
             master=master, model_dir=str(getattr(master, "name_or_path", "")),
@@ -255,7 +286,10 @@ class ParityGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                               has_tool_images=False):
         if images is not None or multimodal_fields:
-            raise ParityError("parity's engine samples text only (no images)")
+            raise ParityError("ParityGRPOTrainer trains on text only (no images)")
+        if self.use_vllm:
+            return self._trl_vllm_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                       has_tool_images)
         mode = "train" if self.model.training else "eval"
         if self._synced_step != self.state.global_step:
             changed = self.engine.sync(self.accelerator.unwrap_model(self.model))
@@ -265,6 +299,23 @@ class ParityGRPOTrainer(GRPOTrainer):
                                  self.generator)
         ids = r.completions()
         return ids, [r.engine_logprobs[i, :len(c)].tolist() for i, c in enumerate(ids)]
+
+    def _trl_vllm_turn(self, prompt_ids, *rest):
+        """TRL's own vLLM turn; parity logs its sync, which TRL makes at each new step."""
+        vg, master = self.vllm_generation, self.accelerator.unwrap_model(self.model)
+        vg.attach_probe(master, prompt_ids)
+        syncs = self._last_loaded_step != self.state.global_step
+        out = super()._generate_single_turn(prompt_ids, *rest)
+        if syncs:
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            for k, v in vg.last.items():
+                metrics[k].append(v)
+            if "sync/changed_frac" not in vg.last and self.shadow is not None:
+                # counted against the shadow's copy, cast at its last sync or loss call
+                metrics["sync/changed_frac"].append(cast_weights_into(master, self.shadow))
+                self._shadow_step = self.state.global_step
+        self._synced_step = self.state.global_step
+        return out
 
     # -- the trainer's forward and the shadow's --------------------------------------------
 
@@ -316,6 +367,12 @@ class ParityGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _shadow_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       logits_to_keep: int, logp_pi: torch.Tensor) -> torch.Tensor:
+        if self.parity.shadow_kernels == "scored" and self.engine is None:   # TRL's vLLM
+            if self._last_loaded_step != self.state.global_step:  # it must hold these weights
+                self.vllm_generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+            return self.vllm_generation.score(input_ids, attention_mask,
+                                              logits_to_keep).to(logp_pi.device)
         if self.parity.shadow_kernels == "scored":
             k = logits_to_keep
             r = Rollout(prompt_ids=input_ids[:, :-k], prompt_mask=attention_mask[:, :-k],

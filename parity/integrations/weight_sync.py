@@ -263,14 +263,15 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @contextlib.contextmanager
 def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
-               port: int = 0, startup_s: float = 300.0, cpus: str | None = None
-               ) -> Iterator[str]:
+               port: int = 0, startup_s: float = 300.0, cpus: str | None = None,
+               extra: Iterable[str] = ()) -> Iterator[str]:
     """A vLLM OpenAI server in development mode on 127.0.0.1, serving `model_dir` under its own
     path as AsyncGRPO asks for it; yields its URL and always stops it, with its engine
     processes (its own process group). The batch-token budget keeps prompts' prefill whole: on
     CPU, vLLM 0.32 dies on a seeded request whose prefill is split ("CPU Generator does not use
     offset"), and AsyncGRPO seeds every request. `cpus` ("1", "2-3"): the cores the server and
-    its OpenMP threads keep to, so that a trainer on the other cores does not share them."""
+    its OpenMP threads keep to, so that a trainer on the other cores does not share them.
+    `extra`: more server flags, after these (a later flag wins)."""
     import requests
     if not port:
         with socket.socket() as s:
@@ -280,7 +281,7 @@ def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", flag, "--enforce-eager", "--max-num-batched-tokens", "16384",
-           "--logprobs-mode", "processed_logprobs"]
+           "--logprobs-mode", "processed_logprobs", *extra]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     if cpus is not None:
