@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="max_completion_length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scored-shadow", action="store_true",
-                    help="the server scores the shadow (no kernel gap; docs/trl.md)")
+                    help="the server scores the shadow (no kernel gap; docs/trl-async.md)")
     ap.add_argument("--out", default="runs/trl-async-example")
     ap.add_argument("--json", default=None, help="also write TRL's log history and the wall "
                     "time here (scripts/async_sanity.py reads it)")

@@ -197,8 +197,8 @@ class AsyncParityOptions:
                             "per trained token) in trainer.parity_tokens, for checks and dumps.")
     scored_shadow: bool = own(False, "Let the server score the shadow (vLLM's prompt_logprobs of "
                               "each update's sequences) instead of a trainer-side forward in "
-                              "its dtype: no kernel gap (docs/trl.md). Needs a sync every step "
-                              "and sampling at T = 1 without truncation.")
+                              "its dtype: no kernel gap (docs/trl-async.md). Needs a sync every "
+                              "step and sampling at T = 1 without truncation.")
     probe_tolerance: float = own(PROBE_TOLERANCE, "Largest mean |difference| per probe token "
                                  "between the server's log-probs and a forward of the synced "
                                  "weights in its dtype.", gt=0)

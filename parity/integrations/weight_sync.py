@@ -18,7 +18,7 @@ Why a directory: `/collective_rpc` passes strings only, so weights cannot travel
 a registered transfer engine (`WeightTransferEngineFactory.register_engine`) would have to be
 installed into the server's process as a plugin, and the built-in "ipc" engine shares CUDA
 memory. A path works wherever the server can read what the trainer writes: the same machine
-(a tmpfs such as /dev/shm avoids the disk), or two machines sharing a filesystem. docs/trl.md
+(a tmpfs such as /dev/shm avoids the disk), or two machines sharing a filesystem. docs/trl-async.md
 gives the measured cost.
 
 Any failure (the server unreachable, not in development mode, a refused reload, a probe that
