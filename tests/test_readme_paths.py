@@ -8,8 +8,10 @@ is the README's. `pytest --runslow` runs the third path at the README's own leng
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +50,12 @@ def swapped(cmd: str, swaps: dict[str, str]) -> list[str]:
 
 
 def run(argv: list[str], cwd: Path, timeout: float = 900) -> str:
-    p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    # accelerate starts a one-process gloo group on MASTER_PORT (29500 unless set) even on one
+    # CPU: a free port, so that two test sessions on one machine do not collide there
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env = {**os.environ, "MASTER_PORT": str(s.getsockname()[1])}
+    p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert p.returncode == 0, f"{argv}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout + p.stderr
 
