@@ -42,7 +42,14 @@ def test_recipe_objective_pair_runs_20_arith_steps(tmp_path, arith_model, recipe
                     steps=20, prompts_per_step=4, samples_per_prompt=4, lr=3e-4)
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert finite(rows)
-    assert rows[-1]["train/skipped_updates"] <= 2  # at most a loss-scale backoff or two
+    # An overflowing fp16 step is skipped and halves the loss scale (the scale grows only after
+    # 400 clean updates, not within 20); most updates apply. How many overflow depends on the
+    # CPU's kernels: 3 of 20 on one without AMX, at most 2 on one with it.
+    assert rows[-1]["train/skipped_updates"] <= 5
+    if RECIPES[recipe].settings["trainer_dtype"] == "fp16":
+        init = make_config({}).loss_scale_init
+        assert [r["loss/scale"] for r in rows] == [init / 2 ** r["train/skipped_updates"]
+                                                   for r in rows]
     m = rows[0]
     if objective == "online-dpo":
         assert "dpo/pairs" in m
