@@ -41,6 +41,7 @@ from parity.diagnostics import (
 )
 from parity.engines import (
     Engine,
+    EngineNeeds,
     EngineSpec,
     Rollout,
     Sampling,
@@ -52,7 +53,7 @@ from parity.engines.scoring import score_full
 from parity.errors import ParityError
 from parity.objectives import grpo_advantages
 from parity.precision import autocast, fp32_head
-from parity.runs import check_run_dir, free_dir, load_policy, max_positions
+from parity.runs import check_run_dir, claim_dir, free_dir, load_policy, max_positions
 from parity.ui import progress
 
 if TYPE_CHECKING:
@@ -163,10 +164,13 @@ def _prompts(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerB
 def _sample(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
             model_dir: Path, meas: Measurement, shadow: Shadow, s: Sampling, bar: ui.Bar) -> str:
     task, _, prompt_ids, source = _prompts(a, model, tok, model_dir)
+    max_len = max(map(len, prompt_ids)) + a.max_new_tokens
+    check_engine(a.engine, model.config, EngineNeeds(
+        max_len, scores=a.shadow_kernels == "scored",
+        lora_unmerged=bool(a.adapter) and not a.lora_merge))
     engine = make_engine(a.engine, EngineSpec(
         model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
-        a.seed, max(map(len, prompt_ids)) + a.max_new_tokens, a.batch_size, a.cpu_fp16,
-        a.lm_head_fp32))
+        a.seed, max_len, a.batch_size, a.cpu_fp16, a.lm_head_fp32))
     if a.shadow_kernels == "scored":
         shadow.engine = engine   # the engine scores ℓ_s itself
     try:
@@ -215,7 +219,12 @@ def _serve(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBas
     task, prompts, prompt_ids, source = _prompts(a, model, tok, model_dir)
     lines = server_audit.sample(server, a, info, model, tok, task, prompts, prompt_ids, s)
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    rows = _rows(path, model, tok)
+    try:
+        rows = _rows(path, model, tok)
+    except ParityError as e:
+        # `path` is a staging file, gone once the audit is refused: name what the user can see.
+        raise ParityError(str(e).replace(str(path), f"the answers of server {server.url}")
+                          ) from None
     info.update(server_audit.logprobs_kind(model, tok, rows, a, s))
     return info, f"server {server.url} ({info['model']}), {source}"
 
@@ -255,9 +264,17 @@ def default_out(a: AuditSettings) -> Path:
 
 
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
-    """Run one audit; returns audit.json's content. Input is checked before `out` is written."""
+    """Run one audit; returns audit.json's content. Input is checked before `out` is written,
+    and `out` is held for the audit's length (`runs.claim_dir`): a second audit into it is
+    refused, never left to overwrite this one's files."""
     t0 = time.perf_counter()
     device, out = _refuse_early(a, out)
+    with claim_dir(out, "audit --out", empty=True):
+        return _claimed_audit(a, out, report, device, t0)
+
+
+def _claimed_audit(a: AuditSettings, out: Path, report: bool, device: torch.device, t0: float
+                   ) -> dict[str, Any]:
     model_dir, model, tok = _policy(a, device)
     torch.manual_seed(a.seed)
     s = Sampling(a.temperature, a.top_p, a.top_k)
@@ -291,9 +308,11 @@ def _refuse_early(a: AuditSettings, out: Path | None) -> tuple[torch.device, Pat
         torch.set_num_threads(a.threads)
     out = out or default_out(a)
     check_run_dir(out)
-    if a.rollouts and a.shadow_kernels == "scored":
-        raise ParityError("shadow_kernels=scored needs the engine that sampled: audit a --task "
-                          "or --prompts, not --rollouts")
+    if (a.rollouts or a.server) and a.shadow_kernels == "scored":
+        # Answers from a file or a server have no engine in this process to score them.
+        raise ParityError(f"shadow_kernels=scored needs the engine that sampled: audit a --task "
+                          f"or --prompts with parity's engine, not "
+                          f"{'--rollouts' if a.rollouts else '--server'}")
     check_engine(a.engine)
     fp16_fit(a.fp16_check)   # a bad file is refused now, not after the sampling
     return device, out
@@ -484,7 +503,12 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
     for name in models:  # a mistyped path is refused before the first model's minutes
         if name not in testbed.SPECS:
             testbed.resolve_model(name)
-    created = not out.exists()
+    with claim_dir(out, "audit --out", empty=True) as claim:
+        return _claimed_scale(a, out, models, done, claim.created)
+
+
+def _claimed_scale(a: AuditSettings, out: Path, models: list[str],
+                   done: dict[str, dict[str, Any]] | None, created: bool) -> dict[str, Any]:
     try:
         points = _ladder_points(a, out, models, done)
     except ParityError:

@@ -367,7 +367,8 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
         plan = vllm_plan(**fields) if args.engine == "vllm" else RealPlan(**fields)
         out = Path(args.out or f"reproduce-{args.model}"
                    + ("-vllm" if args.engine == "vllm" else ""))
-        result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
+        with _claim_reproduction(out):
+            result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
         print_claims({**result, "plan": args.model})
         print(f"wrote {out}/claims.md and {out}/claims.json")
         return
@@ -380,9 +381,19 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
     plan = dataclasses.replace(base, device=args.device)
     out = Path(args.out or ("reproduce-vllm" if args.engine == "vllm" else
                             "reproduce-quick" if args.quick else "reproduce"))
-    result = reproduce(plan, out, workers=args.workers, progress=args.progress)
+    with _claim_reproduction(out):
+        result = reproduce(plan, out, workers=args.workers, progress=args.progress)
     print_claims(result)
     print(f"wrote {out}/claims.md and {out}/claims.json")
+
+
+def _claim_reproduction(out: Path) -> Any:
+    """`out` held for the reproduction's length (`runs.claim_dir`): a second one into it is
+    refused before it reuses, or redoes, a part the first one is still writing."""
+    from parity.runs import claim_dir, refuse_other_output
+    ensure_writable(out, "reproduce --out")
+    refuse_other_output(out, "a reproduction", "reproduce --out")
+    return claim_dir(out, "reproduce --out")
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -11,10 +11,12 @@ and of the TRL integration reuse Config's fields (`shared`), so each is written 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import math
 import numbers
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -62,10 +64,29 @@ class EngineCan:
     # is. vLLM's prompt log-probs are the raw model's (docs/vllm.md).
     score_processed: bool
     lm_head_fp32: bool     # it can compute its LM head in fp32
+    # The lowest temperature it samples at as asked. vLLM raises any temperature in (0, 0.01)
+    # to 0.01 and reports that distribution's log-probs, while the trainer scores the one asked
+    # for: at 1e-6 that is kl_k1 95 where the hf engine gives 0 (docs/vllm.md).
+    min_temperature: float = 0.0
 
 
 ENGINE_CAN = {"hf": EngineCan(score_processed=True, lm_head_fp32=True),
-              "vllm": EngineCan(score_processed=False, lm_head_fp32=False)}
+              "vllm": EngineCan(score_processed=False, lm_head_fp32=False, min_temperature=0.01)}
+# A live server audited by `parity audit --server`: vLLM's, whose floor is the engine's.
+SERVER_MIN_TEMPERATURE = ENGINE_CAN["vllm"].min_temperature
+
+
+def check_temperature(c: Config | AuditSettings) -> None:
+    """A temperature the engine (or the server) would raise silently is refused: ℓ_μ would be
+    the log-prob of another distribution than the one the trainer scores."""
+    server = getattr(c, "server", None)
+    floor = SERVER_MIN_TEMPERATURE if server else ENGINE_CAN[c.engine].min_temperature
+    if c.temperature < floor:
+        who = "a vLLM server" if server else f"engine={c.engine}"
+        raise ParityError(f"temperature={c.temperature:g}: {who} samples every temperature below "
+                          f"{floor:g} at {floor:g}, so its log-probs would not be those of the "
+                          f"distribution parity scores; use temperature >= {floor:g}"
+                          + ("" if server else " or engine=hf"))
 
 
 def engines_that(can: str) -> str:
@@ -322,7 +343,7 @@ class Config:
         # Here, not at the top: objectives imports torch, and building the CLI should not.
         from parity.objectives import OBJECTIVES
         if self.recipe not in RECIPES:
-            raise ParityError(f"unknown recipe {self.recipe!r}; known recipes: "
+            raise ParityError(f"unknown recipe {quoted(self.recipe)}; known recipes: "
                               f"{', '.join(RECIPES)}")
         check_fields(self)
         objective = OBJECTIVES[self.objective]
@@ -331,12 +352,13 @@ class Config:
         self._check_engine()
         self._check_groups(objective.pairs, objective.value_head)
         if self.model is None:
-            raise ParityError(f"task {self.task!r} has no default model: give --model NAME|DIR")
+            raise ParityError(f"task {quoted(self.task)} has no default model: give --model "
+                              f"NAME|DIR")
         self._check_batches(objective.pairs)
         self.reward_weight_list()
         for name in self.report_to.split(","):
             if name.strip() not in REPORT_TO:
-                raise ParityError(f"report_to: {name.strip()!r} is not one of: "
+                raise ParityError(f"report_to: {quoted(name.strip())} is not one of: "
                                   f"{', '.join(REPORT_TO)}")
         return self
 
@@ -362,8 +384,8 @@ class Config:
         if not self.lora_rank and (self.lora_alpha is not None
                                    or self.lora_targets != "all-linear"):
             which = "lora_alpha" if self.lora_alpha is not None else "lora_targets"
-            raise ParityError(f"{which}={getattr(self, which)!r} applies to LoRA adapters: add "
-                              f"--lora-rank R (without it every weight is trained)")
+            raise ParityError(f"{which}={quoted(getattr(self, which))} applies to LoRA adapters: "
+                              f"add --lora-rank R (without it every weight is trained)")
         if self.base_dtype != "fp32" and not self.lora_rank:
             raise ParityError(f"base_dtype={self.base_dtype} applies to LoRA's frozen base: add "
                               f"--lora-rank R (a full fine-tune keeps fp32 master weights)")
@@ -380,6 +402,7 @@ class Config:
             raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
                               "process: the asynchronous engine lives in another one")
         check_scored_sampling(self)
+        check_temperature(self)
         if self.correction != "none" and self.ratio_source != "recompute":
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
                               f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
@@ -418,13 +441,13 @@ class Config:
         try:
             w = [float(x) for x in self.reward_weights.split(",")]
         except ValueError:
-            raise ParityError(f"reward_weights={self.reward_weights!r} must be comma-separated "
-                              f"numbers") from None
+            raise ParityError(f"reward_weights={quoted(self.reward_weights)} must be "
+                              f"comma-separated numbers") from None
         if len(w) != len(specs):
             raise ParityError(f"reward_weights has {len(w)} values for {len(specs)} reward "
-                              f"functions (reward={self.reward!r})")
+                              f"functions (reward={quoted(self.reward)})")
         if not all(math.isfinite(x) for x in w):
-            raise ParityError(f"reward_weights={self.reward_weights!r} must be finite")
+            raise ParityError(f"reward_weights={quoted(self.reward_weights)} must be finite")
         return w
 
     def to_dict(self) -> dict[str, Any]:
@@ -555,17 +578,17 @@ def check_value(cls: type, name: str, v: Any) -> None:
             raise ParityError(f"{name} cannot be empty")
     elif sp.choices is not None:
         if v not in sp.choices:
-            raise ParityError(f"{name}={v!r} is not one of: {', '.join(sp.choices)}")
+            raise ParityError(f"{name}={quoted(v)} is not one of: {', '.join(sp.choices)}")
     elif sp.kind in (int, float):
         want = numbers.Integral if sp.kind is int else numbers.Real
         if isinstance(v, bool) or not isinstance(v, want):
-            raise ParityError(f"{name}={v!r} is not a valid {sp.kind.__name__}")
+            raise ParityError(f"{name}={quoted(v)} is not a valid {sp.kind.__name__}")
         must = sp.range.complaint(v, sp.kind is float)
         if must is not None:
             null = " (or null)" if sp.optional else ""
-            raise ParityError(f"{name}={v} must be {must}{null}")
+            raise ParityError(f"{name}={quoted(v)} must be {must}{null}")
     elif (pattern := sp.field.metadata.get("pattern")) and not re.fullmatch(pattern, str(v)):
-        raise ParityError(f"{name}={v!r} must be {sp.field.metadata['pattern_text']}")
+        raise ParityError(f"{name}={quoted(v)} must be {sp.field.metadata['pattern_text']}")
 
 
 def coerce(name: str, value: Any, cls: type | None = None) -> Any:
@@ -573,8 +596,13 @@ def coerce(name: str, value: Any, cls: type | None = None) -> Any:
     raise ParityError naming the field. Choices and ranges are `check_fields`'s."""
     specs = field_specs(cls or Config)
     if name not in specs:
-        raise ParityError(f"unknown config field {name!r}")
+        raise ParityError(f"unknown config field {quoted(name)}")
     sp = specs[name]
+    if not isinstance(value, (str, numbers.Real, datetime.date, type(None))):
+        # Every field holds one value; str() of a YAML list or mapping would pass it as text.
+        what = {list: "list", dict: "mapping", set: "set", bytes: "binary value"}.get(
+            type(value), type(value).__name__)
+        raise ParityError(f"{name} must be one {sp.kind.__name__} value, not a YAML {what}")
     if value is None or (sp.optional and isinstance(value, str)
                          and value.lower() in ("none", "null")):
         if sp.optional:
@@ -598,7 +626,7 @@ def coerce(name: str, value: Any, cls: type | None = None) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError, OverflowError):  # int(float("inf")) overflows
-        raise ParityError(f"{name}={value!r} is not a valid {sp.kind.__name__}") from None
+        raise ParityError(f"{name}={quoted(value)} is not a valid {sp.kind.__name__}") from None
 
 
 def shared(name: str, *, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
@@ -705,6 +733,7 @@ class AuditSettings:
         does: each field's own checks (Config's for the shared ones), then the input."""
         check_fields(self)
         check_scored_sampling(self)
+        check_temperature(self)
         if len([x for x in (self.task, self.prompts, self.rollouts) if x]) != 1:
             raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
         if self.model is None:
@@ -722,13 +751,122 @@ class AuditSettings:
         return self
 
 
+# A message quotes at most this many characters of a value: a value can be megabytes long, and
+# the refusal must stay one line a reader can read (docs/errors.md).
+QUOTE_LIMIT = 80
+_SHORT_REPR = reprlib.Repr()
+for _k in ("maxtuple", "maxlist", "maxarray", "maxdict", "maxset", "maxfrozenset", "maxdeque"):
+    setattr(_SHORT_REPR, _k, 4)
+_SHORT_REPR.maxlevel = 2
+_SHORT_REPR.maxstring = _SHORT_REPR.maxlong = _SHORT_REPR.maxother = QUOTE_LIMIT
+
+
+def quoted(v: Any) -> str:
+    """`repr(v)` for a message, cut to QUOTE_LIMIT characters with `...`. A long string is cut
+    before it is repr'd, and a container's repr stops at its first few items and levels, so
+    quoting costs little whatever the value holds."""
+    text = repr(v[:QUOTE_LIMIT + 1]) if isinstance(v, str) else _SHORT_REPR.repr(v)
+    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT - 3] + "..."
+
+
+class _Refused(yaml.YAMLError):
+    """A config file YAML reads but parity will not; the message names the line."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader, with two refusals a config file needs.
+
+    Aliases: an alias is the anchored node itself, not a copy, so nine nested aliases in a few
+    hundred bytes stand for 9^9 values, which anything that walks the value (`str`, `repr`)
+    expands in memory. Each alias is weighed, as it is read, by the values it stands for;
+    past ALIAS_VALUES in all the file is refused. A field holds one value, so anchors in a
+    config only ever repeat scalars or merge a few keys (`<<: *base`).
+
+    Keys: YAML requires a mapping's keys to be unique, and PyYAML lets the last one win, so a
+    field given twice would silently take its second value. The top mapping's names are
+    compared as fields, `-` read as `_`, as `load_yaml` reads them."""
+
+    ALIAS_VALUES = 10_000
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._values: dict[int, int] = {}   # id(node) -> the values it stands for, expanded
+        self._aliased = 0
+        self._root: Any = None
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = self.anchors.get(event.anchor)
+            if node is not None:   # else PyYAML names the undefined alias
+                self._aliased += self._count(node, event)
+                if self._aliased > self.ALIAS_VALUES:
+                    raise _Refused(f"{_at(event)}: its aliases stand for more than "
+                                   f"{self.ALIAS_VALUES} values in all, at alias "
+                                   f"*{event.anchor}; a field holds one value")
+        return super().compose_node(parent, index)
+
+    def _count(self, node: Any, alias: Any) -> int:
+        """The values `node` stands for with every alias in it expanded, counted on the graph
+        (each node once), never expanded."""
+        if id(node) in self._values:
+            return self._values[id(node)]
+        if node.end_mark is None:   # still being read: the alias is inside its own anchor
+            raise _Refused(f"{_at(alias)}: alias *{alias.anchor} is inside the value it "
+                           f"names, which never ends")
+        if isinstance(node, yaml.ScalarNode):
+            n = 1
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(self._count(x, alias) for x in node.value)
+        else:
+            n = 1 + sum(self._count(k, alias) + self._count(v, alias) for k, v in node.value)
+        self._values[id(node)] = n
+        return n
+
+    def construct_document(self, node: Any) -> Any:
+        self._root = node
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            self._refuse_repeated_keys(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _refuse_repeated_keys(self, node: Any) -> None:
+        top = node is self._root
+        seen: dict[Any, tuple[str, int]] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue   # `<<: *base`: the keys written beside it are meant to win
+            key = self.construct_object(key_node)
+            name = key.replace("-", "_") if top and isinstance(key, str) else key
+            try:
+                first = seen.get(name)
+            except TypeError:
+                continue   # an unhashable key: PyYAML's own refusal names it
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                as_ = "" if first[0] == key else f" (as {quoted(first[0])} and {quoted(key)})"
+                what = "field" if top else "key"
+                raise _Refused(f": {what} {quoted(name)} is given twice{as_}, on lines "
+                               f"{first[1]} and {line}; YAML would silently keep the last")
+            seen[name] = (key, line)
+
+
+def _at(event: Any) -> str:
+    return f", line {event.start_mark.line + 1}, column {event.start_mark.column + 1}"
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A config file's mapping of field: value, names with `-` read as `_`; anything else is
-    one line naming the file (and the line, where YAML gives one)."""
+    one line naming the file (and the line, where YAML gives one). Read by `_ConfigLoader`:
+    no alias expands past a small budget, no field is given twice."""
     p = Path(path)
     text = read_text(p, "config file")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+    except _Refused as e:
+        raise ParityError(f"config file {p}{e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -744,7 +882,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
                           f"{type(data).__name__}")
     for k in data:
         if not isinstance(k, str):
-            raise ParityError(f"config file {p}: field name {str(k)[:40]!r} is not text")
+            raise ParityError(f"config file {p}: field name {quoted(k)} is not text")
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
@@ -753,7 +891,8 @@ def make_config(explicit: dict[str, Any]) -> Config:
     explicit = {k: coerce(k, v) for k, v in explicit.items()}
     recipe = explicit.get("recipe", Config.recipe)
     if recipe not in RECIPES:
-        raise ParityError(f"unknown recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")
+        raise ParityError(f"unknown recipe {quoted(recipe)}; known recipes: "
+                          f"{', '.join(RECIPES)}")
     values: dict[str, Any] = dict(RECIPES[recipe].settings)
     values.update(TASK_DEFAULTS.get(explicit.get("task", Config.task), {}))
     preset = dict(values)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from parity.errors import ParityError
-from parity.files import ensure_writable, json_lines
+from parity.files import ensure_writable
 
 __all__ = ["Heading", "Plot", "Table", "audit_report", "html_page", "load_metrics", "run_report",
            "scale_report", "sweep_report"]
@@ -151,23 +152,24 @@ def _finish(fig: Figure, ax: Any, path: Path, alt: str, loc: str = "best", **lab
 # ---------------------------------------------------------------------------- run reports
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of a run's metrics.jsonl; anything unreadable is a ParityError naming file and line."""
+    """Rows of a run's metrics.jsonl, read as `parity train --resume` reads them (one reader,
+    `runs.metrics_lines`): a line a killed run left cut, or one damaged, is named in a warning
+    and left out, never a reason to refuse the steps that were recorded whole."""
+    from parity.runs import metrics_lines, unreadable
     path = Path(path)
     if not path.is_file():
         raise ParityError(f"{path}: metrics file not found (a run directory holds metrics.jsonl)")
-    rows: list[dict[str, Any]] = []
-    # Blank lines are skipped: a trailing newline, or one left by an interrupted writer.
-    for n, row in json_lines(path, "metrics file"):
-        if not isinstance(row, dict) or not _number(row.get("step")):
-            raise ParityError(f"{path}:{n}: expected a JSON object with a numeric 'step'")
-        rows.append(row)
+    lines = metrics_lines(path)
+    rows = [line.row for line in lines if line.row is not None]
+    damaged = [line for line in lines if line.row is None]
+    if damaged and rows:
+        print(f"parity: warning: {unreadable(path, damaged)}; left out of the report",
+              file=sys.stderr)
     if not rows:
-        raise ParityError(f"{path}: empty metrics file (no steps recorded)")
+        raise ParityError(f"{path}: no step recorded" + (
+            f" that can be read ({unreadable(path, damaged)})" if damaged else
+            " (empty metrics file)"))
     return rows
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -319,8 +321,13 @@ def run_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None)
     for (lab, rows), d in zip(runs.items(), run_dirs):
         if _series(rows, "reward/mean") is None:
             raise ParityError(f"run {lab!r} ({d}): no 'reward/mean' in its metrics.jsonl")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    from parity.runs import claim_dir
+    with claim_dir(Path(out), "report --out"):   # two reports never write one page at once
+        return _write_run_report(runs, run_dirs, names, Path(out))
+
+
+def _write_run_report(runs: dict[str, list[dict[str, Any]]], run_dirs: list[Path],
+                      names: list[str], out: Path) -> Path:
     plots = _run_figures(runs, out)
 
     cols = [c for c in _SUMMARY if any(_series(r, c[1]) for r in runs.values())]

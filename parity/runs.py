@@ -7,12 +7,13 @@ imports the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -152,48 +153,105 @@ def check_run_dir(path: Path) -> None:
 
 
 class RunClaim:
-    """A run directory held by this process for as long as its run lasts: an exclusive lock on
-    the directory itself (flock), so a second `parity train` on it is refused, and a run that
-    crashes or is killed leaves nothing stuck (the kernel drops the lock with the process).
-    Nothing is written into the directory to hold it."""
+    """An output directory held by this process for as long as its command lasts: an exclusive
+    lock on the directory itself (flock), so a second parity command writing it is refused, and
+    one that crashes or is killed leaves nothing stuck (the kernel drops the lock with the
+    process). Nothing is written into the directory to hold it. Used as a context manager, a
+    directory the claim created and the command left empty is removed when the command fails:
+    a refused command leaves nothing behind (docs/errors.md)."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, fd: int, path: Path | None = None, created: bool = False) -> None:
+        self.fd, self.path, self.created = fd, path, created
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
+    def __enter__(self) -> "RunClaim":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        try:
+            if error is not None and self.created and self.path is not None:
+                with contextlib.suppress(OSError):  # not empty: it holds work, which stays
+                    self.path.rmdir()
+        finally:
+            self.close()
+
     def __del__(self) -> None:  # a run that failed while building: the lock goes with it
         self.close()
 
 
+def claim_dir(path: Path, what: str, *, create: bool = True, empty: bool = False) -> RunClaim:
+    """Hold the output directory `path` (`what` names it in a refusal: "run directory", "sweep
+    --out") for one command: the one lock of every command that writes a directory, so of two
+    started at once with one --out exactly one proceeds and the other is refused in one line
+    before it writes anything. `create`: make it if absent; `empty`: refuse one that is not
+    empty once held (a new run or audit never mixes into earlier output)."""
+    for _ in range(8):
+        created = False
+        try:
+            if create:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    path.mkdir()
+                    created = True
+                except FileExistsError:
+                    pass
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise ParityError(f"{what} {path}: {e.strerror or one_line(e)}") from None
+        claim = RunClaim(fd, path, created)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            claim.close()
+            raise ParityError(f"{what} {path} is in use by another parity run still writing "
+                              f"it; choose another --out, or wait for that run to end") from None
+        except OSError:
+            pass  # a file system without locks (some network ones): the emptiness check holds
+        # The directory locked must still be the one at `path`: another command that created it
+        # and was refused removes it, and a lock on a removed directory holds nothing.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            same = False
+        if not same:
+            claim.close()
+            if create:
+                continue
+            raise ParityError(f"{what} {path}: no such directory")
+        if empty and any(path.iterdir()):
+            claim.close()
+            raise ParityError(f"{what} {path} already exists and is not empty; choose "
+                              f"another --out")
+        return claim
+    raise ParityError(f"{what} {path} keeps being removed while parity claims it; choose "
+                      f"another --out")
+
+
 def claim_run_dir(path: Path, new: bool) -> RunClaim:
     """Hold `path` for this run. A new run creates it (or takes an empty one) and checks it is
-    still empty once held: of two runs started at once with one --out, exactly one gets it and
-    the other is refused in one line before it writes anything. A resumed run holds its
-    directory before it reads or repairs anything in it."""
-    try:
-        if new:
-            path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        raise ParityError(f"run directory {path}: {e.strerror or one_line(e)}") from None
-    claim = RunClaim(fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        claim.close()
-        raise ParityError(f"run directory {path} is in use by another parity run still writing "
-                          f"it; choose another --out, or wait for that run to end") from None
-    except OSError:
-        pass  # a file system without locks (some network ones): the emptiness check still holds
-    if new and any(path.iterdir()):
-        claim.close()
-        raise ParityError(f"run directory {path} already exists and is not empty; choose "
-                          f"another --out")
-    return claim
+    still empty once held. A resumed run holds its directory before it reads or repairs
+    anything in it."""
+    return claim_dir(path, "run directory", create=new, empty=new)
+
+
+# What each command leaves at the top of its output directory, to tell one command's directory
+# from another's.
+OUTPUT_MARKS = {"config.yaml": "a training run", "audit.json": "an audit",
+                "scale.json": "a scale audit", "fp16_check.json": "an fp16 check",
+                "summary.json": "a sweep", "claims.json": "a reproduction"}
+
+
+def refuse_other_output(path: Path, mine: str, what: str) -> None:
+    """Refuse to write a command's output (`mine`, as OUTPUT_MARKS names it) into a directory
+    another command wrote: a sweep's runs and summary would mix into a training run's files."""
+    for name, owner in OUTPUT_MARKS.items():
+        if owner != mine and (path / name).exists():
+            raise ParityError(f"{what} {path} holds {owner} ({name}), not {mine}; choose "
+                              f"another --out")
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -204,34 +262,66 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     keep, damaged = [], []
-    for n, raw in enumerate(read_bytes(path, "metrics file").split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        step = _step_of(raw)
-        if step is None:
-            damaged.append((n, raw))
-        elif step <= last_step:
-            keep.append(raw)
+    for line in metrics_lines(path):
+        if line.row is None:
+            damaged.append((line.number, line.raw))
+        elif line.row["step"] <= last_step:
+            keep.append(line)
     if damaged:
         aside = free_dir(path.with_name("metrics-unreadable"), ".jsonl")
         write_atomic(aside, b"".join(raw + b"\n" for _, raw in damaged), "metrics file")
-        have = {_step_of(raw) for raw in keep}
+        have = {line.row['step'] for line in keep if line.row is not None}
         lost = [s for s in range(1, last_step + 1) if s not in have]
         print(f"parity: warning: {path}: line {', '.join(str(n) for n, _ in damaged)} could not "
               f"be read (cut or not JSON) and {'is' if len(damaged) == 1 else 'are'} kept in "
               f"{aside.name}; every readable step is kept"
               + (f"; the metrics of step {_ranges(lost)} are missing" if lost else ""),
               file=sys.stderr)
-    write_atomic(path, b"".join(raw + b"\n" for raw in keep), "metrics file")
+    write_atomic(path, b"".join(line.raw + b"\n" for line in keep), "metrics file")
 
 
-def _step_of(raw: bytes) -> int | None:
-    """A metrics line's step, or None when the line is not a whole record."""
+class MetricsLine(NamedTuple):
+    number: int                  # the line's number in the file, from 1
+    offset: int                  # its first byte's offset in the file
+    raw: bytes                   # as written, without its newline
+    row: dict[str, Any] | None   # its record; None when the line is not a whole one
+
+
+def metrics_lines(path: Path) -> list[MetricsLine]:
+    """Every non-blank line of a metrics.jsonl, as whatever reads one sees it (`--resume`, the
+    reports, a sweep's check of a finished run): a line is a record when it is a JSON object
+    with an integer step; any other line (cut by a kill mid-write, or damaged) is kept as it
+    is, for the caller to name, and never hides the readable lines after it."""
+    out, offset = [], 0
+    for n, raw in enumerate(read_bytes(path, "metrics file").split(b"\n"), start=1):
+        if raw.strip():
+            out.append(MetricsLine(n, offset, raw, _record(raw)))
+        offset += len(raw) + 1
+    return out
+
+
+def _record(raw: bytes) -> dict[str, Any] | None:
     try:
-        step = json.loads(raw.decode("utf-8"))["step"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def unreadable(path: Path, damaged: list[MetricsLine]) -> str:
+    """The unreadable lines of a metrics file named for a warning: each line's number, and
+    where one is not UTF-8 text, its first such byte and that byte's offset."""
+    parts = []
+    for line in damaged:
+        try:
+            line.raw.decode("utf-8")
+            parts.append(f"line {line.number}")
+        except UnicodeDecodeError as e:
+            parts.append(f"line {line.number} (byte 0x{line.raw[e.start]:02x} at offset "
+                         f"{line.offset + e.start} is not UTF-8)")
+    return (f"{path}: {', '.join(parts)} could not be read (cut or not JSON, "
+            f"{'a line' if len(parts) == 1 else 'lines'} a killed or damaged run leaves)")
 
 
 def _ranges(steps: list[int]) -> str:

@@ -120,6 +120,14 @@ def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: torch.
             for i, body, ans in zip(rows, bodies, answers):
                 line = {"request": body, "response": ans}
                 got = server_rows(line, f"server {server.url}{path}, prompt {i}", tok)
+                if len(got) != a.group:
+                    # A group of another size would be audited as --group: fewer samples than
+                    # asked, and a group of one has no group-relative advantage (its std is NaN).
+                    raise ParityError(f"server {server.url}{path}, prompt {i}: "
+                                      f"{len(got)} choice{'s' * (len(got) != 1)} where the "
+                                      f"request asked for n={a.group}; the "
+                                      f"server ignores `n`: audit a server that honours it "
+                                      f"(vLLM does)")
                 same_prompt += all(c["prompt_token_ids"] == prompt_ids[i] for c in got)
                 if task is not None:
                     comp = [c["completion_token_ids"] for c in got]

@@ -22,13 +22,17 @@ conversation reach the reward function as [{"role": "assistant", "content": text
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import random
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -109,8 +113,15 @@ class Task:
 
 def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: list[list[int]],
                  columns: dict[str, list], row_idx: list[int]) -> list[float]:
+    n = len(completions)
+    # Copies: a function may consume or change what it is given, as it may with TRL's lists,
+    # and the count checked below, the next function, the trainer's token ids and the task's
+    # rows must not see it.
+    given = copy.deepcopy((prompts, completions, completion_ids, columns))
     try:
-        out = rw.fn(prompts, completions, completion_ids=completion_ids, **columns)
+        out = rw.fn(given[0], given[1], completion_ids=given[2], **given[3])
+        if inspect.isawaitable(out):   # an `async def` reward, which TRL awaits
+            out = _await(out)
     except Exception as e:  # the user's code: report it, do not crash with its traceback
         raise ParityError(f"reward function {rw.spec} raised {one_line(e)}") from None
     except SystemExit as e:  # graders call sys.exit(); it must not end the run unexplained
@@ -130,9 +141,9 @@ def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: l
             raise ParityError(f"reward function {rw.spec} must return a list of numbers; value "
                               f"{i} (prompt row {row_idx[i] if i < len(row_idx) else '?'}) is "
                               f"{v!r:.60} ({type(v).__name__})") from None
-    if len(values) != len(completions):
+    if len(values) != n:
         raise ParityError(f"reward function {rw.spec} returned {len(values)} values for "
-                          f"{len(completions)} completions")
+                          f"{n} completions")
     for i, v in enumerate(values):
         if not math.isfinite(v):
             raise ParityError(f"reward function {rw.spec} returned {v} for completion {i} "
@@ -142,6 +153,32 @@ def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: l
                               f"(prompt row {row_idx[i]}); rewards must lie within "
                               f"+-{REWARD_LIMIT:g}")
     return values
+
+
+_REWARD_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _await(awaitable: Any) -> Any:
+    """An async reward's result, awaited as TRL awaits one: on one event loop that runs in a
+    daemon thread for the whole process, so that what the function keeps between calls (a
+    client session) stays on the loop it was made on."""
+    global _REWARD_LOOP
+    if _REWARD_LOOP is None:
+        _REWARD_LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_REWARD_LOOP.run_forever, daemon=True,
+                         name="parity-rewards").start()
+
+    async def outcome() -> tuple[bool, Any]:
+        try:
+            return False, await awaitable
+        except (SystemExit, KeyboardInterrupt) as e:
+            # Raised on the loop they would stop it before the wait below hears of them: they
+            # are raised again in the caller's thread, where _call_reward reports sys.exit().
+            return True, e
+    stopped, value = asyncio.run_coroutine_threadsafe(outcome(), _REWARD_LOOP).result()
+    if stopped:
+        raise value
+    return value
 
 
 def _rows_text(rows: list[int]) -> str:
@@ -456,11 +493,21 @@ def build_task(name: str, reward: str | list[str] | None, model_dir: Path, model
     for i, ids in enumerate(task.prompt_ids):
         if not ids:
             raise ParityError(f"task {name}: row {i}: prompt tokenizes to nothing")
-        if max_positions is not None and len(ids) + max_new_tokens > max_positions:
-            raise ParityError(f"task {name}: row {i}: prompt is {len(ids)} tokens; with "
-                              f"max_new_tokens={max_new_tokens} it exceeds the model's context "
-                              f"of {max_positions} positions")
+        check_fits(f"task {name}: row {i}", len(ids), "max_new_tokens", max_new_tokens,
+                   max_positions)
     return task
+
+
+def check_fits(where: str, prompt_tokens: int, budget: str, new_tokens: int,
+               positions: int | None) -> None:
+    """A prompt and the longest completion it may get within the model's positions, or one
+    line naming the prompt: past them a model with learned positions fails mid-run (an
+    IndexError) and one with rotary positions goes on at positions it never learned.
+    `budget` names the setting that allows `new_tokens`."""
+    if positions is not None and prompt_tokens + new_tokens > positions:
+        raise ParityError(f"{where}: prompt is {prompt_tokens} tokens; with {budget}="
+                          f"{new_tokens} it exceeds the model's context of {positions} "
+                          f"positions")
 
 
 class PromptSampler:

@@ -52,6 +52,7 @@ from parity.diagnostics import (
 from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
 from parity.engines import (
     Engine,
+    EngineNeeds,
     EngineSpec,
     Rollout,
     Sampling,
@@ -509,7 +510,10 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
             check_engine(cfg.engine)   # before a model is loaded or built
             ctx = load_model_and_task(cfg)
-            check_engine(cfg.engine, ctx[0].config)
+            check_engine(cfg.engine, ctx[0].config, EngineNeeds(
+                max(map(len, ctx[3].prompt_ids)) + cfg.max_new_tokens,
+                scores=cfg.shadow_kernels == "scored" and (cfg.diagnostics or _needs_shadow(cfg)),
+                lora_unmerged=bool(cfg.lora_rank) and not cfg.lora_merge))
             if warning := memory.check(cfg, ctx[0], max(map(len, ctx[3].prompt_ids)),
                                        dist.world, dist.device):
                 print(f"parity: warning: {warning}", file=sys.stderr)
@@ -557,17 +561,21 @@ def _model_copies(cfg: Config, model: torch.nn.Module, obj: Objective, engine: E
     value_head = ValueHead(model.config.hidden_size, device) if obj.value_head else None
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
                  if obj.reference and cfg.dpo_ref == "initial" else None)
-    # The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on.
-    needs_shadow = cfg.ratio_source == "shadow" or (obj.reference and cfg.dpo_ref == "engine")
     shadow = (Shadow(model, cfg.engine_dtype, cfg.trainer_dtype, cfg.cpu_fp16, cfg.lm_head_fp32,
                      cfg.logprob_chunk, cfg.shadow_kernels, engine)
-              if cfg.diagnostics or needs_shadow else None)
+              if cfg.diagnostics or _needs_shadow(cfg) else None)
     if cfg.gradient_checkpointing:  # after the copies: they only ever run without gradient
         # transformers 5 renamed it; the project still accepts 4.x, which has the old name only
         enable = (getattr(model, "activation_checkpointing_enable", None)
                   or model.gradient_checkpointing_enable)
         enable({"use_reentrant": False})
     return value_head, ref_model, shadow
+
+
+def _needs_shadow(cfg: Config) -> bool:
+    """The shadow ratio and DPO's engine reference need ℓ_s whether or not diagnostics are on."""
+    return cfg.ratio_source == "shadow" or (OBJECTIVES[cfg.objective].reference
+                                            and cfg.dpo_ref == "engine")
 
 
 def _loop_state(cfg: Config, task: Task, device: torch.device,

@@ -41,6 +41,13 @@ def exits(prompts, completions, **kw):
     sys.exit("grader: no answer found")
 def with_none(prompts, completions, **kw):
     return [1.0, None] + [0.0] * (len(completions) - 2)
+def consumes(prompts, completions, **kw):
+    out = []
+    while completions:
+        out.append(float(len(completions.pop())))
+    return out[::-1]
+async def async_ok(prompts, completions, **kw):
+    return [float(len(c)) for c in completions]
 '''
 SMALL = ["--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",
          "--max-new-tokens", "4", "--no-progress"]
@@ -179,6 +186,16 @@ def test_reward_columns_reach_the_function(env):
     run = env / "run"
     p = parity("train", *data_args(env, "needs_answer"), "--out", str(run), *SMALL)
     assert p.returncode == 0, p.stderr
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("reward", ["consumes", "async_ok"])
+def test_a_reward_that_consumes_its_list_or_is_async_trains(env, reward):
+    """TRL hands a reward function lists it may consume, and awaits an `async def` one."""
+    run = env / "run"
+    p = parity("train", *data_args(env, reward), "--out", str(run), *SMALL)
+    assert p.returncode == 0, p.stderr
+    assert "never awaited" not in p.stderr
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
 
 

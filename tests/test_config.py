@@ -103,3 +103,104 @@ def test_task_default_models_are_testbed_models():
     assert TASK_DEFAULTS["neg-length"]["model"] == testbed.DEFAULT_TEXT
     assert TASK_DEFAULTS["arith"]["model"] == testbed.DEFAULT_ARITH
     assert TASK_DEFAULTS["neg-length-chat"]["model"] == "smollm2-135m"
+
+
+# -- the config file's reader: aliases, repeated fields, values quoted -----------------------
+
+def _laughs(levels: int) -> str:
+    """Nested YAML aliases in one field's value, each level nine of the one before: a few
+    hundred bytes that stand for 9**levels values."""
+    names = "abcdefghi"[:levels]
+    parts = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip(names, names[1:]):
+        parts.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    return "task: {" + ", ".join(parts) + "}\n"
+
+
+def test_nested_aliases_are_refused_as_they_are_read(tmp_path):
+    y = tmp_path / "laughs.yaml"
+    y.write_text(_laughs(9))   # 9**9 values in 358 bytes: str() of it needs GBs
+    assert len(y.read_bytes()) < 400
+    with pytest.raises(ParityError) as e:
+        load_yaml(y)
+    msg = str(e.value)
+    assert msg.startswith(f"config file {y}, line 1, column ")
+    assert "more than 10000 values" in msg and "a field holds one value" in msg
+    assert len(msg) < 300
+
+
+def test_an_alias_inside_its_own_anchor_is_refused(tmp_path):
+    y = tmp_path / "loop.yaml"
+    y.write_text("task: &a [1, *a]\n")
+    with pytest.raises(ParityError, match=r"line 1, column 14: alias \*a is inside the value"):
+        load_yaml(y)
+
+
+def test_aliases_of_single_values_still_load(tmp_path):
+    y = tmp_path / "anchors.yaml"
+    y.write_text("eps-low: &eps 0.1\neps_high: *eps\nsteps: 3\n")
+    c = make_config(load_yaml(y))
+    assert (c.eps_low, c.eps_high, c.steps) == (0.1, 0.1, 3)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("seed: 1\nsteps: 5\nseed: 2\n", ["field 'seed' is given twice, on lines 1 and 3"]),
+    ("max-new-tokens: 4\nsteps: 5\nmax_new_tokens: 8\n",
+     ["field 'max_new_tokens' is given twice (as 'max-new-tokens' and 'max_new_tokens'), "
+      "on lines 1 and 3"]),
+])
+def test_a_field_given_twice_is_refused_naming_both_lines(tmp_path, text, words):
+    y = tmp_path / "twice.yaml"
+    y.write_text(text)
+    with pytest.raises(ParityError) as e:
+        load_yaml(y)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_a_merged_key_may_be_overridden(tmp_path):
+    """`<<: {...}` then a key beside it is YAML's way to override, not a repeated key."""
+    y = tmp_path / "merge.yaml"
+    y.write_text("<<: {seed: 1, steps: 4}\nseed: 2\n")
+    c = make_config(load_yaml(y))
+    assert (c.seed, c.steps) == (2, 4)
+
+
+@pytest.mark.parametrize("value,kind", [([1, 2], "list"), ({"a": 1}, "mapping"),
+                                        (b"\x00", "binary value")])
+def test_a_field_takes_one_value_not_a_collection(value, kind):
+    with pytest.raises(ParityError, match=f"task must be one str value, not a YAML {kind}"):
+        make_config({"task": value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("recipe", "x" * 100_000), ("engine_dtype", "y" * 100_000), ("device", "z" * 100_000),
+    ("steps", "9" * 50_000 + "x"), ("report_to", "w" * 100_000), ("lr", "1" * 100_000 + "q"),
+])
+def test_a_long_value_is_quoted_cut_short(field, value):
+    with pytest.raises(ParityError) as e:
+        make_config({field: value})
+    msg = str(e.value)
+    assert "..." in msg and len(msg) < 300, msg[:400]
+
+
+@pytest.mark.e2e
+def test_a_config_file_of_aliases_is_one_line_in_little_memory(tmp_path):
+    """The whole command, under a 3 GB address-space limit that the aliases' expansion would
+    pass: one line, exit 2, and no run directory."""
+    import resource
+    import subprocess
+    import sys
+
+    from cli_helpers import assert_user_error
+    y = tmp_path / "laughs.yaml"
+    y.write_text(_laughs(9))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    p = subprocess.run([sys.executable, "-m", "parity", "train", "--config", str(y), "--out",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                       preexec_fn=limit)
+    line = assert_user_error(p, str(y), "a field holds one value")
+    assert len(line) < 300
+    assert not (tmp_path / "run").exists()

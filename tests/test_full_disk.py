@@ -74,3 +74,24 @@ def test_a_metrics_line_on_a_full_disk_is_one_line_and_the_file_stays_whole(smal
     done = whole_steps(run)
     assert done == list(range(1, len(done) + 1)) and 0 < len(done) < 40
     assert f"step {len(done) + 1}" not in (run / "metrics.jsonl").read_text()
+
+
+def test_weights_for_a_server_on_a_full_disk_are_one_line_and_no_partial_file(small_disk):
+    """AsyncGRPO's weight sync (parity/integrations/weight_sync.py) writes through a directory,
+    a tmpfs such as /dev/shm where it can: safetensors reports that file system full as its own
+    error. Nothing reaches the server: the write fails before any request."""
+    import torch
+
+    from parity.errors import ParityError
+    from parity.integrations.weight_sync import DirectoryWeightTransfer
+    where = small_disk("256k") / "weights"
+    wt = DirectoryWeightTransfer("http://127.0.0.1:9", where)
+    wt.dtype = "fp32"   # what init_weight_transfer asks the server for
+    where.mkdir()
+    with pytest.raises(ParityError) as e:
+        wt.send_weights([("w", torch.zeros(256, 1024))])   # 1 MB
+    msg = str(e.value)
+    for words in ("no space left on the device", "weights of sync 1", str(where),
+                  "needs about 1.0 MB", "KB is free there", "the partial write was removed"):
+        assert words in msg, msg
+    assert list(where.iterdir()) == []

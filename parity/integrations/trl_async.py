@@ -42,6 +42,7 @@ from parity.config import (
     RatioSource,
     check_fields,
     own,
+    quoted,
     shared,
 )
 from parity.diagnostics import StepDiagnostics, attribute
@@ -51,6 +52,8 @@ from parity.integrations.trl import install_cpu_fp16_scaler
 from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
 from parity.objectives import behaviour_weights, clipped_tokens
 from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.runs import max_positions
+from parity.tasks import check_fits
 
 try:
     from transformers import AttentionInterface
@@ -219,7 +222,8 @@ class AsyncParityOptions:
         """A recipe's ratio source, correction, clip range and the precisions it expects of
         the server and of AsyncGRPOConfig."""
         if name not in RECIPES:
-            raise ParityError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}")
+            raise ParityError(f"unknown recipe {quoted(name)}; known recipes: "
+                              f"{', '.join(RECIPES)}")
         st = RECIPES[name].settings
         clip = {}
         if st["eps_low"] is None:
@@ -262,7 +266,11 @@ def _packed(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def _probe_ids(tokenizer: Any, dataset: Any) -> list[int]:
     """The first training prompt, as the rollout worker renders it: the sync's fixed probe."""
-    prompt = dataset[0]["prompt"]
+    return _prompt_ids(tokenizer, dataset[0]["prompt"])
+
+
+def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """A training prompt's token ids, as the rollout worker renders it."""
     text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) \
         if isinstance(prompt, list) else prompt
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -319,9 +327,23 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer,
                          **kwargs)
         use_cpu_tree_attention()
+        self._check_prompts_fit()
         self._setup_parity()
         if self.accelerator.is_main_process and self.rollout_worker is not None:
             self._watch_server(args.vllm_server_base_url)
+
+    def _check_prompts_fit(self) -> None:
+        """`parity train`'s check (`tasks.check_fits`) on every training prompt, before the
+        rollout worker starts: TRL itself would find out mid-training."""
+        import datasets
+        limit = max_positions(self.accelerator.unwrap_model(self.model))
+        ds = self.train_dataset
+        if limit is None or not isinstance(ds, datasets.Dataset) or \
+                "prompt" not in ds.column_names:
+            return   # a streamed dataset's prompts are not known before the worker reads them
+        for i, prompt in enumerate(ds["prompt"]):
+            check_fits(f"train_dataset row {i}", len(_prompt_ids(self.processing_class, prompt)),
+                       "max_completion_length", self.args.max_completion_length, limit)
 
     def _watch_server(self, url: str) -> None:
         """While the trainer waits for rollouts, TRL asks its worker for a heartbeat only; a

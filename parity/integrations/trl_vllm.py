@@ -139,10 +139,8 @@ class ParityVLLMGeneration(VLLMGeneration):
         if self.mode == "colocate":
             mc = self.llm.llm_engine.model_config
             return DTYPE_OF.get(str(mc.dtype), str(mc.dtype)), str(mc.logprobs_mode)
-        info = Server(self.url, timeout=60).call("GET", "/server_info", "the server-info "
-                                                 "request", params={"config_format": "json"})
-        mc = info["vllm_config"]["model_config"]
-        return DTYPE_OF.get(str(mc["dtype"]), str(mc["dtype"])), str(mc.get("logprobs_mode"))
+        mc = Server(self.url, timeout=60).model_config()
+        return DTYPE_OF.get(mc["dtype"], mc["dtype"]), str(mc.get("logprobs_mode"))
 
     def sampling(self) -> tuple[Sampling, list[str]]:
         """The distribution TRL's SamplingParams draw from, as parity's `Sampling`, and the

@@ -43,7 +43,9 @@ from typing import Any
 import torch
 
 from parity.errors import ParityError, one_line
+from parity.files import write_failure
 from parity.precision import fp16_kernels
+from parity.server_client import field, request
 
 SERVER_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -57,27 +59,34 @@ class Server:
         self.timeout = timeout
         self._model: str | None = None
 
-    def call(self, method: str, path: str, what: str, **kw: Any) -> Any:
-        import requests
-        try:
-            r = requests.request(method, self.url + path, timeout=kw.pop("timeout", self.timeout),
-                                 **kw)
-        except requests.RequestException as e:
-            raise ParityError(f"vLLM server at {self.url} unreachable ({what}): "
-                              f"{one_line(e)}") from None
-        if r.status_code == 404 and path != "/v1/completions":
+    def call(self, method: str, path: str, what: str, timeout: float | None = None,
+             params: dict[str, str] | None = None, json: Any = None) -> Any:
+        """The answer's JSON (None for an empty body), through parity's one HTTP client."""
+        reply = request(method, self.url + path, self.where(path, what),
+                        self.timeout if timeout is None else timeout, json, params)
+        if reply.status == 404 and path != "/v1/completions":
             raise ParityError(f"vLLM server at {self.url} has no {path} ({what}): start it with "
                               f"VLLM_SERVER_DEV_MODE=1 in its environment")
-        if r.status_code != 200:
-            detail = r.text.strip().replace("\n", " ")[:300]
-            raise ParityError(f"vLLM server at {self.url} refused {what} (HTTP {r.status_code}): "
-                              f"{detail}")
-        return r.json() if r.content else None
+        if reply.status != 200:
+            raise ParityError(f"vLLM server at {self.url} refused {what} (HTTP {reply.status}): "
+                              f"{reply.error_text()}")
+        return reply.json() if reply.body.strip() else None
 
-    def dtype(self) -> str:
+    def where(self, path: str, what: str) -> str:
+        return f"vLLM server at {self.url}{path} ({what})"
+
+    def model_config(self) -> dict[str, Any]:
+        """`/server_info`'s `vllm_config.model_config` (development mode), with its `dtype`."""
         info = self.call("GET", "/server_info", "the server-info request", timeout=30,
                          params={"config_format": "json"})
-        d = info["vllm_config"]["model_config"]["dtype"]
+        where = self.where("/server_info", "the server-info request")
+        hint = "; is it a vLLM server in development mode (VLLM_SERVER_DEV_MODE=1)?"
+        mc = field(info, ("vllm_config", "model_config"), dict, where, hint)
+        field(mc, ("dtype",), str, f"{where}, vllm_config.model_config", hint)
+        return mc
+
+    def dtype(self) -> str:
+        d = self.model_config()["dtype"]
         if d not in SERVER_DTYPES:
             raise ParityError(f"vLLM server at {self.url} serves {d}; parity knows bf16, fp16 "
                               f"and fp32")
@@ -87,8 +96,9 @@ class Server:
         """The served model's name, asked once: every scoring request names it, and a server
         does not change what it serves under a running trainer."""
         if self._model is None:
-            self._model = self.call("GET", "/v1/models", "the model list",
-                                    timeout=30)["data"][0]["id"]
+            self._model = field(self.call("GET", "/v1/models", "the model list", timeout=30),
+                                ("data", 0, "id"), str,
+                                self.where("/v1/models", "the model list"))
         return self._model
 
     def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -101,9 +111,25 @@ class Server:
         out = self.call("POST", "/v1/completions", what, json={
             "model": self.model(), "prompt": seqs, "max_tokens": 1, "temperature": 1.0,
             "prompt_logprobs": 0})
-        by_index = {c["index"]: c["prompt_logprobs"][1:] for c in out["choices"]}
-        return [torch.tensor([row[str(t)]["logprob"] for row, t in zip(by_index[i], ids[1:])],
-                             dtype=torch.float64) for i, ids in enumerate(seqs)]
+        where = self.where("/v1/completions", what)
+        # vLLM's own field, not OpenAI's: a gateway in between that keeps only OpenAI's drops it.
+        hint = ("; parity needs vLLM's `prompt_logprobs`: point it at the vLLM server itself, "
+                "not a gateway that keeps only OpenAI's fields")
+        by_index = {}
+        for k in range(len(field(out, ("choices",), list, where))):
+            i = field(out, ("choices", k, "index"), int, where)
+            by_index[i] = field(out, ("choices", k, "prompt_logprobs"), list, where, hint)
+        scores = []
+        for i, ids in enumerate(seqs):
+            at = f"{where}, choices[index={i}].prompt_logprobs"
+            if i not in by_index or len(by_index[i]) != len(ids):
+                raise ParityError(f"{at}: {len(by_index.get(i, []))} entries for a sequence of "
+                                  f"{len(ids)} tokens{hint}")
+            scores.append(torch.tensor(
+                [field(row, (str(t), "logprob"), (int, float), f"{at}[{j + 1}]")
+                 for j, (row, t) in enumerate(zip(by_index[i][1:], ids[1:]))],
+                dtype=torch.float64))
+        return scores
 
 
 @torch.no_grad()
@@ -216,6 +242,7 @@ class DirectoryWeightTransfer:
         return tensors, changed, total
 
     def _write(self, tensors: dict[str, torch.Tensor], n: int) -> Path:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
         tmp, final = self.directory / f".v{n}.tmp", self.directory / f"v{n}"
         try:
@@ -224,16 +251,22 @@ class DirectoryWeightTransfer:
             save_file(tensors, str(tmp / "model.safetensors"))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)   # the server never sees a half-written file
-        except OSError as e:
-            raise ParityError(f"writing the weights to {final}: {one_line(e)}") from None
+        except (OSError, SafetensorError) as e:
+            # safetensors reports the system's write errors (a full disk) as its own error
+            shutil.rmtree(tmp, ignore_errors=True)
+            needed = sum(t.numel() * t.element_size() for t in tensors.values())
+            raise write_failure(e, self.directory, needed, f"the weights of sync {n} to",
+                                after="; the partial write was removed") from None
         return final
 
     def verify(self) -> None:
         """The server serves the weights just sent, or ParityError (module docstring, 5)."""
-        tag = self.server.call("GET", "/weight_info", "the weight-version request", timeout=30)
-        if tag.get("weight_version") != f"parity-{self.version}":
+        what = "the weight-version request"
+        tag = field(self.server.call("GET", "/weight_info", what, timeout=30), ("weight_version",),
+                    str, self.server.where("/weight_info", what))
+        if tag != f"parity-{self.version}":
             raise ParityError(f"vLLM server at {self.server.url} reports weight version "
-                              f"{tag.get('weight_version')!r} after sync parity-{self.version}")
+                              f"{tag!r} after sync parity-{self.version}")
         if self.reference is None or not self.probe_ids:
             return
         srv = self.server.prompt_logprobs(self.probe_ids)
@@ -272,7 +305,6 @@ def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
     offset"), and AsyncGRPO seeds every request. `cpus` ("1", "2-3"): the cores the server and
     its OpenMP threads keep to, so that a trainer on the other cores does not share them.
     `extra`: more server flags, after these (a later flag wins)."""
-    import requests
     if not port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -297,9 +329,9 @@ def dev_server(model_dir: str | os.PathLike, dtype: str, log: str | os.PathLike,
             if proc.poll() is not None:
                 raise ParityError(f"the vLLM server exited at start-up; see {log}")
             try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
+                if request("GET", url + "/health", "vLLM", 2).status == 200:
                     break
-            except requests.RequestException:
+            except ParityError:
                 pass
             if time.time() > deadline:
                 raise ParityError(f"the vLLM server was not up in {startup_s:.0f} s; see {log}")
