@@ -26,7 +26,7 @@ import torch
 from parity import devices, lora, testbed, ui
 from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.config import AuditSettings
+from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
     EPS_SWEEP,
     Shadow,
@@ -41,7 +41,6 @@ from parity.diagnostics import (
 )
 from parity.engines import (
     Engine,
-    EngineNeeds,
     EngineSpec,
     Rollout,
     Sampling,
@@ -165,9 +164,7 @@ def _sample(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBa
             model_dir: Path, meas: Measurement, shadow: Shadow, s: Sampling, bar: ui.Bar) -> str:
     task, _, prompt_ids, source = _prompts(a, model, tok, model_dir)
     max_len = max(map(len, prompt_ids)) + a.max_new_tokens
-    check_engine(a.engine, model.config, EngineNeeds(
-        max_len, scores=a.shadow_kernels == "scored",
-        lora_unmerged=bool(a.adapter) and not a.lora_merge))
+    check_engine(a.engine, model.config, dataclasses.replace(engine_needs(a), max_len=max_len))
     engine = make_engine(a.engine, EngineSpec(
         model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
         a.seed, max_len, a.batch_size, a.cpu_fp16, a.lm_head_fp32))

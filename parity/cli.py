@@ -234,12 +234,16 @@ def recipe_table() -> tuple[list[str], list[list[str]]]:
 
 
 def objective_table() -> tuple[list[str], list[list[str]]]:
-    """Every objective and its loss, from OBJECTIVE_LOSSES (README.md's table is this one)."""
-    from parity.config import OBJECTIVE_LOSSES, Config
+    """Every objective and its loss, from its registry entry (README.md's table is this one),
+    with Config's defaults in it."""
+    from parity.config import Config
+    from parity.objectives import OBJECTIVES
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     head = ["objective", "loss (notation: [docs/design.md](docs/design.md); "
-                         "`parity/objectives.py` has each next to its equation)"]
+                         "`parity/objectives/losses.py` has each next to its equation)"]
     return head, [[f"`{name}`" + (" (default)" if name == Config.objective else ""), loss]
-                  for name, loss in OBJECTIVE_LOSSES.items()]
+                  for name, loss in ((o.name, o.loss_text.format(**defaults))
+                                     for o in OBJECTIVES.values())]
 
 
 def markdown_table(head: list[str], rows: list[list[str]]) -> str:
@@ -508,14 +512,15 @@ def _add_sweep_parser(sub) -> None:
 
 
 def _add_reproduce_parser(sub) -> None:
-    from parity.config import ENGINES, Config
+    from parity.config import Config
+    from parity.engines import ENGINES
     rq = sub.add_parser("reproduce", help="Measure the published findings on the CPU testbed: "
                         "claims.md with a verdict per claim.")
     rq.set_defaults(func=cmd_reproduce)
     rq.add_argument("--quick", action="store_true", help="the few-minute version (README)")
     rq.add_argument("--model", default=None, help="the real-model reproduction on a built-in "
                     "pretrained model (smollm2-135m) instead of the testbed")
-    rq.add_argument("--engine", default=Config.engine, choices=ENGINES,
+    rq.add_argument("--engine", default=Config.engine, choices=list(ENGINES),
                     help="vllm: vLLM's CPU build as the engine: on the testbed, the arith "
                     "stall, its fixes and the text audits; with --model, the audits and the "
                     "sanity check's fp32, bf16-engine and fp16 runs (docs/vllm.md)")

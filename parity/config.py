@@ -2,8 +2,9 @@
 
 Precedence, lowest first: field defaults, the recipe's preset, the built-in task's defaults, a
 YAML file (`--config`), command-line flags. Every field carries its documentation in
-`metadata["help"]` and its checks: choices in its `Literal` type, bounds in
-`metadata["range"]`. The CLI builds its flags from them and `check_fields` validates from them.
+`metadata["help"]` and its checks: choices in its `Literal` type (or, for an objective or an
+engine, in its registry: `metadata["choices"]`), bounds in `metadata["range"]`. The CLI builds
+its flags from them and `check_fields` validates from them.
 The settings of `parity audit` (AuditSettings, here so that building the CLI imports no torch)
 and of the TRL integration reuse Config's fields (`shared`), so each is written once.
 """
@@ -25,17 +26,18 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from parity.engines import ENGINES, SERVER_MIN_TEMPERATURE, EngineNeeds, refuse_unable
+from parity.engines.abilities import refuse_temperature
 from parity.errors import ParityError, one_line
 from parity.files import read_text
+from parity.objectives import OBJECTIVES
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 RatioSource = Literal["engine", "shadow", "recompute"]
 Correction = Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-rs"]
-ObjectiveName = Literal["ppo-clip", "gspo", "pg-is", "ppo-value", "online-dpo"]
 LossAgg = Literal["seq-mean", "token-mean", "token-sum"]
 DpoRef = Literal["initial", "engine"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
-EngineName = Literal["hf", "vllm"]
 Parallel = Literal["ddp", "fsdp"]
 CpuFp16 = Literal["emulate", "native"]
 ServerEndpoint = Literal["auto", "completions", "chat"]
@@ -44,11 +46,9 @@ ShadowKernels = Literal["engine", "independent", "scored"]
 DTYPES = typing.get_args(Dtype)
 RATIO_SOURCES = typing.get_args(RatioSource)
 CORRECTIONS = typing.get_args(Correction)
-OBJECTIVE_NAMES = typing.get_args(ObjectiveName)
 LOSS_AGGS = typing.get_args(LossAgg)
 DPO_REFS = typing.get_args(DpoRef)
 OPTIMIZERS = typing.get_args(OptimizerName)
-ENGINES = typing.get_args(EngineName)
 PARALLEL = typing.get_args(Parallel)
 # A device setting: `auto`, `cpu`, `cuda` or `cuda:N` (parity/devices.py resolves it).
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
@@ -56,42 +56,15 @@ DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 REPORT_TO = ("auto", "none", "tensorboard", "wandb")
 
 
-@dataclass(frozen=True)
-class EngineCan:
-    """What an engine (parity/engines/) can do, known before one is built: a setting it cannot
-    honour is refused in one line by what this says, not by the engine's name."""
-    # `Engine.score` gives processed log-probs (after temperature, top-p and top-k), as ℓ_μ
-    # is. vLLM's prompt log-probs are the raw model's (docs/vllm.md).
-    score_processed: bool
-    lm_head_fp32: bool     # it can compute its LM head in fp32
-    # The lowest temperature it samples at as asked. vLLM raises any temperature in (0, 0.01)
-    # to 0.01 and reports that distribution's log-probs, while the trainer scores the one asked
-    # for: at 1e-6 that is kl_k1 95 where the hf engine gives 0 (docs/vllm.md).
-    min_temperature: float = 0.0
-
-
-ENGINE_CAN = {"hf": EngineCan(score_processed=True, lm_head_fp32=True),
-              "vllm": EngineCan(score_processed=False, lm_head_fp32=False, min_temperature=0.01)}
-# A live server audited by `parity audit --server`: vLLM's, whose floor is the engine's.
-SERVER_MIN_TEMPERATURE = ENGINE_CAN["vllm"].min_temperature
-
-
-def check_temperature(c: Config | AuditSettings) -> None:
-    """A temperature the engine (or the server) would raise silently is refused: ℓ_μ would be
-    the log-prob of another distribution than the one the trainer scores."""
-    server = getattr(c, "server", None)
-    floor = SERVER_MIN_TEMPERATURE if server else ENGINE_CAN[c.engine].min_temperature
-    if c.temperature < floor:
-        who = "a vLLM server" if server else f"engine={c.engine}"
-        raise ParityError(f"temperature={c.temperature:g}: {who} samples every temperature below "
-                          f"{floor:g} at {floor:g}, so its log-probs would not be those of the "
-                          f"distribution parity scores; use temperature >= {floor:g}"
-                          + ("" if server else " or engine=hf"))
-
-
-def engines_that(can: str) -> str:
-    """The engines that can (an EngineCan field), for a refusal to name."""
-    return " or ".join(f"engine={n}" for n, c in ENGINE_CAN.items() if getattr(c, can))
+def engine_needs(c: Any) -> EngineNeeds:
+    """What the settings `c` (a Config, AuditSettings, or the TRL integration's) ask of the
+    engine, for its registry entry to refuse what it cannot do (parity/engines/abilities.py)."""
+    adapters = getattr(c, "lora_rank", 0) or getattr(c, "adapter", None)
+    return EngineNeeds(lm_head_fp32=c.lm_head_fp32, lora_unmerged=bool(adapters)
+                       and not c.lora_merge, scores=c.shadow_kernels == "scored",
+                       temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                       min_p=getattr(c, "min_p", 0.0),
+                       repetition_penalty=getattr(c, "repetition_penalty", 1.0))
 
 
 @dataclass(frozen=True)
@@ -159,10 +132,8 @@ class Config:
                            "Face causal LM directory. None: the built-in task's testbed model "
                            "(a dataset task must name one).")
     # -- precision (the subject of parity)
-    engine: EngineName = _f("hf", "Rollout engine: `hf` (parity's own: the transformers model "
-                            "with a KV cache, CPU or GPU) or `vllm` (vLLM in this process, its "
-                            "CPU build or its CUDA build; install: README.md, figures: "
-                            "docs/vllm.md).")
+    engine: str = _f("hf", "Rollout engine: " + "; ".join(
+        f"`{e.name}` ({e.summary})" for e in ENGINES.values()) + ".", choices=ENGINES)
     engine_dtype: Dtype = _f("bf16", "Precision of the engine's copy of the weights: "
                              "fp32|bf16|fp16.")
     trainer_dtype: Dtype = _f("fp32", "Trainer compute precision: fp32, or bf16/fp16 autocast "
@@ -225,12 +196,8 @@ class Config:
     loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
                                          "scale doubles.", gt=0)
     # -- objective
-    objective: ObjectiveName = _f("ppo-clip", "Policy objective: `ppo-clip` (token PPO-clip, GRPO "
-                                  "advantages), `gspo` (sequence geometric-mean ratio, own clip "
-                                  "range), `pg-is` (REINFORCE with truncated sequence importance "
-                                  "weights, no clip), `ppo-value` (PPO-clip with a learned value "
-                                  "head and GAE), `online-dpo` (best vs worst completion of each "
-                                  "group, DPO loss).")
+    objective: str = _f("ppo-clip", "Policy objective: " + "; ".join(
+        f"`{o.name}` ({o.summary})" for o in OBJECTIVES.values()) + ".", choices=OBJECTIVES)
     loss_agg: LossAgg = _f("seq-mean", "Loss aggregation of token objectives: `seq-mean` (GRPO), "
                            "`token-mean` (DAPO: every token of the minibatch weighs the same), "
                            "`token-sum` (Dr.GRPO: token sum over minibatch size x "
@@ -340,8 +307,6 @@ class Config:
     def validate(self) -> "Config":
         """Refuse bad settings before any work starts, with one line naming the field: every
         field's own checks (`check_fields`), then the rules that tie fields together."""
-        # Here, not at the top: objectives imports torch, and building the CLI should not.
-        from parity.objectives import OBJECTIVES
         if self.recipe not in RECIPES:
             raise ParityError(f"unknown recipe {quoted(self.recipe)}; known recipes: "
                               f"{', '.join(RECIPES)}")
@@ -394,15 +359,10 @@ class Config:
 
     def _check_engine(self) -> None:
         """What the engine, the shadow and the ratio's denominator can do together."""
-        can = ENGINE_CAN[self.engine]
-        if self.lm_head_fp32 and not can.lm_head_fp32:
-            raise ParityError(f"engine={self.engine} runs its LM head in the engine's dtype: "
-                              f"--lm-head-fp32 needs {engines_that('lm_head_fp32')}")
         if self.shadow_kernels == "scored" and self.async_engine:
             raise ParityError("shadow_kernels=scored scores on the engine in the trainer's "
                               "process: the asynchronous engine lives in another one")
-        check_scored_sampling(self)
-        check_temperature(self)
+        refuse_unable(self.engine, engine_needs(self))
         if self.correction != "none" and self.ratio_source != "recompute":
             raise ParityError(f"correction={self.correction!r} reweights by exp(l_old - l_mu) and "
                               f"needs ratio_source=recompute (it is {self.ratio_source!r}); "
@@ -503,27 +463,6 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            _mismatch(engine_dtype="fp32")),
 ]}
 
-# Each objective's loss as README.md's table and `parity recipes` show it (notation:
-# docs/design.md; parity/objectives.py has each next to its equation), with Config's defaults.
-OBJECTIVE_LOSSES: dict[ObjectiveName, str] = {
-    "ppo-clip": "−min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A) per token, GRPO group advantages, "
-                "times the behaviour weight; `--loss-agg seq-mean` (GRPO), `token-mean` (DAPO), "
-                "`token-sum` (Dr.GRPO: over B × max_new_tokens)",
-    "gspo": f"the same on the sequence's geometric-mean ratio exp(mean_t log r), with its own clip "
-            f"range `seq_eps_low/high` ({Config.seq_eps_low:g} / {Config.seq_eps_high:g}); "
-            f"setting `eps_low/eps_high` with it is refused",
-    "pg-is": "REINFORCE: −sg(min(ρ_i, C))·A_i·ℓ_π per token, ρ_i = exp(Σ_t log r), no clip "
-             "(`pg_is/*` metrics)",
-    "ppo-value": f"PPO-clip with token advantages from GAE (`gae_gamma` {Config.gae_gamma:g}, "
-                 f"`gae_lambda` {Config.gae_lambda:g}, whitened) and a zero-initialised linear "
-                 f"value head on the last hidden state, clipped value loss × `value_coef` "
-                 f"{Config.value_coef:g}; saved as `value_head.safetensors` in each checkpoint",
-    "online-dpo": f"each group's best- and worst-rewarded completions as a pair, −log σ(b·margin) "
-                  f"(b = `dpo_scale` {Config.dpo_scale:g}); reference `initial` (the frozen "
-                  f"starting policy) or `engine` (ℓ_μ stands in, so the precision gap enters the "
-                  f"margin: `dpo/margin_beta`, `dpo/margin_beta_abs`)",
-}
-
 # The built-in tasks' own defaults, applied over the recipe and under YAML and flag values. The
 # model names are testbed models (parity/testbed.py SPECS) or built-in pretrained ones
 # (parity/pretrained.py); the chat task's lr is TRL's GRPOConfig default.
@@ -541,11 +480,18 @@ class FieldSpec:
     field: dataclasses.Field
     kind: type                          # bool, int, float or str
     optional: bool                      # None allowed
-    choices: tuple[str, ...] | None     # the values of a Literal
+    literal: tuple[str, ...] | None     # the values of a Literal
 
     @property
     def range(self) -> Range:
         return self.field.metadata.get("range", Range())
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """A Literal's values, or the names in the registry the field's `choices` metadata
+        holds (read when asked: an entry registered later is a choice too)."""
+        registry = self.field.metadata.get("choices")
+        return tuple(registry) if registry is not None else self.literal
 
 
 @functools.cache
@@ -644,23 +590,6 @@ def own(default: Any, help: str, **checks: Any) -> Any:
     return _f(default, help, **checks)
 
 
-def check_scored_sampling(c: Config | AuditSettings) -> None:
-    """An engine-scored shadow is ℓ_μ's own arithmetic only where the engine scores the
-    distribution it sampled from: an engine whose scoring is the raw model's (vLLM's prompt
-    log-probs ignore temperature, top-p and top-k; measured: docs/vllm.md) needs sampling
-    that leaves the distribution as it is."""
-    # min_p and repetition_penalty: only the TRL integration samples with them
-    plain = (c.temperature == 1.0 and c.top_p >= 1.0 and c.top_k <= 0
-             and getattr(c, "min_p", 0.0) <= 0.0 and getattr(c, "repetition_penalty", 1.0) == 1.0)
-    if c.shadow_kernels != "scored" or plain:
-        return
-    if not ENGINE_CAN[c.engine].score_processed:
-        raise ParityError(f"shadow_kernels=scored with engine={c.engine} scores with the raw "
-                          f"model (its scoring ignores temperature, top-p, top-k, min-p and "
-                          f"repetition penalties): sample at temperature 1 without them (here "
-                          f"{c.temperature}/{c.top_p}/{c.top_k}), or use shadow_kernels=engine")
-
-
 # The fields an audit shares with a run are Config's, so their defaults, help and checks are
 # written once. A help differs where the audit uses the field differently (built-in tasks set no
 # max_new_tokens here; kl_exact_rows counts per batch), and `task` defaults to None because it is
@@ -669,7 +598,7 @@ def check_scored_sampling(c: Config | AuditSettings) -> None:
 class AuditSettings:
     """What `parity audit` measures, on which input, and how it samples."""
     model: str | None = shared("model")
-    engine: EngineName = shared("engine")
+    engine: str = shared("engine")
     engine_dtype: Dtype = shared("engine_dtype")
     trainer_dtype: Dtype = shared("trainer_dtype")
     task: str | None = shared(
@@ -732,8 +661,9 @@ class AuditSettings:
         """Refuse bad settings before any work, one line naming the field, as `parity train`
         does: each field's own checks (Config's for the shared ones), then the input."""
         check_fields(self)
-        check_scored_sampling(self)
-        check_temperature(self)
+        if self.server:
+            refuse_temperature(self.temperature, SERVER_MIN_TEMPERATURE, "a vLLM server")
+        refuse_unable(self.engine, engine_needs(self))
         if len([x for x in (self.task, self.prompts, self.rollouts) if x]) != 1:
             raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
         if self.model is None:
@@ -910,7 +840,6 @@ def make_config(explicit: dict[str, Any]) -> Config:
 def _check_clip_ranges(objective: str, given: list[str]) -> None:
     """Refuse a clip range the objective does not use. Only ranges the user set count: every
     recipe sets both kinds."""
-    from parity.objectives import OBJECTIVES
     if objective not in OBJECTIVES:
         return  # validate names the choices
     clip = OBJECTIVES[objective].clip

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from parity import lora
 from parity.errors import ParityError
+from parity.objectives import OBJECTIVES
 
 if TYPE_CHECKING:
     from parity.config import Config
@@ -120,7 +121,7 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     weights = _RUNTIME + stored + n_train * (4 + adam) + engine  # + gradients, optimizer state
     if cfg.diagnostics or cfg.ratio_source == "shadow":
         weights += engine  # the shadow's own copy
-    if cfg.objective == "online-dpo" and cfg.dpo_ref == "initial":
+    if OBJECTIVES[cfg.objective].reference and cfg.dpo_ref == "initial":
         weights += stored  # the frozen initial policy
     if getattr(cfg, "async_engine", False):  # the pushed versions a stale rollout may still need
         weights += (cfg.max_staleness + 1) * engine

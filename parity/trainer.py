@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from parity import checkpoints, devices, distributed, lora, memory
-from parity.config import Config, dump_yaml
+from parity.config import Config, dump_yaml, engine_needs
 from parity.diagnostics import (
     Shadow,
     StepDiagnostics,
@@ -52,7 +53,6 @@ from parity.diagnostics import (
 from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
 from parity.engines import (
     Engine,
-    EngineNeeds,
     EngineSpec,
     Rollout,
     Sampling,
@@ -510,10 +510,9 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
             check_engine(cfg.engine)   # before a model is loaded or built
             ctx = load_model_and_task(cfg)
-            check_engine(cfg.engine, ctx[0].config, EngineNeeds(
-                max(map(len, ctx[3].prompt_ids)) + cfg.max_new_tokens,
-                scores=cfg.shadow_kernels == "scored" and (cfg.diagnostics or _needs_shadow(cfg)),
-                lora_unmerged=bool(cfg.lora_rank) and not cfg.lora_merge))
+            check_engine(cfg.engine, ctx[0].config, dataclasses.replace(
+                engine_needs(cfg), max_len=max(map(len, ctx[3].prompt_ids)) + cfg.max_new_tokens,
+                scores=cfg.shadow_kernels == "scored" and (cfg.diagnostics or _needs_shadow(cfg))))
             if warning := memory.check(cfg, ctx[0], max(map(len, ctx[3].prompt_ids)),
                                        dist.world, dist.device):
                 print(f"parity: warning: {warning}", file=sys.stderr)

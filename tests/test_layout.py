@@ -36,7 +36,11 @@ def imported(tree: ast.Module, known: set[str]) -> set[str]:
     """The parity modules a file imports, anywhere in it (lazy imports included): `from a.b
     import c` is module a.b.c where that is a module, else a.b."""
     out = set()
+    typing_only = {id(n) for node in ast.walk(tree) if _type_checking(node)
+                   for n in ast.walk(node)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue  # an import for annotations only is no dependency of the running code
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("parity"):
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
@@ -44,6 +48,12 @@ def imported(tree: ast.Module, known: set[str]) -> set[str]:
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("parity"))
     return out & known
+
+
+def _type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:`"""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING")
 
 
 def graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:

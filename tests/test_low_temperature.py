@@ -14,7 +14,7 @@ import torch
 
 from cli_helpers import assert_user_error
 from parity.config import AuditSettings, make_config
-from parity.engines import EngineSpec, Sampling, make_engine
+from parity.engines import EngineNeeds, EngineSpec, Sampling, check_engine, make_engine
 from parity.errors import ParityError
 from parity.runs import load_policy
 from vllm_helpers import prompts_of
@@ -72,7 +72,7 @@ def test_vllm_engine_logprobs_are_the_reference_or_the_temperature_is_refused(
     if T < 0.01:
         with pytest.raises(ParityError, match=f"temperature={T:g}: engine=vllm samples every "
                                               f"temperature below 0.01 at 0.01"):
-            _sample("vllm", model, tok, text_model, T)
+            check_engine("vllm", model.config, EngineNeeds(temperature=T))
         return
     r = _sample("vllm", model, tok, text_model, T)
     ref = reference_logprobs(model, r, T)
@@ -112,7 +112,6 @@ def test_train_at_a_temperature_vllm_would_raise_is_one_line_and_leaves_nothing(
 def test_vllm_check_counts_the_position_scoring_asks_for(vllm_ready, text_model):
     from transformers import AutoConfig
 
-    from parity.engines import EngineNeeds, check_engine
     config = AutoConfig.from_pretrained(text_model)
     limit = config.max_position_embeddings
     check_engine("vllm", config, EngineNeeds(limit))

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from parity.config import OBJECTIVE_NAMES, RECIPES, make_config
+from parity.config import RECIPES, make_config
 from parity.engines import Rollout, Sampling
 from parity.engines.scoring import score
-from parity.objectives import log_ratio
+from parity.objectives import OBJECTIVES, log_ratio
 from parity.trainer import train
 
 # The whole product: on the test-size arith model 20 steps take well under a second each.
-PAIRS = [(r, o) for r in RECIPES for o in OBJECTIVE_NAMES]
+PAIRS = [(r, o) for r in RECIPES for o in OBJECTIVES]
 
 
 def run(tmp_path, name="run", on_model=None, **kw):

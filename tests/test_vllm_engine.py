@@ -103,9 +103,11 @@ def test_whole_distributions_fill_returned_tokens_and_leave_the_rest_impossible(
     assert torch.isinf(d[0, 1]) and torch.isinf(d[2]).all()
 
 
-def test_every_engine_says_what_it_can_do():
-    from parity import config, engines
-    assert set(config.ENGINE_CAN) == set(config.ENGINES) == set(engines.ENGINES)
+def test_every_engine_is_a_choice_with_what_it_can_do():
+    from parity import engines
+    from parity.config import Config, field_specs
+    assert field_specs(Config)["engine"].choices == tuple(engines.ENGINES)
+    assert all(isinstance(e.can, engines.EngineCan) for e in engines.ENGINES.values())
 
 
 def test_settings_the_vllm_engine_cannot_honour_are_refused_before_anything_runs():

@@ -7,35 +7,40 @@ what they share.
 - parity/engines/async_process.py runs either one in a process of its own, a step ahead.
 - parity/engines/scoring.py: the trainer's forward over a rollout, ℓ_π with gradient.
 
-The trainer, the audit and the integrations hold an `Engine` and never ask which one it is.
+The trainer, the audit and the integrations hold an `Engine` and never ask which one it is. An
+engine is its module and one registry entry (`register`): its description, what it can do
+(`EngineCan`), its checks and its builder. Config validation, `--help` and every refusal about
+an engine's abilities read the entry (parity/engines/abilities.py). This module imports without
+torch, so that the command line starts, and refuses bad settings, in a fraction of a second;
+the shared pieces (`Rollout`, `Sampling`, ...) come from parity/engines/rollout.py on first use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
-import torch
+from parity.engines.abilities import EngineCan, EngineNeeds, refuse_what_it_cannot
 
-from parity.engines.rollout import (
-    EngineNeeds,
-    Rollout,
-    Sampling,
-    Shard,
-    keep_last,
-    left_pad,
-    logprobs_from_logits,
-    positions,
-    processed_logits,
-    sample_rows,
-    stop_token_ids,
-    uniforms,
-)
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["ENGINES", "Engine", "EngineEntry", "EngineSpec", "Rollout", "Sampling", "Shard",
-           "EngineNeeds", "check_engine", "keep_last", "left_pad", "logprobs_from_logits",
-           "make_engine", "positions", "processed_logits", "sample_rows", "stop_token_ids",
-           "uniforms"]
+    from parity.engines.rollout import Rollout, Sampling, Shard
+
+__all__ = ["ENGINES", "Engine", "EngineCan", "EngineEntry", "EngineNeeds", "EngineSpec",
+           "Rollout", "Sampling", "Shard", "check_engine", "keep_last", "left_pad",
+           "logprobs_from_logits", "make_engine", "positions", "processed_logits", "register",
+           "sample_rows", "stop_token_ids", "uniforms"]
+# What rollout.py shares (it imports torch), reachable from here.
+_SHARED = {"Rollout", "Sampling", "Shard", "keep_last", "left_pad", "logprobs_from_logits",
+           "positions", "processed_logits", "sample_rows", "stop_token_ids", "uniforms"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SHARED:
+        import parity.engines.rollout as rollout
+        return getattr(rollout, name)
+    raise AttributeError(f"module 'parity.engines' has no attribute {name!r}")
 
 
 @runtime_checkable
@@ -92,6 +97,30 @@ class EngineSpec:
     gpu_memory: float = 0.3
 
 
+@dataclass(frozen=True)
+class EngineEntry:
+    """One implementation of `Engine`."""
+    name: str
+    summary: str            # one line, for --help
+    can: EngineCan
+    build: Callable[[EngineSpec], Engine]
+    # What only this engine refuses, on this model's config (None: before it is loaded) and
+    # for what the run needs: asked before a run directory exists, so that a run that cannot
+    # start leaves nothing behind.
+    check: Callable[[Any, EngineNeeds], None] = field(default=lambda config, needs: None)
+
+
+ENGINES: dict[str, EngineEntry] = {}
+
+
+def register(entry: EngineEntry) -> EngineEntry:
+    """Add an engine to the registry (a name already there is refused: one home each)."""
+    if entry.name in ENGINES:
+        raise ValueError(f"engine {entry.name!r} is already registered")
+    ENGINES[entry.name] = entry
+    return entry
+
+
 def _hf(spec: EngineSpec) -> Engine:
     from parity.engines.hf import HFEngine
     return HFEngine(spec.master, spec.dtype, spec.eos_ids, spec.pad_id, spec.cpu_fp16,
@@ -101,7 +130,7 @@ def _hf(spec: EngineSpec) -> Engine:
 def _vllm(spec: EngineSpec) -> Engine:
     from parity.engines.vllm import VLLMEngine
     return VLLMEngine(spec.master, spec.model_dir, spec.dtype, spec.eos_ids, spec.pad_id,
-                      spec.seed, spec.max_len, spec.rows, spec.gpu_memory, spec.lm_head_fp32)
+                      spec.seed, spec.max_len, spec.rows, spec.gpu_memory)
 
 
 def _vllm_check(config: Any, needs: EngineNeeds) -> None:
@@ -109,27 +138,41 @@ def _vllm_check(config: Any, needs: EngineNeeds) -> None:
     check(config, needs)
 
 
-@dataclass(frozen=True)
-class EngineEntry:
-    """One implementation of `Engine`. What it cannot do is said, before any engine is built,
-    by `parity.config.ENGINE_CAN`."""
-    # Can it run here (and on this model's config and needs, when given)? Asked before a run
-    # directory exists, so that a run that cannot start leaves nothing behind.
-    check: Callable[[Any, EngineNeeds], None]
-    build: Callable[[EngineSpec], Engine]
+register(EngineEntry(
+    name="hf", summary="parity's own: the transformers model in engine precision with a KV "
+                       "cache",
+    can=EngineCan(score_processed=True, lm_head_fp32=True, lora_unmerged=True), build=_hf))
+register(EngineEntry(
+    name="vllm", summary="vLLM in the trainer's process, its CPU or CUDA build; install: "
+                         "README.md, figures: docs/vllm.md",
+    can=EngineCan(score_processed=False, lm_head_fp32=False, lora_unmerged=False,
+                  min_p_after_top_p=False, min_temperature=0.01),
+    build=_vllm, check=_vllm_check))
+# A live server audited by `parity audit --server` is vLLM's (or SGLang's, whose greedy floor is
+# lower): its temperature floor is the vllm engine's.
+SERVER_MIN_TEMPERATURE = ENGINES["vllm"].can.min_temperature
 
 
-ENGINES: dict[str, EngineEntry] = {
-    "hf": EngineEntry(check=lambda config, needs: None, build=_hf),
-    "vllm": EngineEntry(check=_vllm_check, build=_vllm),
-}
+def engines_that(test: Callable[[EngineCan], bool]) -> str:
+    """The engines whose abilities pass `test`, for a refusal to offer."""
+    return " or ".join(f"engine={n}" for n, e in ENGINES.items() if test(e.can)) or "another engine"
+
+
+def refuse_unable(name: str, needs: EngineNeeds) -> None:
+    """Refuse, in one line, what engine `name` cannot do of `needs` (its registry entry says)."""
+    refuse_what_it_cannot(name, ENGINES[name].can, needs, engines_that)
 
 
 def make_engine(name: str, spec: EngineSpec) -> Engine:
+    from parity import lora  # torch: building an engine loads it anyway
+    unmerged = lora.is_lora(spec.master) and not getattr(spec.master, "parity_merge", True)
+    refuse_unable(name, EngineNeeds(lm_head_fp32=spec.lm_head_fp32, lora_unmerged=unmerged))
     return ENGINES[name].build(spec)
 
 
 def check_engine(name: str, config: Any = None, needs: EngineNeeds | None = None) -> None:
     """Refuse, in one line, an engine that cannot run here, or not on this model (`config`) or
     for what the run will ask of it (`needs`)."""
-    ENGINES[name].check(config, needs or EngineNeeds())
+    needs = needs or EngineNeeds()
+    refuse_unable(name, needs)
+    ENGINES[name].check(config, needs)

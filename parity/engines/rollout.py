@@ -216,12 +216,3 @@ def stop_token_ids(model: torch.nn.Module, tok: Any) -> list[int]:
         if i not in ids:
             ids.append(i)
     return ids
-
-
-@dataclass(frozen=True)
-class EngineNeeds:
-    """What a run will ask of its engine, known once the model's config and the prompts are
-    (before an engine is built, and before a run directory exists)."""
-    max_len: int = 0            # the longest prompt plus max_new_tokens
-    scores: bool = False        # `Engine.score` is called (shadow_kernels=scored)
-    lora_unmerged: bool = False

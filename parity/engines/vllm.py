@@ -22,13 +22,12 @@ import copy
 import logging
 import os
 import warnings
-from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 
-from parity.config import check_temperature
-from parity.engines.rollout import EngineNeeds, Rollout, Sampling, Shard, left_pad
+from parity.engines.abilities import EngineNeeds
+from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
 from parity.memory import kv_cache_bytes
 from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
@@ -66,9 +65,6 @@ def check(config: Any, needs: EngineNeeds) -> None:
     one line each."""
     check_available()
     _check_environment()
-    if needs.lora_unmerged:
-        raise ParityError("engine=vllm is given merged weights at each sync: an unmerged "
-                          "LoRA engine (--no-lora-merge) needs engine=hf")
     if config is None:
         return
     check_architecture(config)
@@ -141,8 +137,6 @@ def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: 
                     whole: bool = False) -> dict[str, Any]:
     """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob;
     `whole`: every token's log-prob at every position (the exact KL's recorded rows)."""
-    check_temperature(  # a run refuses it before it starts; a direct caller here
-        SimpleNamespace(engine="vllm", temperature=s.temperature))
     return dict(n=1, temperature=s.temperature, top_p=s.top_p,
                 top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
                 repetition_penalty=s.repetition_penalty, max_tokens=max_new_tokens,
@@ -192,14 +186,9 @@ class VLLMEngine:
 
     def __init__(self, master: torch.nn.Module, model_dir: str, dtype: str,
                  eos_ids: list[int], pad_id: int, seed: int, max_len: int, rows: int,
-                 gpu_memory: float = 0.3, lm_head_fp32: bool = False):
-        from parity import lora
-        if lm_head_fp32:
-            raise ParityError("engine=vllm runs its LM head in the engine's dtype: "
-                              "--lm-head-fp32 needs engine=hf")
+                 gpu_memory: float = 0.3):
         # Checked before a run starts (check_engine); again here for an engine built directly.
-        check(master.config, EngineNeeds(max_len, lora_unmerged=lora.is_lora(master)
-                                         and not getattr(master, "parity_merge", True)))
+        check(master.config, EngineNeeds(max_len=max_len))
         self.dtype, self.eos_ids, self.pad_id, self.version = dtype, list(eos_ids), pad_id, 0
         self.vocab = master.config.vocab_size
         # The engine-precision copy: what vLLM is given at each sync, kept for changed_frac.

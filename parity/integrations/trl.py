@@ -58,18 +58,24 @@ from parity.config import (
     RECIPES,
     CpuFp16,
     Dtype,
-    EngineName,
     RatioSource,
     ShadowKernels,
     check_fields,
-    check_scored_sampling,
-    check_temperature,
+    engine_needs,
     quoted,
     shared,
 )
 from parity.diagnostics import StepDiagnostics, attribute
 from parity.distributed import Dist
-from parity.engines import EngineSpec, Rollout, Sampling, check_engine, make_engine, positions
+from parity.engines import (
+    EngineSpec,
+    Rollout,
+    Sampling,
+    check_engine,
+    make_engine,
+    positions,
+    refuse_unable,
+)
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
@@ -107,7 +113,7 @@ CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 @dataclass(kw_only=True)
 class ParityOptions:
     """What parity changes in GRPOTrainer; every other setting stays GRPOConfig's."""
-    engine: EngineName = shared("engine")
+    engine: str = shared("engine")
     engine_dtype: Dtype = shared("engine_dtype")
     ratio_source: RatioSource = shared("ratio_source")
     diagnostics: bool = shared("diagnostics", help="Shadow forward on every loss call: alpha/beta "
@@ -133,7 +139,7 @@ class ParityOptions:
                               f"{', '.join(RECIPES)}")
         st = RECIPES[name].settings
         if st["correction"] != "none":
-            # TRL's own correction on vLLM's samples: the same weights (parity/objectives.py).
+            # TRL's own correction on vLLM's samples: the same weights (objectives/losses.py).
             mode = {"token-tis": "token_truncate", "seq-mis": "sequence_mask"}[st["correction"]]
             raise ParityError(f"recipe {name!r} reweights by exp(l_old - l_mu), which TRL's "
                               f"GRPOTrainer applies only to vLLM samples: use "
@@ -267,16 +273,10 @@ class ParityGRPOTrainer(GRPOTrainer):
         """An engine-scored shadow only where the engine scores what it samples; vLLM's order
         of min-p and top-p is not the one parity scores with."""
         s = self.sampling
-        check_scored_sampling(SimpleNamespace(
-            shadow_kernels=self.parity.shadow_kernels, engine=engine,
+        refuse_unable(engine, engine_needs(SimpleNamespace(
+            lm_head_fp32=False, lora_merge=True, shadow_kernels=self.parity.shadow_kernels,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty))
-        check_temperature(SimpleNamespace(engine=engine, temperature=s.temperature))
-        if engine == "vllm" and s.min_p > 0 and s.top_p < 1:
-            fix = "" if self.use_vllm else ", or use engine='hf'"
-            raise ParityError(f"vLLM applies min_p before top_p, where transformers and "
-                              f"parity's scoring apply it after: set min_p or top_p, not "
-                              f"both{fix}")
+            repetition_penalty=s.repetition_penalty)))
 
     def _use_trls_vllm(self) -> None:
         """TRL's vLLM samples (trl_vllm.py): its distribution is parity's `sampling`, its

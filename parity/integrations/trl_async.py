@@ -26,8 +26,10 @@ advantages, packing, TRL's loss and logging to TRL, and changes four things:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ from parity.runs import max_positions
 from parity.tasks import check_fits
 
 try:
+    import trl
     from transformers import AttentionInterface
     from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo import async_grpo_trainer as trl_async_module
@@ -113,18 +116,24 @@ def use_cpu_tree_attention() -> None:
     AttentionInterface.register(trl_packing.TREE_ATTENTION, cpu_tree_attention)
 
 
-_trl_peak_flops = trl_async_module.get_peak_flops_per_device
+@contextlib.contextmanager
+def _peak_flops_without_cuda() -> Iterator[None]:
+    """While TRL's trainer is built: its __init__ asks CUDA for the device's name
+    (`get_peak_flops_per_device`), which fails on CPU, where MFU is simply absent (TRL logs
+    throughput without it). Only for that call: nothing of TRL is changed outside it."""
+    trl_peak_flops = getattr(trl_async_module, "get_peak_flops_per_device", None)
+    if trl_peak_flops is None:
+        raise ParityError(f"ParityAsyncGRPOTrainer was written for TRL 1.16, whose "
+                          f"AsyncGRPOTrainer computes MFU with get_peak_flops_per_device; TRL "
+                          f"{getattr(trl, '__version__', '?')} has none: pip install trl==1.16.*")
 
-
-def _peak_flops(accelerator: Any, dtype: str) -> float | None:
-    """TRL asks CUDA for the device's name, which fails on CPU; there MFU is simply absent
-    (TRL logs throughput without it)."""
-    if accelerator.device.type != "cuda":
-        return None
-    return _trl_peak_flops(accelerator, dtype)
-
-
-trl_async_module.get_peak_flops_per_device = _peak_flops
+    def peak_flops(accelerator: Any, dtype: str) -> float | None:
+        return trl_peak_flops(accelerator, dtype) if accelerator.device.type == "cuda" else None
+    trl_async_module.get_peak_flops_per_device = peak_flops
+    try:
+        yield
+    finally:
+        trl_async_module.get_peak_flops_per_device = trl_peak_flops
 
 
 # -- flat loss terms as [completions, tokens] ------------------------------------------------
@@ -324,8 +333,9 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
                 timeout=args.weight_sync_timeout, tolerance=p.probe_tolerance)
         if p.scored_shadow:
             _check_scored_shadow(args)
-        super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer,
-                         **kwargs)
+        with _peak_flops_without_cuda():
+            super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer,
+                             **kwargs)
         use_cpu_tree_attention()
         self._check_prompts_fit()
         self._setup_parity()

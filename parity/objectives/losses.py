@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -287,13 +287,12 @@ def dpo_loss(logp_pi: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
     return -F.logsigmoid(m).mean(), m
 
 
-# ---- the objective table --------------------------------------------------------------------
-# Each objective's loss on one minibatch, and the facts the trainer and the diagnostics look up
-# instead of testing its name. `share(loss, n, unit)` turns a mean over n items (tokens,
-# sequences or pairs) of this piece of the minibatch into its share of the mean over the
-# minibatch's items on every rank; for the whole minibatch in one process it is the identity.
-# `cfg` is the run's Config, typed Any: parity/config.py imports this table to check clip
-# ranges, so importing Config here would make a cycle.
+# ---- each objective's loss on one minibatch -------------------------------------------------
+# The registry (parity/objectives/__init__.py) names these. `share(loss, n, unit)` turns a mean
+# over n items (tokens, sequences or pairs) of this piece of the minibatch into its share of the
+# mean over the minibatch's items on every rank; for the whole minibatch in one process it is
+# the identity. `cfg` is the run's Config, typed Any: parity/config.py imports the registry to
+# check objective names and clip ranges, so importing Config here would make a cycle.
 
 Share = Callable[[torch.Tensor, float, str], torch.Tensor]
 
@@ -338,36 +337,36 @@ def _agg_units(cfg: Any, mask: torch.Tensor) -> tuple[float, str]:
     return float(mask.shape[0]), "sequences"
 
 
-def _ppo_clip(cfg: Any, b: Minibatch, share: Share) -> Loss:
+def loss_ppo_clip(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, clipped = ppo_clip_loss(b.log_r, b.adv, b.mask, cfg.eps_low, cfg.eps_high,
                                   cfg.loss_agg, cfg.max_new_tokens, b.weights)
     loss = share(loss, *_agg_units(cfg, b.mask))
     return Loss(loss, float(loss.detach()), clipped)
 
 
-def _ppo_value(cfg: Any, b: Minibatch, share: Share) -> Loss:
-    pol = _ppo_clip(cfg, b, share)
+def loss_ppo_value(cfg: Any, b: Minibatch, share: Share) -> Loss:
+    pol = loss_ppo_clip(cfg, b, share)
     v_loss = share(value_loss(b.values, b.old_values, b.returns, b.mask, cfg.value_clip),
                    float(b.mask.sum()), "tokens")
     return Loss(pol.total + cfg.value_coef * v_loss, pol.policy, pol.clipped,
                 {"loss/value": float(v_loss.detach())})
 
 
-def _gspo(cfg: Any, b: Minibatch, share: Share) -> Loss:
+def loss_gspo(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, clipped = gspo_loss(b.log_r, b.adv, b.mask, cfg.seq_eps_low, cfg.seq_eps_high,
                               b.weights)
     loss = share(loss, float(b.mask.shape[0]), "sequences")
     return Loss(loss, float(loss.detach()), clipped)
 
 
-def _pg_is(cfg: Any, b: Minibatch, share: Share) -> Loss:
+def loss_pg_is(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, stats = pg_is_loss(b.logp_pi, b.log_r, b.adv, b.mask, cfg.is_cap, cfg.loss_agg,
                              cfg.max_new_tokens, b.weights)
     loss = share(loss, *_agg_units(cfg, b.mask))
     return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), stats)
 
 
-def _online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
+def loss_online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
     chosen, rejected = dpo_pairs(b.rewards, cfg.samples_per_prompt)
     loss, margins = dpo_loss(b.logp_pi, b.ref, b.mask, chosen, rejected, cfg.dpo_scale)
     loss = share(loss, float(len(chosen)), "pairs")
@@ -383,29 +382,3 @@ def _online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
             m["dpo/margin_beta"] = float(mb_beta.mean())
             m["dpo/margin_beta_abs"] = float(mb_beta.abs().mean())
     return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), m)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Objective:
-    name: str
-    loss: Callable[[Any, Minibatch, Share], Loss]
-    clip: Literal["token", "sequence"] | None  # eps_low/eps_high, seq_eps_low/seq_eps_high, none
-    value_head: bool = False   # a learned V(s_t) and GAE advantages
-    reference: bool = False    # reference log-probs (the frozen initial policy, or ℓ_μ)
-    pairs: bool = False        # its loss is a mean over preference pairs, not tokens
-
-    def clip_range(self, cfg: Any) -> tuple[float | None, float | None]:
-        if self.clip == "token":
-            return cfg.eps_low, cfg.eps_high
-        if self.clip == "sequence":
-            return cfg.seq_eps_low, cfg.seq_eps_high
-        return None, None
-
-
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in [
-    Objective(name="ppo-clip", loss=_ppo_clip, clip="token"),
-    Objective(name="gspo", loss=_gspo, clip="sequence"),
-    Objective(name="pg-is", loss=_pg_is, clip=None),
-    Objective(name="ppo-value", loss=_ppo_value, clip="token", value_head=True),
-    Objective(name="online-dpo", loss=_online_dpo, clip=None, reference=True, pairs=True),
-]}
