@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from parity import metric_names as mn
 from parity.config import Config
 from parity.errors import ParityError
 from parity.files import read_json
@@ -33,26 +34,26 @@ VERL_NORMAL, VERL_PROBLEM = 0.005, 0.01
 REAL_MODEL = "smollm2-135m"   # the built-in pretrained model the vLLM rows were measured on
 
 # The figures a reference row and the user's audit are compared on, with their labels.
-COMPARED = (("mismatch/log_ratio_abs_mean", "|ℓ_π − ℓ_μ| per token"),
-            ("mismatch/prob_diff_abs_mean", "|π − μ| per token"),
-            ("mismatch/kl_k3", "KL k3"),
-            ("clip/phantom_frac@0.2", "phantom-clipped at ε=0.2"),
-            ("clip/phantom_frac@0.05", "phantom-clipped at ε=0.05"),
-            ("mismatch/alpha_abs_mean", "parity shadow's kernel gap |α|"))
+COMPARED = ((mn.LOG_RATIO_ABS_MEAN, "|ℓ_π − ℓ_μ| per token"),
+            (mn.PROB_DIFF_ABS_MEAN, "|π − μ| per token"),
+            (mn.KL_K3, "KL k3"),
+            (mn.PHANTOM_AT_EPS.format(eps=0.2), "phantom-clipped at ε=0.2"),
+            (mn.PHANTOM_AT_EPS.format(eps=0.05), "phantom-clipped at ε=0.05"),
+            (mn.ALPHA_ABS_MEAN, "parity shadow's kernel gap |α|"))
 
 SHORT = ("|Δℓ|", "|Δp|", "KL k3", "phantom ε=0.2", "phantom ε=0.05", "|α|")
 
 # The published figures, as docs/diagnostics.md quotes them with their sources.
 PUBLISHED = [
     {"label": "seeds: asynchronous GRPO, vLLM bf16 engine, fp32 trainer", "model": "Qwen3-0.6B",
-     "values": {"mismatch/log_ratio_abs_mean": "1e-2 to 1e-1 (|β|)",
-                "clip/phantom_frac@0.2": "about 18%, early in training"},
+     "values": {mn.LOG_RATIO_ABS_MEAN: "1e-2 to 1e-1 (|β|)",
+                mn.PHANTOM_AT_EPS.format(eps=0.2): "about 18%, early in training"},
      "source": "docs/design.md, The seeds"},
     {"label": "the FP16 paper: fp16 engine and trainer against bf16", "model": "1.5B models",
-     "values": {"mismatch/kl_k3": "KL(μ‖π) about 24× lower in fp16"},
+     "values": {mn.KL_K3: "KL(μ‖π) about 24× lower in fp16"},
      "source": "docs/design.md, The seeds"},
     {"label": "verl's guidance (rollout_probs_diff_mean)", "model": "any",
-     "values": {"mismatch/prob_diff_abs_mean":
+     "values": {mn.PROB_DIFF_ABS_MEAN:
                 f"below {VERL_NORMAL:g} normal; above {VERL_PROBLEM:g} an engine precision "
                 f"problem"},
      "source": "docs/diagnostics.md, What to do"},
@@ -80,16 +81,16 @@ FIXES = {
 # one's definition and where it is defined). None: that library logs no such quantity.
 # Δ = ℓ_π − ℓ_μ per token; ℓ_π is the trainer's old log-prob where the library recomputes one.
 METRIC_NAMES = [
-    {"parity": "mismatch/log_ratio_abs_mean", "quantity": "token mean of |Δ|",
+    {"parity": mn.LOG_RATIO_ABS_MEAN, "quantity": "token mean of |Δ|",
      "trl": "sampling/sampling_logp_difference/mean", "verl": None,
      "slime": "train/train_rollout_logprob_abs_diff"},
-    {"parity": "mismatch/log_ratio_abs_max", "quantity": "max |Δ|",
+    {"parity": mn.LOG_RATIO_ABS_MAX, "quantity": "max |Δ|",
      "trl": "sampling/sampling_logp_difference/max", "verl": None, "slime": None},
-    {"parity": "mismatch/prob_diff_abs_mean", "quantity": "token mean of |exp ℓ_π − exp ℓ_μ|",
+    {"parity": mn.PROB_DIFF_ABS_MEAN, "quantity": "token mean of |exp ℓ_π − exp ℓ_μ|",
      "trl": None, "verl": "training/rollout_probs_diff_mean", "slime": None},
-    {"parity": "mismatch/kl_k1", "quantity": "token mean of ℓ_μ − ℓ_π",
+    {"parity": mn.KL_K1, "quantity": "token mean of ℓ_μ − ℓ_π",
      "trl": None, "verl": "rollout_corr/kl", "slime": "train/mis_kl"},
-    {"parity": "mismatch/kl_k3", "quantity": "token mean of exp(Δ) − Δ − 1",
+    {"parity": mn.KL_K3, "quantity": "token mean of exp(Δ) − Δ − 1",
      "trl": None, "verl": "rollout_corr/k3_kl", "slime": "train/mis_k3_kl"},
 ]
 
@@ -138,7 +139,7 @@ def fp16_fit(path: str | None) -> tuple[bool | None, str]:
 
 
 def _figure(m: dict[str, float], table: list[dict[str, float]], key: str) -> float | None:
-    if key.startswith("clip/phantom_frac@"):
+    if key.startswith(mn.prefix(mn.PHANTOM_AT_EPS)):
         eps = float(key.split("@")[1])
         return next((r["phantom_frac"] for r in table if abs(r["eps"] - eps) < 1e-12), None)
     return m.get(key)
@@ -152,10 +153,10 @@ def yours(result: dict[str, Any]) -> dict[str, float | None]:
 def advise(result: dict[str, Any], fp16_check: str | None = None) -> Advice:
     """The recommendation for an audit's result (audit.json's content without `advice`)."""
     m, eps = result["metrics"], result["eps"]
-    phantom = m.get("clip/phantom_frac", 0.0)
-    gap = m.get("mismatch/log_ratio_abs_mean", m.get("mismatch/beta_abs_mean"))
-    alpha = m.get("mismatch/alpha_abs_mean")
-    pdiff = m.get("mismatch/prob_diff_abs_mean")
+    phantom = m.get(mn.PHANTOM_FRAC, 0.0)
+    gap = m.get(mn.LOG_RATIO_ABS_MEAN, m.get(mn.BETA_ABS_MEAN))
+    alpha = m.get(mn.ALPHA_ABS_MEAN)
+    pdiff = m.get(mn.PROB_DIFF_ABS_MEAN)
     fits16, fp16_note = fp16_fit(fp16_check)
     refs = reference_points(result.get("model"))
     reasons = [f"numerics alone clip {phantom:.2%} of tokens at your ε = {eps:g} (a fix is worth "
@@ -217,7 +218,7 @@ def _cell(key: str, v: Any) -> str:
         return "—"
     if isinstance(v, str):
         return v
-    return f"{v:.2%}" if key.startswith("clip/") else f"{v:.3g}"
+    return f"{v:.2%}" if key.startswith(mn.CLIP) else f"{v:.3g}"
 
 
 def reference_table(result: dict[str, Any], a: Advice) -> tuple[list[str], list[list[str]]]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parity import devices, lora, testbed, ui
+from parity import metric_names as mn
 from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.config import AuditSettings, engine_needs
@@ -110,16 +111,16 @@ class Measurement:
         metrics = self.diag.metrics()
         # Clip fractions at ε with the advantages' signs, or both signs when there are none.
         head = clip_fractions(tok["alpha"], tok["beta"], adv, self.a.eps, self.a.eps)
-        metrics.update({"clip/frac": head["clip"], "clip/phantom_frac": head["phantom"],
-                        "clip/hidden_frac": head["hidden"], "clip/alpha_frac": head["alpha"]})
+        metrics.update({mn.CLIP_FRAC: head["clip"], mn.PHANTOM_FRAC: head["phantom"],
+                        mn.HIDDEN_FRAC: head["hidden"], mn.ALPHA_CLIP_FRAC: head["alpha"]})
         # The whole engine-trainer gap ℓ_π − ℓ_μ = α + β at θ = θ_old: with an engine whose
         # kernels are not the shadow's (a server) α is not ~0, and β alone leaves part of it out.
         gap = (tok["alpha"] + tok["beta"]).abs()
-        metrics.update({"mismatch/log_ratio_abs_mean": float(gap.mean()),
-                        "mismatch/log_ratio_abs_max": float(gap.max())})
+        metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
+                        mn.LOG_RATIO_ABS_MAX: float(gap.max())})
         if adv is None:
-            metrics.pop("mismatch/beta_adv_corr", None)
-            metrics.pop("mismatch/beta_adv_corr_se", None)
+            metrics.pop(mn.BETA_ADV_CORR, None)
+            metrics.pop(mn.BETA_ADV_CORR_SE, None)
         sweep = []
         for eps in sorted(set(EPS_SWEEP) | {self.a.eps}):
             f = clip_fractions(tok["alpha"], tok["beta"], adv, eps, eps)
@@ -360,7 +361,7 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
         from parity.reports import audit_report
         tokens, seqs = meas.arrays()
         summary = {k: v for k, v in result["metrics"].items() if "/" in k and
-                   not k.startswith(("beta_by_", ))}
+                   not k.startswith((mn.prefix(mn.BETA_BY_PROB), mn.prefix(mn.BETA_BY_POS)))}
         audit_report(tokens, seqs, result["phantom_vs_eps"], summary, out,
                      f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
                      f"trainer ({result['input']})", verdict=result["verdict"],
@@ -369,7 +370,7 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
 
 def verdict(result: dict[str, Any]) -> str:
     m, eps = result["metrics"], result["eps"]
-    ph = m.get("clip/phantom_frac", 0.0)
+    ph = m.get(mn.PHANTOM_FRAC, 0.0)
     reach = next((row["eps"] for row in sorted(result["phantom_vs_eps"], key=lambda r: -r["eps"])
                   if row["phantom_frac"] >= 0.01), None)
     if ph >= 0.01:   # which fix fits is the advice's to say (parity/advice.py)
@@ -387,21 +388,21 @@ def print_audit(result: dict[str, Any]) -> None:
     t.add_column("measure")
     t.add_column("value", justify="right")
     for label, key, fmt in (
-            ("|log pi - log mu| mean (engine vs trainer)", "mismatch/log_ratio_abs_mean", ".3g"),
-            ("|beta| mean", "mismatch/beta_abs_mean", ".3g"),
-            ("beta mean", "mismatch/beta_mean", ".3g"),
-            ("beta std", "mismatch/beta_std", ".3g"),
-            ("max |beta|", "mismatch/beta_abs_max", ".3g"),
-            ("KL(mu||pi) exact", "mismatch/kl_exact", ".3g"),
-            ("KL k1", "mismatch/kl_k1", ".3g"),
-            ("KL k3", "mismatch/kl_k3", ".3g"),
-            ("max |pi - mu|", "mismatch/prob_diff_max", ".3g"),
-            ("kernel gap |alpha| (theta = theta_old)", "mismatch/alpha_abs_mean", ".3g"),
-            ("corr(beta, A)", "mismatch/beta_adv_corr", ".3f"),
-            ("seq log-ratio slope per 1k tokens", "mismatch/seq_log_ratio_slope", "per1k"),
-            (f"clipped at eps={result['eps']:g}", "clip/frac", ".2%"),
-            (f"phantom-clipped at eps={result['eps']:g}", "clip/phantom_frac", ".2%"),
-            (f"hidden at eps={result['eps']:g}", "clip/hidden_frac", ".2%")):
+            ("|log pi - log mu| mean (engine vs trainer)", mn.LOG_RATIO_ABS_MEAN, ".3g"),
+            ("|beta| mean", mn.BETA_ABS_MEAN, ".3g"),
+            ("beta mean", mn.BETA_MEAN, ".3g"),
+            ("beta std", mn.BETA_STD, ".3g"),
+            ("max |beta|", mn.BETA_ABS_MAX, ".3g"),
+            ("KL(mu||pi) exact", mn.KL_EXACT, ".3g"),
+            ("KL k1", mn.KL_K1, ".3g"),
+            ("KL k3", mn.KL_K3, ".3g"),
+            ("max |pi - mu|", mn.PROB_DIFF_MAX, ".3g"),
+            ("kernel gap |alpha| (theta = theta_old)", mn.ALPHA_ABS_MEAN, ".3g"),
+            ("corr(beta, A)", mn.BETA_ADV_CORR, ".3f"),
+            ("seq log-ratio slope per 1k tokens", mn.SEQ_LOG_RATIO_SLOPE, "per1k"),
+            (f"clipped at eps={result['eps']:g}", mn.CLIP_FRAC, ".2%"),
+            (f"phantom-clipped at eps={result['eps']:g}", mn.PHANTOM_FRAC, ".2%"),
+            (f"hidden at eps={result['eps']:g}", mn.HIDDEN_FRAC, ".2%")):
         if key in m:
             v = m[key]
             t.add_row(label, f"{v * 1000:.3g}" if fmt == "per1k" else format(v, fmt))
@@ -482,10 +483,10 @@ def _ladder_points(a: AuditSettings, out: Path, models: list[str],
                       if row["eps"] == SMALL_EPS), None)
         points.append({"model": name, "axis": axis_of.get(name, "other"),
                        "n_params": res["n_params"],
-                       "beta_abs_mean": m.get("mismatch/beta_abs_mean", 0.0),
-                       "kl_k3": m.get("mismatch/kl_k3", 0.0),
-                       "kl_exact": m.get("mismatch/kl_exact", 0.0),
-                       "phantom_frac_at_eps": m.get("clip/phantom_frac", 0.0),
+                       "beta_abs_mean": m.get(mn.BETA_ABS_MEAN, 0.0),
+                       "kl_k3": m.get(mn.KL_K3, 0.0),
+                       "kl_exact": m.get(mn.KL_EXACT, 0.0),
+                       "phantom_frac_at_eps": m.get(mn.PHANTOM_FRAC, 0.0),
                        "phantom_frac_eps_0.01": small})
     return points
 

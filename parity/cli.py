@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from parity import metric_names as mn
 from parity.errors import ParityError
 from parity.files import ensure_writable, json_lines
 
@@ -151,15 +152,15 @@ def _summary(rows: list[dict], run, seconds: float) -> None:
     t = Table(title=f"{run}  ({len(rows)} steps, {seconds / 60:.1f} min)")
     t.add_column("metric")
     t.add_column("step 1", justify="right")
-    t.add_column(f"step {last['step']}", justify="right")
+    t.add_column(f"step {last[mn.STEP]}", justify="right")
     t.add_column("best", justify="right")
-    for k in ("reward/mean", "completion/len_mean", "clip/frac", "mismatch/kl_k1",
-              "sync/changed_frac", "loss/scale", "train/skipped_updates", "time/step_s",
-              "throughput/tokens_per_s"):
+    for k in (mn.REWARD_MEAN, mn.LEN_MEAN, mn.CLIP_FRAC, mn.KL_K1,
+              mn.SYNC_CHANGED_FRAC, mn.LOSS_SCALE, mn.SKIPPED_UPDATES, mn.STEP_S,
+              mn.TOKENS_PER_S):
         if k in last:
             # A value JSON cannot hold (NaN) is logged as null: shown as "-", never compared.
             seen = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
-            pick = max if k == "reward/mean" else min if k == "completion/len_mean" else None
+            pick = max if k == mn.REWARD_MEAN else min if k == mn.LEN_MEAN else None
             t.add_row(k, _fmt(first.get(k)), _fmt(last.get(k)),
                       _fmt(pick(seen)) if pick and seen else "")
     Console().print(t)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from parity import metric_names as mn
 from parity.engines import Engine, Rollout, Sampling, processed_logits
 from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.scoring import score
@@ -112,11 +113,11 @@ def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tenso
     if d.numel() == 0:
         return {}
     pdiff = (logp_pi.double().exp() - logp_mu.double().exp())[m]
-    return {"mismatch/kl_k1": float((-d).mean()),
-            "mismatch/kl_k3": float((d.exp() - d - 1).mean()),
-            "mismatch/prob_diff_abs_mean": float(pdiff.abs().mean()),
-            "mismatch/prob_diff_max": float(pdiff.max()),
-            "mismatch/prob_diff_min": float(pdiff.min())}
+    return {mn.KL_K1: float((-d).mean()),
+            mn.KL_K3: float((d.exp() - d - 1).mean()),
+            mn.PROB_DIFF_ABS_MEAN: float(pdiff.abs().mean()),
+            mn.PROB_DIFF_MAX: float(pdiff.max()),
+            mn.PROB_DIFF_MIN: float(pdiff.min())}
 
 
 # Positions whose float64 vocabulary-wide terms exist at once in the exact KL: a 1,024-token
@@ -294,37 +295,37 @@ class StepDiagnostics:
         out: dict[str, float] = {}
         n = t["beta"].numel()
         if n:
-            for name, key in (("clip/frac", "clipped"), ("clip/phantom_frac", "phantom"),
-                              ("clip/hidden_frac", "hidden"), ("clip/alpha_frac", "alpha_clipped")):
+            for name, key in ((mn.CLIP_FRAC, "clipped"), (mn.PHANTOM_FRAC, "phantom"),
+                              (mn.HIDDEN_FRAC, "hidden"), (mn.ALPHA_CLIP_FRAC, "alpha_clipped")):
                 out[name] = float(t[key].double().mean())
             alpha, beta = t["alpha"].double(), t["beta"].double()
-            out["mismatch/alpha_mean"] = float(alpha.mean())
-            out["mismatch/alpha_abs_mean"] = float(alpha.abs().mean())
-            out["mismatch/beta_mean"], out["mismatch/beta_mean_se"] = mean_and_cluster_se(
+            out[mn.ALPHA_MEAN] = float(alpha.mean())
+            out[mn.ALPHA_ABS_MEAN] = float(alpha.abs().mean())
+            out[mn.BETA_MEAN], out[mn.BETA_MEAN_SE] = mean_and_cluster_se(
                 beta, t["seq"])
-            out["mismatch/beta_abs_mean"] = float(beta.abs().mean())
-            out["mismatch/beta_std"] = float(beta.std()) if n > 1 else 0.0
-            out["mismatch/beta_abs_max"] = float(beta.abs().max())
+            out[mn.BETA_ABS_MEAN] = float(beta.abs().mean())
+            out[mn.BETA_STD] = float(beta.std()) if n > 1 else 0.0
+            out[mn.BETA_ABS_MAX] = float(beta.abs().max())
             corr = corr_and_cluster_se(beta, t["adv"], t["seq"])
             if corr is not None:
-                out["mismatch/beta_adv_corr"], out["mismatch/beta_adv_corr_se"] = corr
+                out[mn.BETA_ADV_CORR], out[mn.BETA_ADV_CORR_SE] = corr
             if self.gap_n:
-                out["mismatch/kernel_gap_abs_mean"] = self.gap_sum / self.gap_n
-            out.update(_bucketed(beta, t["prob"], PROB_BUCKETS, "beta_by_prob"))
-            out.update(_bucketed(beta, t["pos"], POS_BUCKETS, "beta_by_pos"))
+                out[mn.KERNEL_GAP_ABS_MEAN] = self.gap_sum / self.gap_n
+            out.update(_bucketed(beta, t["prob"], PROB_BUCKETS, mn.BETA_BY_PROB))
+            out.update(_bucketed(beta, t["pos"], POS_BUCKETS, mn.BETA_BY_POS))
         if self.first["mask"]:
             lp, lm, mk = (_cat_padded(self.first[k]) for k in ("logp_pi", "logp_mu", "mask"))
             out.update(kl_estimates(lp, lm, mk))
             seq = ((lp - lm) * mk).sum(-1)
             length = mk.sum(-1)
-            out["mismatch/seq_log_ratio_mean"] = float(seq.double().mean())
+            out[mn.SEQ_LOG_RATIO_MEAN] = float(seq.double().mean())
             slope = _slope(length, seq)
             if slope is not None:
-                out["mismatch/seq_log_ratio_slope"] = slope
+                out[mn.SEQ_LOG_RATIO_SLOPE] = slope
         if self.kl_exact:
             kl = torch.cat(self.kl_exact)
-            out["mismatch/kl_exact"] = float(kl.mean())
-            out["mismatch/kl_exact_positions"] = float(kl.numel())
+            out[mn.KL_EXACT] = float(kl.mean())
+            out[mn.KL_EXACT_POSITIONS] = float(kl.numel())
         return out
 
     def tokens(self) -> dict[str, torch.Tensor]:
@@ -339,7 +340,8 @@ def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts])
 
 
-def _bucketed(beta: torch.Tensor, key: torch.Tensor, edges: tuple, name: str) -> dict[str, float]:
+def _bucketed(beta: torch.Tensor, key: torch.Tensor, edges: tuple, pattern: str
+              ) -> dict[str, float]:
     out = {}
     for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
         last = i == len(edges) - 2
@@ -347,9 +349,9 @@ def _bucketed(beta: torch.Tensor, key: torch.Tensor, edges: tuple, name: str) ->
         if sel.any():
             b = beta[sel].double()
             label = _bucket_name(lo, hi)
-            out[f"{name}/{label}/mean"] = float(b.mean())
-            out[f"{name}/{label}/abs_mean"] = float(b.abs().mean())
-            out[f"{name}/{label}/tokens"] = float(sel.sum())
+            out[pattern.format(bucket=label, stat="mean")] = float(b.mean())
+            out[pattern.format(bucket=label, stat="abs_mean")] = float(b.abs().mean())
+            out[pattern.format(bucket=label, stat="tokens")] = float(sel.sum())
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from parity import metric_names as mn
 from parity.config import Config
 from parity.diagnostics import StepDiagnostics
 from parity.objectives import OBJECTIVES
@@ -39,7 +40,7 @@ def _reduce(dicts: list[dict[str, float]], weights: list[float]) -> dict[str, fl
             out[k] = max(v for v, _ in vals)
         elif "min" in words:
             out[k] = min(v for v, _ in vals)
-        elif k == "dpo/pairs":
+        elif k == mn.DPO_PAIRS:
             out[k] = sum(v for v, _ in vals)
         else:
             total = sum(w for _, w in vals)
@@ -68,25 +69,26 @@ def step_metrics(parts: list[StepPart], cfg: Config) -> dict[str, Any]:
     names = list(parts[0].parts)
     n_tok = sum(p.n_tok for p in parts)
     tok_w = [p.n_tok for p in parts]
-    pairs_w = [p.extras.get("dpo/pairs", 1.0) for p in parts]
+    pairs_w = [p.extras.get(mn.DPO_PAIRS, 1.0) for p in parts]
     obj = OBJECTIVES[cfg.objective]
     # per-token statistics weigh by tokens, per-sequence ones by rows, DPO's by pairs
     prep_w = (tok_w if cfg.correction.startswith("token") or obj.value_head
               else [1.0] * len(parts))
     times = {k: max(p.times[k] for p in parts) for k in parts[0].times}
     return {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        mn.REWARD_MEAN: float(rewards.mean()),
+        mn.REWARD_STD: float(rewards.std()) if len(rewards) > 1 else 0.0,
         # each function's own mean, unweighted, when there are several (TRL's names)
-        **({f"rewards/{k}/mean": (sum(x for p in parts for x in p.parts[k]) / len(rewards))
+        **({mn.REWARD_FN_MEAN.format(fn=k):
+            sum(x for p in parts for x in p.parts[k]) / len(rewards)
             for k in names} if len(names) > 1 else {}),
-        "completion/len_mean": n_tok / len(rewards),
-        "completion/eos_frac": sum(p.finished for p in parts) / len(rewards),
+        mn.LEN_MEAN: n_tok / len(rewards),
+        mn.EOS_FRAC: sum(p.finished for p in parts) / len(rewards),
         **StepDiagnostics.merge([p.diag for p in parts]).metrics(),
         **_reduce([p.prep for p in parts], prep_w),
         **_reduce([p.extras for p in parts], pairs_w if obj.pairs
                   else [1.0] * len(parts)),
-        "loss/policy": sum(p.policy_loss for p in parts) / len(parts),
+        mn.LOSS_POLICY: sum(p.policy_loss for p in parts) / len(parts),
         **times,
-        "throughput/tokens_per_s": n_tok / times["time/step_s"],
+        mn.TOKENS_PER_S: n_tok / times[mn.STEP_S],
     }

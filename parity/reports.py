@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from parity import metric_names as mn
 from parity.errors import ParityError
 from parity.files import ensure_writable
 
@@ -178,7 +179,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarra
     for r in rows:
         v = r.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            by_step[r["step"]] = float(v)
+            by_step[r[mn.STEP]] = float(v)
     if not by_step:
         return None
     steps = sorted(by_step)
@@ -247,16 +248,17 @@ def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]
     plots = []
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (lab, rows) in enumerate(runs.items()):
-        s = _series(rows, "reward/mean")
+        s = _series(rows, mn.REWARD_MEAN)
         assert s is not None  # run_report checked
         ax.plot(*s, color=f"C{i % 10}", label=lab)
-        _band(ax, s, _series(rows, "reward/std"), f"C{i % 10}")
+        _band(ax, s, _series(rows, mn.REWARD_STD), f"C{i % 10}")
     _steps_axis(ax)
-    plots.append(_finish(fig, ax, out / "reward.png", "reward/mean against step, one line per run",
-                         ylabel="reward/mean", title="Reward (band: ± reward/std)"))
+    plots.append(_finish(fig, ax, out / "reward.png",
+                         f"{mn.REWARD_MEAN} against step, one line per run", ylabel=mn.REWARD_MEAN,
+                         title="Reward (band: ± reward/std)"))
 
-    if clip := _present(runs, {"clip/frac": "-", "clip/phantom_frac": "--",
-                               "clip/hidden_frac": ":"}):
+    if clip := _present(runs, {mn.CLIP_FRAC: "-", mn.PHANTOM_FRAC: "--",
+                               mn.HIDDEN_FRAC: ":"}):
         fig, ax = plt.subplots(figsize=(8, 4.5))
         _overlay(ax, runs, clip)
         _legends(ax, list(runs), clip)
@@ -264,16 +266,16 @@ def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]
                title="Clipped tokens: all, phantom (numerics only), hidden (let through)")
         plots.append(Plot(_save(fig, out / "clip.png"), "clip fractions against step"))
 
-    if beta := list(_present(runs, {"mismatch/beta_mean": "β token mean (band: ± beta_std)",
-                                    "mismatch/beta_abs_mean": "|β| token mean"}).items()):
+    if beta := list(_present(runs, {mn.BETA_MEAN: "β token mean (band: ± beta_std)",
+                                    mn.BETA_ABS_MEAN: "|β| token mean"}).items()):
         fig, axes = plt.subplots(1, len(beta), figsize=(6 * len(beta), 4.5), squeeze=False)
         for ax, (m, title) in zip(axes[0], beta):
             for i, (lab, rows) in enumerate(runs.items()):
                 if (s := _series(rows, m)) is not None:
                     ax.plot(*s, color=f"C{i % 10}", label=lab, lw=1.2)
-                    if m == "mismatch/beta_mean":
-                        _band(ax, s, _series(rows, "mismatch/beta_std"), f"C{i % 10}")
-            if m == "mismatch/beta_mean":
+                    if m == mn.BETA_MEAN:
+                        _band(ax, s, _series(rows, mn.BETA_STD), f"C{i % 10}")
+            if m == mn.BETA_MEAN:
                 ax.axhline(0, color="k", lw=0.6)
             _steps_axis(ax)
             ax.set(ylabel=m, title=title)
@@ -283,15 +285,15 @@ def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]
 
     # k1 is an unbiased estimate that swings through 0 while k3 is second order and positive:
     # one shared axis (even symlog) turns both into a barcode, so each gets its own panel.
-    panels = [p for p in (_present(runs, {"mismatch/kl_k1": "-"}),
-                          _present(runs, {"mismatch/kl_k3": "-", "mismatch/kl_exact": "--"})) if p]
+    panels = [p for p in (_present(runs, {mn.KL_K1: "-"}),
+                          _present(runs, {mn.KL_K3: "-", mn.KL_EXACT: "--"})) if p]
     if panels:
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
         for ax, styles in zip(axes[0], panels):
             v = _overlay(ax, runs, styles)
             if (v > 0).all():
                 ax.set_yscale("log")
-            elif "mismatch/kl_k1" in styles:
+            elif mn.KL_K1 in styles:
                 ax.axhline(0, color="k", lw=0.6)
             elif (nz := np.abs(v[v != 0])).size:
                 ax.set_yscale("symlog", linthresh=float(np.quantile(nz, 0.1)))
@@ -302,12 +304,12 @@ def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]
     return plots
 
 
-_SUMMARY = [("final reward/mean", "reward/mean", "final"),
-            ("best reward/mean", "reward/mean", "max"),
-            ("mean clip/frac", "clip/frac", "mean"),
-            ("mean clip/phantom_frac", "clip/phantom_frac", "mean"),
-            ("mean mismatch/beta_mean", "mismatch/beta_mean", "mean"),
-            ("mean mismatch/kl_k3", "mismatch/kl_k3", "mean")]
+_SUMMARY = [(f"final {mn.REWARD_MEAN}", mn.REWARD_MEAN, "final"),
+            (f"best {mn.REWARD_MEAN}", mn.REWARD_MEAN, "max"),
+            (f"mean {mn.CLIP_FRAC}", mn.CLIP_FRAC, "mean"),
+            (f"mean {mn.PHANTOM_FRAC}", mn.PHANTOM_FRAC, "mean"),
+            (f"mean {mn.BETA_MEAN}", mn.BETA_MEAN, "mean"),
+            (f"mean {mn.KL_K3}", mn.KL_K3, "mean")]
 
 
 def run_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
@@ -319,8 +321,8 @@ def run_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None)
     names = _labels(run_dirs, labels)
     runs = {lab: load_metrics(d / "metrics.jsonl") for lab, d in zip(names, run_dirs)}
     for (lab, rows), d in zip(runs.items(), run_dirs):
-        if _series(rows, "reward/mean") is None:
-            raise ParityError(f"run {lab!r} ({d}): no 'reward/mean' in its metrics.jsonl")
+        if _series(rows, mn.REWARD_MEAN) is None:
+            raise ParityError(f"run {lab!r} ({d}): no '{mn.REWARD_MEAN}' in its metrics.jsonl")
     from parity.runs import claim_dir
     with claim_dir(Path(out), "report --out"):   # two reports never write one page at once
         return _write_run_report(runs, run_dirs, names, Path(out))
@@ -333,7 +335,7 @@ def _write_run_report(runs: dict[str, list[dict[str, Any]]], run_dirs: list[Path
     cols = [c for c in _SUMMARY if any(_series(r, c[1]) for r in runs.values())]
     rows = []
     for lab, data in runs.items():
-        row: list[Any] = [lab, len({r["step"] for r in data})]
+        row: list[Any] = [lab, len({r[mn.STEP] for r in data})]
         for _, key, how in cols:
             s = _series(data, key)
             row.append(None if s is None else
@@ -555,9 +557,9 @@ def scale_report(points: list[dict], fits: dict[str, dict], out: Path,
 
 # ---------------------------------------------------------------------------- sweep reports
 
-_SWEEP_PANELS = [("reward/mean", "reward"), ("completion/len_mean", "completion length"),
-                 ("clip/frac", "clipped fraction"), ("clip/phantom_frac", "phantom fraction"),
-                 ("mismatch/beta_abs_mean", "|β| token mean"), ("mismatch/kl_k3", "KL k3")]
+_SWEEP_PANELS = [(mn.REWARD_MEAN, "reward"), (mn.LEN_MEAN, "completion length"),
+                 (mn.CLIP_FRAC, "clipped fraction"), (mn.PHANTOM_FRAC, "phantom fraction"),
+                 (mn.BETA_ABS_MEAN, "|β| token mean"), (mn.KL_K3, "KL k3")]
 
 
 def _seed_stack(runs: list[list[dict[str, Any]]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -587,7 +589,7 @@ def sweep_report(groups: dict[str, list[Path]], out: Path,
     cols = 3
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
-    longest = max(len({r["step"] for r in rows}) for runs in data.values() for rows in runs)
+    longest = max(len({r[mn.STEP] for r in rows}) for runs in data.values() for rows in runs)
     # Hundreds of noisy steps per seed hide the trend: smooth long runs with a trailing mean.
     window = max(1, longest // 40)
     for ax, (key, title) in zip(axes.flat, panels):
@@ -616,7 +618,7 @@ def sweep_report(groups: dict[str, list[Path]], out: Path,
                 "with a min-max band, one line per recipe")
     rows = []
     for g, runs in data.items():
-        final = [r[-1].get("reward/mean") for r in runs]
+        final = [r[-1].get(mn.REWARD_MEAN) for r in runs]
         rows.append([g, len(runs), float(np.mean([f for f in final if f is not None]))])
     return html_page("parity sweep report", [
         Heading("Sweep"), plot,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from parity import metric_names as mn
 from parity.checkpoints import Restored, engine_versions
 from parity.config import Config
 from parity.distributed import Dist
@@ -111,15 +112,15 @@ class Rollouts:
                                      self.cfg.rollout_batch)
             self.gen_after[step] = self.gen.get_state()
             return Delivery(plan=plan, rollout=r, changed=changed,
-                            metrics={"time/sync_s": sync_s})
+                            metrics={mn.SYNC_S: sync_s})
         sampled = self.aeng.get(step)
         self.gen_after[step] = sampled.gen_state
         return Delivery(plan=self.plans.pop(step), rollout=sampled.rollout,
                         changed=self.aeng.changed.get(sampled.version, 0.0),
                         rollout_s=sampled.rollout_s,
-                        metrics={"async/staleness": step - 1 - sampled.version,
-                                 "async/engine_version": sampled.version,
-                                 "async/wait_s": time.perf_counter() - t0})
+                        metrics={mn.ASYNC_STALENESS: step - 1 - sampled.version,
+                                 mn.ASYNC_ENGINE_VERSION: sampled.version,
+                                 mn.ASYNC_WAIT_S: time.perf_counter() - t0})
 
     def after_update(self, step: int, master: torch.nn.Module) -> None:
         if self.aeng is not None:

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from parity import checkpoints, devices, distributed, lora, memory
+from parity import metric_names as mn
 from parity.config import Config, dump_yaml, engine_needs
 from parity.diagnostics import (
     Shadow,
@@ -147,7 +148,7 @@ def _train(run: Run, resume: bool) -> Path:
             part, own, u = rl_step(run, step)
             if run.rollouts.aeng is not None:
                 # Overlapped steps: a step lasts from the end of the one before it.
-                part.times["time/step_s"] = time.perf_counter() - t_prev
+                part.times[mn.STEP_S] = time.perf_counter() - t_prev
             t_prev = time.perf_counter()
             all_parts = dist.gather(part)
             run.rollouts.forget_before(step)
@@ -156,11 +157,11 @@ def _train(run: Run, resume: bool) -> Path:
                     # update by update, each in rank order: the one-process row order
                     write_dump(run.dir / "rollouts" / f"step-{step}.parquet",
                                [q.dump[i] for i in range(len(u.dump)) for q in all_parts])
-                m = {"step": step, **step_metrics(all_parts, cfg), **own}
-                if own.get("async/staleness"):
+                m = {mn.STEP: step, **step_metrics(all_parts, cfg), **own}
+                if own.get(mn.ASYNC_STALENESS):
                     # |α| at the first update is the kernel gap only where the engine had the
                     # trainer's weights; a stale rollout's α holds the updates it missed.
-                    m.pop("mismatch/kernel_gap_abs_mean", None)
+                    m.pop(mn.KERNEL_GAP_ABS_MEAN, None)
                 metrics_file.write(json.dumps(json_safe(m)) + "\n")
                 loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
                 bar.advance(1, _step_line(m))
@@ -175,8 +176,8 @@ def _train(run: Run, resume: bool) -> Path:
 
 
 def _step_line(m: dict[str, Any]) -> str:
-    return (f"reward {m['reward/mean']:+.3f}  len {m['completion/len_mean']:.1f}  "
-            f"clip {m['clip/frac']:.3f}")
+    return (f"reward {m[mn.REWARD_MEAN]:+.3f}  len {m[mn.LEN_MEAN]:.1f}  "
+            f"clip {m[mn.CLIP_FRAC]:.3f}")
 
 
 # ---- one step --------------------------------------------------------------------------------
@@ -207,20 +208,20 @@ def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
     run.rollouts.after_update(step, run.model)
     devices.synchronize(run.device)
     t2 = time.perf_counter()
-    times = {"time/rollout_s": delivery.rollout_s if delivery.rollout_s is not None else t1 - t0,
-             "time/train_s": t2 - t1, "time/step_s": t2 - t0}
+    times = {mn.ROLLOUT_S: delivery.rollout_s if delivery.rollout_s is not None else t1 - t0,
+             mn.TRAIN_S: t2 - t1, mn.STEP_S: t2 - t0}
     part = StepPart(rewards=total, parts=parts, n_tok=float(r.completion_mask.sum()),
                     finished=int(r.finished.sum()), diag=u.diag, prep=data.prep.metrics,
                     extras=mean_dicts(u.metrics),
                     policy_loss=sum(u.policy_losses) / len(u.policy_losses), times=times,
                     dump=u.dump)
     applied = [n for n in u.grad_norms if math.isfinite(n)]
-    own = {**delivery.metrics, "sync/changed_frac": delivery.changed,
-           "loss/scale": run.scaler.scale,
+    own = {**delivery.metrics, mn.SYNC_CHANGED_FRAC: delivery.changed,
+           mn.LOSS_SCALE: run.scaler.scale,
            # over applied updates; null when the step's every update was skipped
-           "train/grad_norm": sum(applied) / len(applied) if applied else None,
-           "train/skipped_updates": run.scaler.skipped,
-           "train/skipped_this_step": run.scaler.skipped - skipped_before}
+           mn.GRAD_NORM: sum(applied) / len(applied) if applied else None,
+           mn.SKIPPED_UPDATES: run.scaler.skipped,
+           mn.SKIPPED_THIS_STEP: run.scaler.skipped - skipped_before}
     return part, own, u
 
 
@@ -256,7 +257,7 @@ def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
             prep.old_values = value_head(sc.hidden) * mask
             adv, prep.returns = gae(rewards, prep.old_values, mask, cfg.gae_gamma, cfg.gae_lambda)
             prep.adv = whiten(adv, mask, total=run.dist.sum)
-            prep.metrics["value/mean"] = float(prep.old_values.sum() / mask.sum())
+            prep.metrics[mn.VALUE_MEAN] = float(prep.old_values.sum() / mask.sum())
     if run.objective.reference:
         if cfg.dpo_ref == "engine":
             prep.ref = r.engine_logprobs

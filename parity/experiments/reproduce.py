@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from parity import metric_names as mn
 from parity import testbed, ui
 from parity.config import TASK_DEFAULTS, AuditSettings, Config
 from parity.experiments import claims as C
@@ -246,10 +247,10 @@ def beta_drivers(sc: dict[str, Any], positions: list[dict[str, float]]) -> dict[
 
 def _drivers(plan: ReproductionPlan, a16: dict, sc: dict, out: Path, progress: bool
              ) -> dict[str, Any]:
-    temps = {AuditSettings.temperature: a16["metrics"]["mismatch/beta_abs_mean"]}
+    temps = {AuditSettings.temperature: a16["metrics"][mn.BETA_ABS_MEAN]}
     for t in DRIVER_TEMPERATURES:
         a = _audit(plan, "bf16", out / "audits" / f"bf16-T{t:g}", progress, temperature=t)
-        temps[t] = a["metrics"]["mismatch/beta_abs_mean"]
+        temps[t] = a["metrics"][mn.BETA_ABS_MEAN]
     _audit(plan, "bf16", out / "audits" / "bf16-long", progress, tokens=plan.long_tokens)
     positions = beta_by_position(out / "audits" / "bf16-long" / "tokens.parquet",
                                  [b for b in POSITION_BINS if b <= plan.long_tokens])
@@ -406,7 +407,7 @@ def _renamed(c: C.Claim, new_id: str) -> C.Claim:
 
 def _kl(m: dict[str, float]) -> float:
     """The exact KL where the audit sampled (μ known in full), else the k3 estimate."""
-    return m["mismatch/kl_exact"] if "mismatch/kl_exact" in m else m["mismatch/kl_k3"]
+    return m[mn.KL_EXACT] if mn.KL_EXACT in m else m[mn.KL_K3]
 
 
 def _groups(summary: dict[str, Any]) -> dict[str, dict]:
@@ -448,8 +449,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
         out.append(C.scored_shadow_restores(both, eps_arith))
     if asy is not None:
         out.append(C.async_stall_and_fixes(_groups(asy), eps_arith, ASYNC_SETTING))
-    out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), m16["mismatch/beta_abs_mean"],
-                                  mf16["mismatch/beta_abs_mean"]))
+    out.append(C.fp16_shrinks_gap(_kl(m16), _kl(mf16), m16[mn.BETA_ABS_MEAN],
+                                  mf16[mn.BETA_ABS_MEAN]))
     out += _fix_claims(main, arith, long_sweep, ran, eps_run, eps_arith, plan)
     out += _fp16_claims(arith, algos, ran, m16, mf16)
     if drivers is not None:
@@ -467,13 +468,13 @@ def _audit_claims(a16: dict, sc: dict) -> list[C.Claim]:
     """Claims 1a–2b: the bf16 audit's β and phantom clipping, and β against size."""
     m16 = a16["metrics"]
     fit = sc.get("fits", {}).get("beta_abs_mean")
-    beta_abs = m16["mismatch/beta_abs_mean"]
+    beta_abs = m16[mn.BETA_ABS_MEAN]
     eps_m = C.matched_eps(beta_abs)
     return [
-        C.beta_is_minus_kl(m16["mismatch/beta_mean"], m16.get("mismatch/beta_mean_se"),
+        C.beta_is_minus_kl(m16[mn.BETA_MEAN], m16.get(mn.BETA_MEAN_SE),
                            a16["completions"], _kl(m16)),
-        C.beta_correlates_with_advantage(m16.get("mismatch/beta_adv_corr"),
-                                         m16.get("mismatch/beta_adv_corr_se")),
+        C.beta_correlates_with_advantage(m16.get(mn.BETA_ADV_CORR),
+                                         m16.get(mn.BETA_ADV_CORR_SE)),
         C.beta_grows_with_size(fit["slope"] if fit else None,
                                fit.get("slope_se") if fit else None,
                                len(sc.get("points", [])), fit["at"]["6e+08"] if fit else None),
@@ -511,8 +512,8 @@ def _fp16_claims(arith: dict | None, algos: dict[str, dict] | None, ran: set[str
     out = []
     if {"bf16-engine", "fp16"} <= ran:
         out.append(_renamed(C.fp16_restores(_groups(arith), "arith"), "7-arith"))
-        slopes = {"bf16": m16.get("mismatch/seq_log_ratio_slope"),
-                  "fp16": mf16.get("mismatch/seq_log_ratio_slope")}
+        slopes = {"bf16": m16.get(mn.SEQ_LOG_RATIO_SLOPE),
+                  "fp16": mf16.get(mn.SEQ_LOG_RATIO_SLOPE)}
         out.append(_renamed(C.mismatch_over_training(arith.get("runs", {}), "arith", slopes),
                             "8-arith"))
     if algos and set(ALGORITHM_RECIPES) <= ran:

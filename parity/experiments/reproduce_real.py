@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from parity import metric_names as mn
 from parity.config import TASK_DEFAULTS, Config
 from parity.experiments import claims as C
 from parity.experiments import claims_real as CR
@@ -128,21 +129,21 @@ def run_stats(path: Path) -> dict[str, Any]:
         v = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
         return statistics.fmean(v) if v else None
     first, last = rows[:WINDOW], rows[-WINDOW:]
-    len0, len1 = mean("completion/len_mean", first), mean("completion/len_mean", last)
-    changed = [r.get("sync/changed_frac") for r in rows]
+    len0, len1 = mean(mn.LEN_MEAN, first), mean(mn.LEN_MEAN, last)
+    changed = [r.get(mn.SYNC_CHANGED_FRAC) for r in rows]
     return {"steps": len(rows), "len_first": len0, "len_last": len1,
             "drop": None if len0 is None or len1 is None else len0 - len1,
-            "truncated_first": 1 - (mean("completion/eos_frac", first) or 0.0),
-            "truncated_last": 1 - (mean("completion/eos_frac", last) or 0.0),
-            "beta_first": rows[0].get("mismatch/beta_abs_mean"),
-            "beta_last": mean("mismatch/beta_abs_mean", last),
-            "kl_first": rows[0].get("mismatch/kl_k3"), "kl_last": mean("mismatch/kl_k3", last),
-            "kl_after_first_sync": mean("mismatch/kl_k3", rows[1:]),
-            "corr_beta_adv": mean("mismatch/beta_adv_corr", rows),
-            "phantom_first": mean("clip/phantom_frac", first),
+            "truncated_first": 1 - (mean(mn.EOS_FRAC, first) or 0.0),
+            "truncated_last": 1 - (mean(mn.EOS_FRAC, last) or 0.0),
+            "beta_first": rows[0].get(mn.BETA_ABS_MEAN),
+            "beta_last": mean(mn.BETA_ABS_MEAN, last),
+            "kl_first": rows[0].get(mn.KL_K3), "kl_last": mean(mn.KL_K3, last),
+            "kl_after_first_sync": mean(mn.KL_K3, rows[1:]),
+            "corr_beta_adv": mean(mn.BETA_ADV_CORR, rows),
+            "phantom_first": mean(mn.PHANTOM_FRAC, first),
             "changed_first_sync": changed[1] if len(changed) > 1 else None,
-            "changed_later": mean("sync/changed_frac", rows[2:]),
-            "step_s": mean("time/step_s", rows)}
+            "changed_later": mean(mn.SYNC_CHANGED_FRAC, rows[2:]),
+            "step_s": mean(mn.STEP_S, rows)}
 
 
 class _Phases:
@@ -244,8 +245,8 @@ def _prune_checkpoints(runs: Path) -> None:
                                          "files to save disk; the run cannot be resumed.\n")
 
 
-_AUDIT_KEYS = ("mismatch/beta_abs_mean", "mismatch/beta_abs_max", "mismatch/kl_exact",
-               "mismatch/kl_k3", "mismatch/kernel_gap_abs_mean", "mismatch/beta_adv_corr")
+_AUDIT_KEYS = (mn.BETA_ABS_MEAN, mn.BETA_ABS_MAX, mn.KL_EXACT,
+               mn.KL_K3, mn.KERNEL_GAP_ABS_MEAN, mn.BETA_ADV_CORR)
 
 
 def _phantom(a: dict[str, Any], eps: float) -> float | None:
@@ -254,7 +255,7 @@ def _phantom(a: dict[str, Any], eps: float) -> float | None:
 
 
 def _kl(m: dict[str, float]) -> float:
-    return m["mismatch/kl_exact"] if "mismatch/kl_exact" in m else m["mismatch/kl_k3"]
+    return m[mn.KL_EXACT] if mn.KL_EXACT in m else m[mn.KL_K3]
 
 
 def _drops(stats: dict[str, list[dict]]) -> dict[str, list[float]]:
@@ -266,14 +267,14 @@ def judge(audits: dict[str, dict], stats: dict[str, list[dict]],
     """Measured numbers → claims, those the plan has the measurements for. Pure apart from
     reading what it is given."""
     b, f = (audits[k]["metrics"] for k in ("bf16", "fp16"))
-    claims = [CR.real_gap(b["mismatch/beta_abs_mean"], _phantom(audits["bf16"], 0.2), plan.model),
-              C.fp16_shrinks_gap(_kl(b), _kl(f), b["mismatch/beta_abs_mean"],
-                                 f["mismatch/beta_abs_mean"])]
+    claims = [CR.real_gap(b[mn.BETA_ABS_MEAN], _phantom(audits["bf16"], 0.2), plan.model),
+              C.fp16_shrinks_gap(_kl(b), _kl(f), b[mn.BETA_ABS_MEAN],
+                                 f[mn.BETA_ABS_MEAN])]
     claims[1].id = "R2"
     if "bf16-fp32-head" in audits:
         h = audits["bf16-fp32-head"]["metrics"]
-        claims.append(CR.fp32_head_helps(_kl(b), _kl(h), b["mismatch/beta_abs_mean"],
-                                         h["mismatch/beta_abs_mean"]))
+        claims.append(CR.fp32_head_helps(_kl(b), _kl(h), b[mn.BETA_ABS_MEAN],
+                                         h[mn.BETA_ABS_MEAN]))
     drops = _drops(stats)
     lag = CR.sanity_check(drops, plan.lr, plan.steps)
     claims += [lag, *([CR.fixes_on_real_model(drops, lag)] if plan.fixes else []),
@@ -309,11 +310,11 @@ def _ties(model: str) -> float:
     return _bf16_ties(load_policy(testbed.resolve_model(model))[0])
 
 
-PANELS = [("completion/len_mean", "completion length"),
-          ("completion/eos_frac", "completions ending in EOS"),
-          ("mismatch/beta_abs_mean", "|β| token mean"), ("mismatch/kl_k3", "KL(μ‖π) k3"),
-          ("clip/phantom_frac", "phantom-clipped fraction"),
-          ("sync/changed_frac", "bf16/fp16 weights changed at sync")]
+PANELS = [(mn.LEN_MEAN, "completion length"),
+          (mn.EOS_FRAC, "completions ending in EOS"),
+          (mn.BETA_ABS_MEAN, "|β| token mean"), (mn.KL_K3, "KL(μ‖π) k3"),
+          (mn.PHANTOM_FRAC, "phantom-clipped fraction"),
+          (mn.SYNC_CHANGED_FRAC, "bf16/fp16 weights changed at sync")]
 
 
 def _plots(runs: dict[str, list[Path]], control: dict[str, list[Path]], out: Path) -> None:
@@ -349,9 +350,9 @@ def markdown(result: dict[str, Any], claims: list[C.Claim], plan: RealPlan, out:
            + ". `claims.json` has every measured number.")
     md = C.to_markdown(claims, f"Claims of the seeds, measured on {plan.model}", pre)
     md += "\n## Audits (an fp32 trainer against each engine)\n\n"
-    md += _table([[k, _g(a["mismatch/beta_abs_mean"], ".3g"), _g(a["mismatch/beta_abs_max"], ".3g"),
-                   _g(a["mismatch/kl_exact"], ".2g"), _g(a["phantom_eps_0.2"], ".2%"),
-                   _g(a["phantom_eps_0.05"], ".2%"), _g(a["mismatch/kernel_gap_abs_mean"], ".2g")]
+    md += _table([[k, _g(a[mn.BETA_ABS_MEAN], ".3g"), _g(a[mn.BETA_ABS_MAX], ".3g"),
+                   _g(a[mn.KL_EXACT], ".2g"), _g(a["phantom_eps_0.2"], ".2%"),
+                   _g(a["phantom_eps_0.05"], ".2%"), _g(a[mn.KERNEL_GAP_ABS_MEAN], ".2g")]
                   for k, a in result["audits"].items()],
                   ["engine", "|β| mean", "|β| max", "KL(μ‖π) exact", "phantom ε=0.2",
                    "phantom ε=0.05", "shadow kernel gap"])

@@ -27,6 +27,7 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
+from parity import metric_names as mn
 from parity import ui
 from parity.config import Config
 from parity.errors import ParityError
@@ -35,15 +36,15 @@ from parity.files import ensure_writable
 # When a run counts as converged: (metric, "<=" or ">=", value), on a trailing mean over WINDOW
 # steps so a single lucky batch does not count.
 THRESHOLDS: dict[str, tuple[str, str, float]] = {
-    "neg-length": ("completion/len_mean", "<=", 2.0),
-    "neg-length-chat": ("completion/len_mean", "<=", 2.0),
-    "arith": ("reward/mean", ">=", 0.9),
+    "neg-length": (mn.LEN_MEAN, "<=", 2.0),
+    "neg-length-chat": (mn.LEN_MEAN, "<=", 2.0),
+    "arith": (mn.REWARD_MEAN, ">=", 0.9),
 }
 WINDOW = 5
 EARLY = 5  # "early in training": the first steps, before the policy has moved far
 # Mismatch figures each run's summary gives over its first and its last EARLY steps.
-MISMATCH_OVER_TRAINING = (("kl_exact", "mismatch/kl_exact"), ("kl_k3", "mismatch/kl_k3"),
-                          ("beta_abs", "mismatch/beta_abs_mean"))
+MISMATCH_OVER_TRAINING = (("kl_exact", mn.KL_EXACT), ("kl_k3", mn.KL_K3),
+                          ("beta_abs", mn.BETA_ABS_MEAN))
 
 
 @dataclass(kw_only=True)
@@ -110,7 +111,7 @@ def finished(run: RunSpec) -> bool:
     # A line that cannot be read (damaged, or cut by a kill) means not finished: the run is set
     # aside and run again, and its summary is never made of part of its steps.
     return bool(lines) and all(x.row is not None for x in lines) and \
-        lines[-1].row["step"] == steps  # type: ignore[index]
+        lines[-1].row[mn.STEP] == steps  # type: ignore[index]
 
 
 def _set_aside(path: Path) -> Path:
@@ -320,14 +321,15 @@ def steps_to_threshold(rows: list[dict[str, Any]], task: str) -> int | None:
         if len(vals) >= WINDOW:
             m = statistics.fmean(vals[-WINDOW:])
             if (m <= value) if op == "<=" else (m >= value):
-                return int(r["step"])
+                return int(r[mn.STEP])
     return None
 
 
 def peak_reward(rows: list[dict[str, Any]]) -> float | None:
     """The best trailing WINDOW-step mean of the reward: a peak that one lucky step cannot make,
     to set the last steps' mean against (has training degraded since?)."""
-    vals = [float(r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), (int, float))]
+    vals = [float(r[mn.REWARD_MEAN]) for r in rows
+            if isinstance(r.get(mn.REWARD_MEAN), (int, float))]
     if len(vals) < WINDOW:
         return None
     return max(statistics.fmean(vals[i - WINDOW:i]) for i in range(WINDOW, len(vals) + 1))
@@ -342,20 +344,20 @@ def run_summary(path: Path, task: str) -> dict[str, Any]:
         return statistics.fmean(v) if v else None
     last = rows[-WINDOW:]
     return {"steps": len(rows), "steps_to_threshold": steps_to_threshold(rows, task),
-            "final_reward": mean("reward/mean", last),
-            "final_len": mean("completion/len_mean", last),
-            "best_reward": max(r["reward/mean"] for r in rows),
+            "final_reward": mean(mn.REWARD_MEAN, last),
+            "final_len": mean(mn.LEN_MEAN, last),
+            "best_reward": max(r[mn.REWARD_MEAN] for r in rows),
             "peak_reward": peak_reward(rows),
-            "early_clip_frac": mean("clip/frac", rows[:EARLY]),
-            "early_phantom_frac": mean("clip/phantom_frac", rows[:EARLY]),
-            "beta_abs_mean": mean("mismatch/beta_abs_mean", rows),
-            "beta_mean": mean("mismatch/beta_mean", rows),
-            "kl_k3": mean("mismatch/kl_k3", rows), "kl_exact": mean("mismatch/kl_exact", rows),
+            "early_clip_frac": mean(mn.CLIP_FRAC, rows[:EARLY]),
+            "early_phantom_frac": mean(mn.PHANTOM_FRAC, rows[:EARLY]),
+            "beta_abs_mean": mean(mn.BETA_ABS_MEAN, rows),
+            "beta_mean": mean(mn.BETA_MEAN, rows),
+            "kl_k3": mean(mn.KL_K3, rows), "kl_exact": mean(mn.KL_EXACT, rows),
             # the mismatch at the start and at the end of training (does it grow?)
             **{f"{name}_{end}": mean(key, part) for name, key in MISMATCH_OVER_TRAINING
                for end, part in (("first", rows[:EARLY]), ("last", rows[-EARLY:]))},
-            "changed_frac": mean("sync/changed_frac", rows[1:] or rows),
-            "step_s": mean("time/step_s", rows)}
+            "changed_frac": mean(mn.SYNC_CHANGED_FRAC, rows[1:] or rows),
+            "step_s": mean(mn.STEP_S, rows)}
 
 
 def summarize(runs: list[RunSpec], status: dict[str, dict], seconds: float) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from parity import metric_names as mn
 from parity.config import (
     FIELDS,
     RECIPES,
@@ -325,7 +326,7 @@ class ParityGRPOTrainer(GRPOTrainer):
         if self._synced_step != self.state.global_step:
             changed = self.engine.sync(self.accelerator.unwrap_model(self.model))
             self._synced_step = self.state.global_step
-            self._metrics[mode]["sync/changed_frac"].append(changed)
+            self._metrics[mode][mn.SYNC_CHANGED_FRAC].append(changed)
         r = self.engine.generate(prompt_ids, self.max_completion_length, self.sampling,
                                  self.generator)
         ids = r.completions()
@@ -341,9 +342,9 @@ class ParityGRPOTrainer(GRPOTrainer):
             metrics = self._metrics["train" if self.model.training else "eval"]
             for k, v in vg.last.items():
                 metrics[k].append(v)
-            if "sync/changed_frac" not in vg.last and self.shadow is not None:
+            if mn.SYNC_CHANGED_FRAC not in vg.last and self.shadow is not None:
                 # counted against the shadow's copy, cast at its last sync or loss call
-                metrics["sync/changed_frac"].append(cast_weights_into(master, self.shadow))
+                metrics[mn.SYNC_CHANGED_FRAC].append(cast_weights_into(master, self.shadow))
                 self._shadow_step = self.state.global_step
         self._synced_step = self.state.global_step
         return out
@@ -460,7 +461,7 @@ class ParityGRPOTrainer(GRPOTrainer):
             self._loss_call = None
         mode = "train" if self.model.training else "eval"
         if self.accelerator.scaler is not None:
-            self._metrics[mode]["loss/scale"].append(float(self.accelerator.scaler.get_scale()))
+            self._metrics[mode][mn.LOSS_SCALE].append(float(self.accelerator.scaler.get_scale()))
         if self.parity.diagnostics:
             for k, v in self._diagnose(inputs, call, mu).items():
                 self._metrics[mode][k].append(v)
@@ -503,5 +504,5 @@ class ParityGRPOTrainer(GRPOTrainer):
             diag = StepDiagnostics.merge(dist.gather(diag))
         m = diag.metrics()
         if not fresh:
-            m.pop("mismatch/kernel_gap_abs_mean", None)
+            m.pop(mn.KERNEL_GAP_ABS_MEAN, None)
         return m

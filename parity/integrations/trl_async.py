@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from parity import metric_names as mn
 from parity.config import (
     FIELDS,
     RECIPES,
@@ -488,9 +489,9 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             self._loss_call = None
         metrics = self._metrics["train"]
         if "s" in call:
-            metrics["time/shadow_s"].append(shadow_s)
+            metrics[mn.SHADOW_S].append(shadow_s)
         if self.accelerator.scaler is not None:
-            metrics["loss/scale"].append(float(self.accelerator.scaler.get_scale()))
+            metrics[mn.LOSS_SCALE].append(float(self.accelerator.scaler.get_scale()))
         for k, v in stats.items():
             metrics[k].append(v)
         if p.diagnostics and "pi" in call:
@@ -532,7 +533,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         out = d.metrics()
         # α includes the policy's change over each sample's staleness, so it is no kernel gap
         # here; the sync's probe measures that (sync/probe_gap_abs_mean).
-        out.pop("mismatch/kernel_gap_abs_mean", None)
+        out.pop(mn.KERNEL_GAP_ABS_MEAN, None)
         return out
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

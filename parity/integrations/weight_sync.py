@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from parity import metric_names as mn
 from parity.errors import ParityError, one_line
 from parity.files import write_failure
 from parity.precision import fp16_kernels
@@ -206,11 +207,11 @@ class DirectoryWeightTransfer:
         if self.version and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
         self.version = n
-        self.last = {"sync/write_s": t1 - t0, "sync/reload_s": t2 - t1,
-                     "sync/bytes": float(sum(t.numel() * t.element_size()
+        self.last = {mn.SYNC_WRITE_S: t1 - t0, mn.SYNC_RELOAD_S: t2 - t1,
+                     mn.SYNC_BYTES: float(sum(t.numel() * t.element_size()
                                              for t in tensors.values()))}
         if total:
-            self.last["sync/changed_frac"] = changed / total
+            self.last[mn.SYNC_CHANGED_FRAC] = changed / total
 
     def resume(self) -> None:
         self.server.call("POST", "/resume", "the resume after a weight sync")
@@ -272,7 +273,7 @@ class DirectoryWeightTransfer:
         srv = self.server.prompt_logprobs(self.probe_ids)
         ref = reference_logprobs(self.reference, self.probe_ids, self.dtype)
         gap = float((srv - ref).abs().mean())
-        self.last["sync/probe_gap_abs_mean"] = gap
+        self.last[mn.SYNC_PROBE_GAP_ABS_MEAN] = gap
         if gap > self.tolerance:
             raise ParityError(f"vLLM server at {self.server.url} does not serve the weights just "
                               f"sent: its log-probs of the probe differ by {gap:.3g} per token "
@@ -280,7 +281,7 @@ class DirectoryWeightTransfer:
                               f"{self.tolerance:g})")
         if self._prev is not None:
             prev_srv, prev_ref = self._prev
-            self.last["sync/probe_moved_abs_mean"] = float((srv - prev_srv).abs().mean())
+            self.last[mn.SYNC_PROBE_MOVED_ABS_MEAN] = float((srv - prev_srv).abs().mean())
             if torch.equal(srv, prev_srv) and not torch.equal(ref, prev_ref):
                 raise ParityError(f"vLLM server at {self.server.url} serves stale weights: its "
                                   f"log-probs of the probe did not change at sync "

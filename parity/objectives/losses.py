@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from parity import metric_names as mn
+
 # ---- advantages ---------------------------------------------------------------------------
 
 
@@ -112,9 +114,10 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
         w = w_seq[:, None].expand_as(d) * mask
         raw_sel, w_sel = raw, w_seq
     changed = (w_sel != raw_sel) if correction != "geo-rs" else (w_sel == 0)
-    stats = {"is/weight_mean_raw": float(raw_sel.mean()), "is/weight_max_raw": float(raw_sel.max()),
-             "is/weight_min_raw": float(raw_sel.min()), "is/weight_mean": float(w_sel.mean()),
-             "is/frac_changed": float(changed.double().mean())}
+    stats = {mn.IS_WEIGHT_MEAN_RAW: float(raw_sel.mean()),
+             mn.IS_WEIGHT_MAX_RAW: float(raw_sel.max()),
+             mn.IS_WEIGHT_MIN_RAW: float(raw_sel.min()), mn.IS_WEIGHT_MEAN: float(w_sel.mean()),
+             mn.IS_FRAC_CHANGED: float(changed.double().mean())}
     return w.float() * mask, stats
 
 
@@ -229,9 +232,9 @@ def pg_is_loss(logp_pi: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, ma
     if weights is not None:
         per_token = per_token * weights.detach()
     # Named apart from the recompute correction's is/*: both can be on in one run.
-    stats = {"pg_is/weight_mean_raw": float(rho.mean()),
-             "pg_is/weight_max_raw": float(rho.max()), "pg_is/weight_mean": float(w.mean()),
-             "pg_is/frac_changed": float((rho > cap).float().mean())}
+    stats = {mn.PG_IS_WEIGHT_MEAN_RAW: float(rho.mean()),
+             mn.PG_IS_WEIGHT_MAX_RAW: float(rho.max()), mn.PG_IS_WEIGHT_MEAN: float(w.mean()),
+             mn.PG_IS_FRAC_CHANGED: float((rho > cap).float().mean())}
     return aggregate(per_token, mask, agg, max_len), stats
 
 
@@ -349,7 +352,7 @@ def loss_ppo_value(cfg: Any, b: Minibatch, share: Share) -> Loss:
     v_loss = share(value_loss(b.values, b.old_values, b.returns, b.mask, cfg.value_clip),
                    float(b.mask.sum()), "tokens")
     return Loss(pol.total + cfg.value_coef * v_loss, pol.policy, pol.clipped,
-                {"loss/value": float(v_loss.detach())})
+                {mn.LOSS_VALUE: float(v_loss.detach())})
 
 
 def loss_gspo(cfg: Any, b: Minibatch, share: Share) -> Loss:
@@ -371,14 +374,14 @@ def loss_online_dpo(cfg: Any, b: Minibatch, share: Share) -> Loss:
     loss, margins = dpo_loss(b.logp_pi, b.ref, b.mask, chosen, rejected, cfg.dpo_scale)
     loss = share(loss, float(len(chosen)), "pairs")
     margins = margins.detach()
-    m = {"dpo/pairs": float(len(chosen))}
+    m = {mn.DPO_PAIRS: float(len(chosen))}
     if len(chosen):
-        m["dpo/margin"] = float(margins.mean())
-        m["dpo/accuracy"] = float((margins > 0).float().mean())
+        m[mn.DPO_MARGIN] = float(margins.mean())
+        m[mn.DPO_ACCURACY] = float((margins > 0).float().mean())
         if cfg.dpo_ref == "engine":
             # With ℓ_μ as the reference the margin carries Σβ(chosen) − Σβ(rejected).
             beta_seq = ((b.logp_pi.detach() - b.logp_s) * b.mask).sum(-1)
             mb_beta = cfg.dpo_scale * (beta_seq[chosen] - beta_seq[rejected])
-            m["dpo/margin_beta"] = float(mb_beta.mean())
-            m["dpo/margin_beta_abs"] = float(mb_beta.abs().mean())
+            m[mn.DPO_MARGIN_BETA] = float(mb_beta.mean())
+            m[mn.DPO_MARGIN_BETA_ABS] = float(mb_beta.abs().mean())
     return Loss(loss, float(loss.detach()), torch.zeros_like(b.mask, dtype=torch.bool), m)
