@@ -114,12 +114,12 @@ def test_vllm_check_counts_the_position_scoring_asks_for(vllm_ready, text_model)
 
     config = AutoConfig.from_pretrained(text_model)
     limit = config.max_position_embeddings
-    check_engine("vllm", config, EngineNeeds(limit))
-    check_engine("vllm", config, EngineNeeds(limit - 1, scores=True))
+    check_engine("vllm", config, EngineNeeds(max_len=limit))
+    check_engine("vllm", config, EngineNeeds(max_len=limit - 1, scores=True))
     with pytest.raises(ParityError, match=f"plus the one position vLLM's scoring "
                                           f"\\(shadow_kernels=scored\\) asks for beyond them is "
                                           f"{limit + 1} tokens, beyond the model's {limit}"):
-        check_engine("vllm", config, EngineNeeds(limit, scores=True))
+        check_engine("vllm", config, EngineNeeds(max_len=limit, scores=True))
 
 
 @pytest.mark.e2e

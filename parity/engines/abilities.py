@@ -26,7 +26,7 @@ class EngineCan:
     min_temperature: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineNeeds:
     """What a run asks of its engine. The settings are known before anything is loaded; the
     lengths once the model's config and the prompts are (before a run directory exists)."""
