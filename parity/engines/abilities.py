@@ -22,7 +22,7 @@ class EngineCan:
     min_p_after_top_p: bool = True
     # The lowest temperature it samples at as asked. vLLM raises any temperature in (0, 0.01)
     # to 0.01 and reports that distribution's log-probs, while the trainer scores the one asked
-    # for: at 1e-6 that is kl_k1 252.6 where the hf engine gives 0 (docs/vllm.md).
+    # for: at 1e-6 its ℓ_μ is off by thousands (scripts/low_temperature.py, docs/vllm.md).
     min_temperature: float = 0.0
 
 
