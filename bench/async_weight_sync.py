@@ -22,8 +22,8 @@ from report import Table, json_option, publish
 from timing import measure
 
 from parity.integrations.weight_sync import DirectoryWeightTransfer, named_tensors
-from parity.precision import low_precision_copy
-from parity.runs import load_policy
+from parity.models.loading import load_policy
+from parity.models.precision import low_precision_copy
 
 
 def main() -> None:

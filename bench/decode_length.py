@@ -36,7 +36,7 @@ def _register_strided() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    from parity.engines.attention import engine_attention
+    from parity.models.attention import engine_attention
 
     def strided(module, query, key, value, attention_mask, parity_kv_len=None, **kw):
         if parity_kv_len is not None:   # slice here, so engine_attention never copies
@@ -131,12 +131,13 @@ def main() -> None:
 
     from parity import testbed
     from parity.engines import Sampling
-    from parity.engines.attention import ENGINE_ATTENTION
     from parity.engines.hf import HFEngine
-    from parity.runs import load_policy
+    from parity.models.attention import ENGINE_ATTENTION
+    from parity.models.loading import load_policy
+    from parity.tasks.data import text_prompts
     _register_strided()
     model, tok = load_policy(testbed.resolve_model(a.model))
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.rows, seed=0)]
+    prompts = [tok(p)["input_ids"] for p in text_prompts(a.rows, seed=0)]
     engine = HFEngine(model, a.dtype, -1, tok.pad_token_id)   # -1: no row ever stops early
     title = (f"{a.model}, {a.dtype} engine, {a.rows} rows, prompts of {min(map(len, prompts))}-"
              f"{max(map(len, prompts))} tokens, {torch.get_num_threads()} threads")

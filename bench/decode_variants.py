@@ -27,8 +27,8 @@ from parity.engines import (
     sample_rows,
     uniforms,
 )
-from parity.precision import low_precision_copy
-from parity.runs import load_policy
+from parity.models.loading import load_policy
+from parity.models.precision import low_precision_copy
 
 VARIANTS = [("DynamicCache, multinomial, sdpa", False, "multinomial", "sdpa"),
             ("+ static KV cache", True, "multinomial", "sdpa"),

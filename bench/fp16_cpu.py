@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from report import Table, json_option, publish
 from timing import measure
 
-from parity import arith, testbed
+from parity import testbed
 from parity.engines import Sampling
 from parity.engines.hf import HFEngine
-from parity.engines.scoring import score
-from parity.precision import FP16MatmulOnCPU, autocast
-from parity.runs import load_policy
+from parity.models.forward import score
+from parity.models.loading import load_policy
+from parity.models.precision import FP16MatmulOnCPU, autocast
+from parity.tasks.data import arith_problem
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
 
     model, tok = load_policy(testbed.resolve_model(args.model))
     rng = random.Random(0)
-    prompts = [tok(arith.problem(rng)[0] if "arith" in args.model else "def f(x):")
+    prompts = [tok(arith_problem(rng)[0] if "arith" in args.model else "def f(x):")
                ["input_ids"] for _ in range(64)]
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         prompts, 8, Sampling(), torch.Generator().manual_seed(0))

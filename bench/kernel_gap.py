@@ -35,12 +35,13 @@ from timing import measure
 from parity import testbed
 from parity.diagnostics import Shadow
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
-from parity.engines.scoring import score
-from parity.runs import load_policy
+from parity.models.forward import score
+from parity.models.loading import load_policy
+from parity.tasks.data import text_prompts
 
 
 def prompts_for(tok, n: int) -> list[list[int]]:
-    texts = testbed.text_prompts(n)
+    texts = text_prompts(n)
     if getattr(tok, "chat_template", None):
         return [tok.apply_chat_template([{"role": "user", "content": t}],
                                         add_generation_prompt=True, tokenize=True,

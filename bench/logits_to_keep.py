@@ -20,8 +20,8 @@ from timing import alternate
 
 from parity import testbed
 from parity.engines import keep_last, positions
-from parity.precision import low_precision_copy
-from parity.runs import load_policy
+from parity.models.loading import load_policy
+from parity.models.precision import low_precision_copy
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ from report import Table, engines_option, json_option, publish
 
 from parity import testbed
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
-from parity.engines.scoring import score
-from parity.runs import load_policy
+from parity.models.forward import score
+from parity.models.loading import load_policy
+from parity.tasks.data import text_prompts
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     path = testbed.resolve_model(args.model)
     model, tok = load_policy(path)
     model.eval()
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(args.samples, seed=0)]
+    prompts = [tok(p)["input_ids"] for p in text_prompts(args.samples, seed=0)]
     t = Table("logprob_gap", f"|ℓ_engine − ℓ_trainer(fp32)| on {args.model}, {args.samples} "
                              f"samples at T=1",
               [("engine", None, "right"), ("tokens", "{}"), ("max", "{:.2e}"), ("mean", "{:.2e}"),

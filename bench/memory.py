@@ -11,7 +11,7 @@ step's alone, model loading included. Modes:
     whole        one forward and backward over the step's completions (the default)
     microN       micro_batch=N
     microN+      micro_batch=N, logprob_chunk=64, gradient checkpointing
-The estimate is what `parity train` checks before it starts (parity/memory.py, worst case:
+The estimate is what `parity train` checks before it starts (parity/runs/memory.py, worst case:
 every completion at max tokens). Update time is `time/train_s` of the last step (forward,
 backward, optimizer step; the rollout is not in it). Cells run one after another in the order
 given; quote ratios between cells of one run, absolute times drift on a shared machine.
@@ -57,11 +57,13 @@ def worker(a: argparse.Namespace) -> dict:
         rows = load_metrics(train(cfg, on_model=captured.append) / "metrics.jsonl")
     from transformers import AutoTokenizer
 
-    from parity import memory, testbed
+    from parity import testbed
+    from parity.runs import memory
     from parity.tasks import prompt_token_ids
+    from parity.tasks.data import text_prompts
     tok = AutoTokenizer.from_pretrained(testbed.resolve_model(a.model))
     longest = max(len(prompt_token_ids(tok, p, a.chat_template))
-                  for p in testbed.text_prompts(256, seed=a.seed))
+                  for p in text_prompts(256, seed=a.seed))
     est = memory.estimate(cfg, captured[0], longest).total
     last = rows[-1]
     return {"peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,

@@ -30,9 +30,9 @@ from timing import CPU, measure
 from parity import devices, testbed
 from parity.engines import Rollout, Sampling
 from parity.engines.hf import HFEngine
-from parity.engines.scoring import score_full
-from parity.precision import autocast
-from parity.runs import load_policy
+from parity.models.forward import score_full
+from parity.models.loading import load_policy
+from parity.models.precision import autocast
 
 
 def matmul_rate(dtype: torch.dtype, n: int, reps: int = 5,

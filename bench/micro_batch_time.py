@@ -6,7 +6,7 @@ minibatch at once against the same minibatch in micro-batches, alternated in one
 
 The completions are sampled once by parity's engine (fp32, neg-length prompts, the lengths the
 model gives them); each round then runs the unbatched update and the micro-batched one
-(`parity.engines.scoring.pieces` / `trimmed`, each piece's loss scaled by its share, as the trainer
+(`parity.models.forward.pieces` / `trimmed`, each piece's loss scaled by its share, as the trainer
 does) on the same weights, and the AdamW step after it, after one untimed round of both.
 Alternating puts drift of a shared machine on both sides; the table gives each round and the
 median ratio.
@@ -35,10 +35,11 @@ def main() -> None:
     from parity import testbed
     from parity.engines import Sampling
     from parity.engines.hf import HFEngine
-    from parity.engines.scoring import pieces, score_full, trimmed
-    from parity.runs import load_policy
+    from parity.models.forward import pieces, score_full, trimmed
+    from parity.models.loading import load_policy
+    from parity.tasks.data import text_prompts
     model, tok = load_policy(testbed.resolve_model(a.model))
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.rows, seed=0)]
+    prompts = [tok(p)["input_ids"] for p in text_prompts(a.rows, seed=0)]
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         prompts, a.tokens, Sampling(), torch.Generator().manual_seed(0))
     model.train()

@@ -37,18 +37,19 @@ from mfu import attn_flops, matmul_params, matmul_rate  # bench/ is the script's
 from report import Table, json_option, publish
 
 import parity.diagnostics as diagnostics
-import parity.precision as precision
+import parity.models.precision as precision
 import parity.trainer as trainer
 from parity import testbed
 from parity.config import Config
 from parity.diagnostics import Shadow, exact_kl_rows
-from parity.distributed import Dist
 from parity.engines import Rollout, Sampling, stop_token_ids
 from parity.engines.hf import HFEngine
-from parity.engines.scoring import disable_dropout
+from parity.models.forward import disable_dropout
+from parity.models.loading import load_policy
+from parity.models.precision import LossScaler
 from parity.objectives import OBJECTIVES
-from parity.precision import LossScaler
-from parity.runs import load_policy
+from parity.runs.distributed import Dist
+from parity.tasks.data import text_prompts
 
 
 class Clock:
@@ -224,7 +225,7 @@ def main() -> None:
     # the default recipe as `parity train` runs it; one prompt group per step is all one update
     cfg = Config(model=a.model, prompts_per_step=1, samples_per_prompt=a.rows, lr=1e-6).validate()
     s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(a.rows, seed=0)]
+    prompts = [tok(p)["input_ids"] for p in text_prompts(a.rows, seed=0)]
     kl_rows = exact_kl_rows(a.rows, cfg.kl_exact_rows)
     engine = HFEngine(model, cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id)
     r = engine.generate(prompts, a.tokens, s, torch.Generator().manual_seed(0), record_rows=kl_rows)

@@ -30,10 +30,11 @@ def measure(side: str, model: str, n: int, tokens: int, repeats: int) -> dict:
 
     from parity import testbed
     from parity.engines import EngineSpec, Sampling, make_engine
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.tasks.data import text_prompts
     model_dir = str(testbed.resolve_model(model))
     master, tok = load_policy(model_dir)
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(n)]
+    prompts = [tok(p)["input_ids"] for p in text_prompts(n)]
     max_len = max(map(len, prompts)) + tokens
     if side == "parity":
         eng = make_engine("vllm", EngineSpec(master.eval(), model_dir, "bf16",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from parity import metric_names as mn
 from parity.errors import ParityError
-from parity.files import ensure_writable, json_lines
+from parity.files import cache_dir, ensure_writable, json_lines
 
 if TYPE_CHECKING:
     from parity.config import Config
@@ -136,7 +136,7 @@ def _stop_on_sigterm() -> None:
     than die mid-step without a word (the checkpoints on disk are whole either way)."""
     import signal
 
-    from parity.distributed import RankFailure
+    from parity.runs.distributed import RankFailure
 
     def stop(signum, frame):
         raise RankFailure(f"rank {os.environ.get('RANK', '?')} stopped by the launcher "
@@ -174,8 +174,9 @@ def cmd_testbed(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from parity import pretrained, testbed
-    cache = testbed.cache_dir() if args.cache is None else Path(args.cache)
+    from parity import testbed
+    from parity.models import pretrained
+    cache = cache_dir() if args.cache is None else Path(args.cache)
     if args.action == "list":
         rows = [{"name": name, "kind": s.kind, "arch": s.arch, "layers": s.n_layer,
                  "width": s.d_model, "vocab": s.vocab_size if s.kind == "text" else "chars",
@@ -291,7 +292,7 @@ def cmd_recipes(args: argparse.Namespace) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
-    from parity import audit as au
+    from parity.audit import command as au
     from parity.config import TASK_DEFAULTS, Config, coerce, field_specs
     given = {k: coerce(k, getattr(args, k), au.AuditSettings)
              for k in field_specs(au.AuditSettings) if getattr(args, k) is not None}
@@ -358,8 +359,8 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
     from parity.experiments.reproduce import FULL, QUICK, VLLM, print_claims, reproduce
     _check_device(args.device)
     if args.model:
-        from parity import pretrained
         from parity.experiments.reproduce_real import RealPlan, reproduce_real, vllm_plan
+        from parity.models import pretrained
         if args.quick:
             raise ParityError("reproduce: --quick is the testbed's; --model runs the real-model "
                               "reproduction (shorten it with --steps)")
@@ -393,12 +394,12 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
 
 def _claim_reproduction(out: Path) -> Any:
-    """`out` held for the reproduction's length (`runs.claim_dir`): a second one into it is
+    """`out` held for the reproduction's length (`runs.lock_dir`): a second one into it is
     refused before it reuses, or redoes, a part the first one is still writing."""
-    from parity.runs import claim_dir, refuse_other_output
+    from parity.runs.dirs import lock_dir, refuse_other_output
     ensure_writable(out, "reproduce --out")
     refuse_other_output(out, "a reproduction", "reproduce --out")
-    return claim_dir(out, "reproduce --out")
+    return lock_dir(out, "reproduce --out")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -441,7 +442,7 @@ def _add_config_option(p: argparse.ArgumentParser, name: str) -> None:
         return
 
     def checked(text: str) -> Any:
-        value = coerce(name, text)
+        value = coerce(name, text, Config)
         check_value(Config, name, value)
         return value
     p.add_argument(flag, type=checked, default=f.default,

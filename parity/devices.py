@@ -19,7 +19,7 @@ from parity.errors import ParityError
 
 
 def check_setting(setting: str) -> None:
-    """The config checks the field (parity/config.py, `device`); a caller of the library may
+    """The config checks the field (parity/config/run.py, `device`); a caller of the library may
     pass any text."""
     if setting not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", setting):
         raise ParityError(f"device={setting!r} must be auto, cpu, cuda or cuda:N")

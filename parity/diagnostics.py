@@ -24,10 +24,10 @@ import torch
 
 from parity import metric_names as mn
 from parity.engines import Engine, Rollout, Sampling, processed_logits
-from parity.engines.attention import ENGINE_ATTENTION
-from parity.engines.scoring import score
-from parity.objectives import clip_predicate, clipped_tokens
-from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.models.attention import ENGINE_ATTENTION
+from parity.models.forward import score
+from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.objectives import clip_predicate, clipped_tokens, log_ratio
 
 # Buckets for β by the trainer's token probability and by position in the completion: where
 # the gap lives (rare tokens? late positions?) decides which fix helps.
@@ -102,6 +102,29 @@ def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor
     c = clipped & (mask > 0)
     return Attribution(alpha=alpha, beta=beta, clipped=c, phantom=c & ~c_alpha,
                        hidden=~c & c_alpha, alpha_clipped=c_alpha)
+
+
+def measure(diag: "StepDiagnostics", logp_pi: torch.Tensor, logp_s: torch.Tensor,
+            logp_mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+            eps_low: float | None, eps_high: float | None, *, ratio_source: str = "engine",
+            logp_old: torch.Tensor | None = None, clipped: torch.Tensor | None = None,
+            sequence: bool = False, first: bool = True) -> Attribution:
+    """The one measurement of a batch, shared by the trainer, the audit and the TRL trainers:
+    α, β and the clip attribution, added to the step's diagnostics `diag`.
+
+    `clipped` is what the objective really clipped, when the caller has it (the trainer's
+    loss). Otherwise it is C(log r, A) on the log-ratio of `ratio_source`, as objectives'
+    `log_ratio` defines it (`logp_old`: ℓ_old, for `recompute`). `first`: the weights still
+    equal those the engine sampled with, so the KLs and the kernel gap are the mismatch alone.
+    Sequence-level clipping (GSPO) judges each sequence on its mean advantage."""
+    a = adv.mean(-1) if sequence and adv.dim() == 2 else adv
+    if clipped is None:
+        log_r = log_ratio(ratio_source, logp_pi.detach(), logp_mu, logp_s, logp_old)
+        clipped = clipped_tokens(log_r, a, mask, eps_low, eps_high, sequence)
+    att = attribute(logp_pi, logp_s, logp_mu, a, mask, eps_low, eps_high, clipped,
+                    sequence=sequence)
+    diag.add(att, logp_pi, logp_mu, adv, mask, first=first)
+    return att
 
 
 def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor

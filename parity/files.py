@@ -456,3 +456,11 @@ def publish_dir(make: Callable[[], object], tmp: Path, final: Path,
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cache_dir() -> Path:
+    """$PARITY_CACHE, else $XDG_CACHE_HOME/parity, else ~/.cache/parity."""
+    if os.environ.get("PARITY_CACHE"):
+        return Path(os.environ["PARITY_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "parity"

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 from parity import devices, testbed, ui
 from parity.errors import ParityError
-from parity.runs import check_run_dir, free_dir, load_policy, max_positions
+from parity.models.loading import load_policy, max_positions
+from parity.runs.dirs import check_run_dir, free_dir
+from parity.tasks.data import text_prompts
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14
@@ -145,7 +147,7 @@ def _fp16_forward(net: torch.nn.Module, ids: list[torch.Tensor]) -> dict[str, An
     """The prompts through a real fp16 copy, with tensor-core numerics, against fp32. The fp32
     logits are recomputed rather than kept from _scan: [T, V] per prompt is hundreds of MB for a
     real model's vocabulary, and a no-grad forward is cheap next to _scan's backward."""
-    from parity.precision import fp16_kernels, low_precision_copy
+    from parity.models.precision import fp16_kernels, low_precision_copy
     half = low_precision_copy(net, "fp16")
     bad, max_diff, lp_sum, n = 0, 0.0, 0.0, 0
     # On CUDA the copy runs fp16's own kernels; on the CPU their emulation (precision.py).
@@ -210,7 +212,7 @@ def check(model: str, prompts_file: str | None = None, max_prompts: int = 8,
     """Run every check on `device` (a `device` setting: parity/devices.py); returns
     fp16_check.json's content (also written to `out`). Input is checked before anything is
     loaded or written."""
-    from parity.audit_inputs import read_prompts
+    from parity.audit.inputs import read_prompts
     t0 = time.perf_counter()
     if max_prompts <= 0:
         raise ParityError("fp16-check: --max-prompts must be > 0")
@@ -218,7 +220,7 @@ def check(model: str, prompts_file: str | None = None, max_prompts: int = 8,
     out = out or default_out(model)
     check_run_dir(out)
     prompts = (read_prompts(prompts_file) if prompts_file else
-               testbed.text_prompts(max_prompts))[:max_prompts]
+               text_prompts(max_prompts))[:max_prompts]
     model_dir = testbed.resolve_model(model)
     net, tok = load_policy(model_dir)
     net.eval().to(dev)

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import sysconfig
 import tempfile
 import time
-import zlib
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
-from parity import arith
 from parity.errors import ParityError
-from parity.files import ensure_writable, exists, publish_dir
+from parity.files import cache_dir, ensure_writable, exists, publish_dir
+from parity.tasks.data import arith_correct, arith_problem, text_corpus
 
 
 @dataclass(frozen=True)
@@ -122,76 +119,7 @@ LADDER: list[str] = sorted({n for names in LADDER_AXES.values() for n in names},
                            key=lambda n: _n_params(SPECS[n]))
 LARGEST: str = LADDER[-1]
 
-def cache_dir() -> Path:
-    """$PARITY_CACHE, else $XDG_CACHE_HOME/parity, else ~/.cache/parity."""
-    if os.environ.get("PARITY_CACHE"):
-        return Path(os.environ["PARITY_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "parity"
-
-
 # ----------------------------------------------------------------------------- data
-
-def _held_out(paragraph: str) -> bool:
-    # By content hash, not by position, so the split does not depend on the shuffle seed.
-    return zlib.crc32(paragraph.encode()) % 20 == 0
-
-
-@lru_cache(maxsize=1)
-def _paragraphs() -> tuple[str, ...]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
-    files = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in skip)
-        files += [Path(d) / n for n in names if n.endswith(".py")]
-    out = []
-    for f in sorted(files):
-        try:
-            src = f.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        for block in src.replace("\r\n", "\n").split("\n\n"):
-            block = block.strip("\n")
-            if 20 <= len(block) <= 400 and block.strip():
-                out.append(block)
-    if not out:
-        raise ParityError(f"no Python sources found under {root}; "
-                          "the text testbed needs the stdlib sources")
-    return tuple(out)
-
-
-def text_corpus(seed: int = 0) -> list[str]:
-    """Training paragraphs (stdlib .py blocks between blank lines), shuffled by seed, ~4 MB.
-
-    Held-out paragraphs (the source of text_prompts) are never included.
-    """
-    paras = [p for p in _paragraphs() if not _held_out(p)]
-    random.Random(seed).shuffle(paras)
-    out, size = [], 0
-    for p in paras:
-        if size > 4_000_000:
-            break
-        out.append(p)
-        size += len(p) + 1
-    return out
-
-
-def text_prompts(n: int, seed: int = 0) -> list[str]:
-    """n short prompts: the first line (cut to <= 40 chars at a space) of held-out paragraphs."""
-    cands = []
-    for p in _paragraphs():
-        if not _held_out(p):
-            continue
-        line = p.split("\n", 1)[0].rstrip()
-        if len(line) > 40:
-            cut = line.rfind(" ", 0, 41)
-            line = line[:cut] if cut >= 8 else line[:40]
-        if len(line.strip()) >= 8:
-            cands.append(line)
-    random.Random(seed).shuffle(cands)
-    return [cands[i % len(cands)] for i in range(n)]
-
 
 # ----------------------------------------------------------------------------- tokenizers
 
@@ -265,7 +193,7 @@ def _arith_batches(spec: ModelSpec, tok):
         ids = torch.full((spec.batch_size, spec.seq_len), pad)
         labels = torch.full_like(ids, -100)
         for i in range(spec.batch_size):
-            prompt, answer = arith.problem(rng)
+            prompt, answer = arith_problem(rng)
             seq = [vocab[c] for c in prompt + answer] + [eos]
             ids[i, : len(seq)] = torch.tensor(seq)
             labels[i, len(prompt): len(seq)] = ids[i, len(prompt): len(seq)]  # answer + eos only
@@ -380,9 +308,9 @@ def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
             "n_params": sum(p.numel() for p in model.parameters())}
     if spec.kind == "arith":
         rng = random.Random(spec.seed + 1_000_003)  # fresh problems, not the training stream
-        probs = [arith.problem(rng) for _ in range(500)]
+        probs = [arith_problem(rng) for _ in range(500)]
         for key, temp in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
-            rates = arith.solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
+            rates = solve_rates(model, probs, samples=1, temperature=temp, tok=tok)
             info[key] = sum(rates) / len(rates)
     from transformers.utils import logging as hf_logging
 
@@ -421,7 +349,7 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
 def ensure(name: str, cache: Path | None = None, progress: bool = True) -> Path:
     """The finished model directory for `name` (a testbed model, or a built-in pretrained one
     converted from its package), building it first if needed."""
-    from parity import pretrained
+    from parity.models import pretrained
     if name in pretrained.SOURCES:
         return pretrained.build(name, Path(cache or cache_dir()), progress=progress)
     return build(name, cache, progress=progress)
@@ -429,7 +357,7 @@ def ensure(name: str, cache: Path | None = None, progress: bool = True) -> Path:
 
 def known_models() -> list[str]:
     """Every name `--model` accepts besides a directory."""
-    from parity import pretrained
+    from parity.models import pretrained
     return [*SPECS, *pretrained.SOURCES]
 
 
@@ -453,3 +381,48 @@ def resolve_model(name_or_path: str, cache: Path | None = None) -> Path:
         raise ParityError(f"{path} is a file, not a model directory")
     raise ParityError(f"no model directory {name_or_path!r} and no built-in model of that name; "
                       f"built-in models: {', '.join(known_models())}")
+
+
+# ----------------------------------------------------------------------------- solve rates
+
+def solve_rates(model_or_dir, problems: list[tuple[str, str]], samples: int = 40,
+                temperature: float = 1.0, tok=None, seed: int = 0, batch: int | None = None,
+                prompt_ids: list[list[int]] | None = None,
+                on_batch: Callable[[int, int, int], None] | None = None) -> list[float]:
+    """Fraction of `samples` completions that solve each problem, sampled with parity's own
+    engine in fp32 (temperature 0 = greedy), exactly as the arith task then samples them.
+
+    prompt_ids: the prompts as the task will feed them (a chat template applied); default the
+        plain problem text.
+    batch: completions sampled together; default as many as keep one step's fp32 logits near
+        256 MB (4096 on the testbed's character vocabulary).
+    on_batch(done, total, solved): called after each batch with completions sampled so far and
+        how many were right; it may raise to stop early.
+    """
+    # torch and the engine load here, not at import: the testbed's listing and cache helpers
+    # import this module and must stay cheap.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from parity.engines import Sampling
+    from parity.engines.hf import HFEngine
+
+    model = model_or_dir
+    if isinstance(model_or_dir, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(model_or_dir)
+    if batch is None:
+        batch = max(samples, min(4096, 2 ** 26 // model.config.vocab_size))
+    engine = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id)
+    s = Sampling(temperature) if temperature > 0 else Sampling(1.0, top_k=1)
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = prompt_ids or [tok(p)["input_ids"] for p, _ in problems]
+    ids = [p for p in prompt_ids for _ in range(samples)]
+    right: list[bool] = []
+    for i in range(0, len(ids), batch):
+        r = engine.generate(ids[i: i + batch], 8, s, g)
+        texts = tok.batch_decode(r.completions(), skip_special_tokens=True)
+        right += [arith_correct(t, problems[(i + k) // samples][1]) for k, t in enumerate(texts)]
+        if on_batch is not None:
+            on_batch(len(right), len(ids), sum(right))
+    return [sum(right[j * samples:(j + 1) * samples]) / samples for j in range(len(problems))]

@@ -38,20 +38,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from parity import checkpoints, devices, distributed, lora, memory
+from parity import devices
 from parity import metric_names as mn
 from parity.config import Config, dump_yaml, engine_needs
 from parity.diagnostics import (
     Shadow,
     StepDiagnostics,
-    attribute,
     dump_table,
     exact_kl_of_rows,
     exact_kl_rows,
     kept_rows,
+    measure,
     write_dump,
 )
-from parity.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
 from parity.engines import (
     Engine,
     EngineSpec,
@@ -61,7 +60,10 @@ from parity.engines import (
     make_engine,
     stop_token_ids,
 )
-from parity.engines.scoring import (
+from parity.errors import ParityError
+from parity.files import LineLog, write_failure
+from parity.models import lora
+from parity.models.forward import (
     disable_dropout,
     pieces,
     score_full,
@@ -69,10 +71,7 @@ from parity.engines.scoring import (
     trimmed,
     widened,
 )
-from parity.errors import ParityError
-from parity.files import LineLog, write_failure
-from parity.loggers import MetricLoggers, check_backends
-from parity.metrics import StepPart, json_safe, mean_dicts, step_metrics
+from parity.models.precision import LossScaler, autocast, fp32_head, torch_dtype
 from parity.objectives import (
     OBJECTIVES,
     Loss,
@@ -86,17 +85,20 @@ from parity.objectives import (
     units,
     whiten,
 )
-from parity.precision import LossScaler, autocast, fp32_head, torch_dtype
-from parity.rollouts import Rollouts
-from parity.runs import (
-    RunClaim,
+from parity.runs import checkpoints, distributed, memory
+from parity.runs.dirs import (
+    DirLock,
     check_run_dir,
-    claim_run_dir,
-    load_model_and_task,
+    lock_run_dir,
     run_dir_for,
     set_aside_metrics,
     truncate_metrics,
 )
+from parity.runs.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
+from parity.runs.loggers import MetricLoggers, check_backends
+from parity.runs.model import load_model_and_task
+from parity.runs.sources import Rollouts
+from parity.runs.step_metrics import StepPart, json_safe, mean_dicts, step_metrics
 from parity.tasks import PromptSampler, Task
 from parity.ui import progress
 
@@ -321,9 +323,9 @@ def update(run: Run, data: StepData, epoch: int, start: int, u: Updates) -> None
         u.diag.add_exact_kl(kl)
     logp_pi, logp_s = batch.logp_pi.detach(), batch.logp_s
     eps_low, eps_high = run.objective.clip_range(cfg)
-    att = attribute(logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask, eps_low,
-                    eps_high, loss.clipped, sequence=run.objective.clip == "sequence")
-    u.diag.add(att, logp_pi, mb.engine_logprobs, adv, mb.completion_mask, first=first)
+    att = measure(u.diag, logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask,
+                  eps_low, eps_high, clipped=loss.clipped,
+                  sequence=run.objective.clip == "sequence", first=first)
     if u.dump_ids is not None:
         sample_ids, prompt_ids = u.dump_ids
         u.dump.append(dump_table(data.step, len(u.policy_losses), epoch, sample_ids[idx],
@@ -436,7 +438,7 @@ class Run:
     first_step: int
     fsdp: bool
     backends: list[str] = field(default_factory=list)
-    claim: RunClaim | None = None       # rank 0: the run directory, held for the run's life
+    claim: DirLock | None = None       # rank 0: the run directory, held for the run's life
 
 
 def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] | None,
@@ -504,7 +506,7 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
     error, restored, ctx, backends, claim = None, None, None, [], None
     if dist.main:
         try:
-            claim = claim_run_dir(run_dir, new=False) if resume else None
+            claim = lock_run_dir(run_dir, new=False) if resume else None
             restored = checkpoints.latest_valid(run_dir) if resume else None
             if not resume:
                 check_run_dir(run_dir)
@@ -528,8 +530,8 @@ def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
     return run_dir, restored, backends, ctx, claim
 
 
-def _start_run_dir(cfg: Config, run_dir: Path, model_dir: Path, task: Task) -> RunClaim:
-    claim = claim_run_dir(run_dir, new=True)
+def _start_run_dir(cfg: Config, run_dir: Path, model_dir: Path, task: Task) -> DirLock:
+    claim = lock_run_dir(run_dir, new=True)
     try:
         dump_yaml(cfg, run_dir / "config.yaml")
         (run_dir / "task.json").write_text(json.dumps(

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity import testbed  # noqa: E402
 from parity.cli import main as parity  # noqa: E402
 from parity.config import TASK_DEFAULTS, AuditSettings  # noqa: E402
-from parity.server_client import LocalVLLM  # noqa: E402
+from parity.engines.server import LocalVLLM  # noqa: E402
 
 TASK = "neg-length-chat"
 VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

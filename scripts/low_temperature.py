@@ -31,7 +31,7 @@ def main() -> int:
 
     from parity import testbed
     from parity.engines import EngineSpec, Sampling, make_engine
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     from test_low_temperature import TEMPERATURES, reference_logprobs
     from vllm_helpers import prompts_of
     model_dir = testbed.ensure(testbed.TEST_TEXT, progress=False)

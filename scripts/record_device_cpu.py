@@ -33,7 +33,7 @@ def main() -> int:
         os.environ["PARITY_CACHE"] = args.cache
     from parity import testbed
     from parity.config import make_config
-    from parity.testbed import cache_dir
+    from parity.files import cache_dir
     from parity.trainer import train
     from test_devices import CASES, REFERENCE, _settings
     cache = cache_dir()

@@ -3,7 +3,8 @@
     python scripts/reference_points.py [--check]
 
 Reads the committed audits (docs/reproduce/smollm2-135m/audits/, docs/data/live-server-audit.json,
-docs/reproduce/audits/) and writes parity/data/reference_points.json, which `parity.advice` ships
+docs/reproduce/audits/) and writes parity/data/reference_points.json, which
+`parity.audit.advice` ships
 with the package, and their table in docs/diagnostics.md (What to do). `--check` exits 1 when
 either differs from what the audits give, as tests/test_advice.py does: the figures are typed
 nowhere, only read.

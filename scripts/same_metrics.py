@@ -1,7 +1,9 @@
 """Do two runs' metrics.jsonl agree bit for bit, timing fields aside?
 
     python scripts/same_metrics.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl
+    python scripts/same_metrics.py AUDIT_A/audit.json AUDIT_B/audit.json
 
+An audit's figures (its `metrics` and its clip fractions over ε) count as one step, step 0.
 Prints a table of every field that differs (step, field, A, B) and exits 1 if any does, 0 if
 the two files hold the same steps with the same values. Fields that measure time (`time/*`,
 `throughput/*`, `async/wait_s`) are skipped: they differ between any two runs. Used to show
@@ -15,10 +17,17 @@ import json
 import sys
 from pathlib import Path
 
-TIMING = ("time/", "throughput/", "async/wait_s")
+TIMING = ("time/", "throughput/", "async/wait_s", "train_runtime", "train_samples_per_second",
+          "train_steps_per_second", "step_time")
 
 
 def load(path: Path) -> dict[int, dict]:
+    if path.suffix == ".json":  # an audit: its figures, one row
+        audit = json.loads(path.read_text())
+        row = dict(audit["metrics"])
+        for x in audit.get("phantom_vs_eps", []):
+            row.update({f"eps={x['eps']}/{k}": v for k, v in x.items() if k != "eps"})
+        return {0: row}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 

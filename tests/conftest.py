@@ -85,7 +85,7 @@ def chat_model(text_model, tmp_path_factory) -> Path:
     can apply the template itself)."""
     import shutil
 
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     d = tmp_path_factory.mktemp("chat-model")
     for f in text_model.iterdir():
         if f.is_file():

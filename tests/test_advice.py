@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from parity import advice
+from parity.audit import advice
 from parity.errors import ParityError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from parity.audit import AuditSettings, audit, scale
+from parity.audit.command import AuditSettings, audit, scale
 from parity.diagnostics import DUMP_COLUMNS
 
 pytestmark = pytest.mark.e2e
@@ -82,7 +82,7 @@ def test_rollouts_from_another_system_give_the_same_audit(sampled, tmp_path, tex
     `--rollouts` on it must measure the same β and clip fractions."""
     out, res = sampled
     t = pq.read_table(out / "tokens.parquet").to_pandas()
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     from parity.tasks import build_task
     model, tok = load_policy(text_model)
     task = build_task("neg-length", None, text_model, model, tok, 16, None, 0, 1.0)

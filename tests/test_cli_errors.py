@@ -344,7 +344,7 @@ def test_reward_and_config_files_that_are_not_utf8(env, capsys, monkeypatch):
     # A coding line is Python's own way to say latin-1: such a module is read as Python reads it.
     (env / "declared.py").write_bytes(b"# -*- coding: latin-1 -*-\nNAME = 'caf\xe9'\n"
                                       b"def ok(p, c, **k):\n    return [1.0] * len(c)\n")
-    from parity.tasks import load_reward
+    from parity.tasks.rewards import load_reward
     fn, _ = load_reward(f"{env / 'declared.py'}:ok")
     assert fn.__globals__["NAME"] == "caf\u00e9"
     (env / "c.yaml").write_bytes(b"lr: 0.1\nnote: caf\xe9\n")
@@ -509,7 +509,8 @@ def test_lora_settings_that_would_be_ignored_are_refused(tmp_path, text_model, a
 
 
 def test_testbed_list_never_cuts_a_name_and_has_json(cache):
-    from parity import pretrained, testbed
+    from parity import testbed
+    from parity.models import pretrained
     p = parity("testbed", "list")  # piped: no terminal width
     for name in [*testbed.SPECS, *pretrained.SOURCES]:
         assert f" {name} " in p.stdout, name

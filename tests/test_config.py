@@ -97,7 +97,8 @@ def test_dataset_task_needs_a_model():
 
 
 def test_task_default_models_are_testbed_models():
-    from parity import pretrained, testbed
+    from parity import testbed
+    from parity.models import pretrained
     for task, d in TASK_DEFAULTS.items():
         assert d["model"] in testbed.SPECS or d["model"] in pretrained.SOURCES, task
     assert TASK_DEFAULTS["neg-length"]["model"] == testbed.DEFAULT_TEXT

@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import save_file
 
 from cli_helpers import TINY_RUN, assert_user_error, cli
-from parity import files, lora
+from parity import files
 from parity.cli import main
 from parity.errors import ParityError
-from parity.runs import load_policy
+from parity.models import lora
+from parity.models.loading import load_policy
 
 RUN = TINY_RUN
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from cli_helpers import assert_user_error
-from parity import checkpoints
 from parity.cli import main
 from parity.errors import ParityError
-from parity.precision import LossScaler
-from parity.runs import load_policy
+from parity.models.loading import load_policy
+from parity.models.precision import LossScaler
+from parity.runs import checkpoints
 
 RUN = ["--model", "text-xs", "--prompts-per-step", "2", "--samples-per-prompt", "4",
        "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--report-to", "none"]
@@ -73,7 +73,7 @@ def test_checkpoints_path_that_stops_being_a_directory_mid_run_is_one_line(tmp_p
     code = f"""
 import shutil, sys
 from pathlib import Path
-from parity import checkpoints
+from parity.runs import checkpoints
 from parity.cli import main
 real = checkpoints.prune
 def prune(run, keep):

@@ -93,7 +93,7 @@ def test_a_run_makes_no_tensor_on_the_default_device(name, tmp_path, text_model,
 @pytest.mark.e2e
 def test_audit_and_fp16_check_make_no_tensor_on_the_default_device(tmp_path, text_model,
                                                                     monkeypatch):
-    import parity.audit as audit
+    import parity.audit.command as audit
     import parity.fp16_check as fp16_check
     for mod in (audit, fp16_check):
         def load_then_meta(*a, _load=mod.load_policy, **k):

@@ -17,7 +17,7 @@ from parity.diagnostics import (
     kl_estimates,
 )
 from parity.engines import Rollout, Sampling
-from parity.engines.scoring import score
+from parity.models.forward import score
 from parity.objectives import clip_predicate
 
 
@@ -328,12 +328,12 @@ def test_shadow_reproduces_engine_logprobs(text_model, dtype):
     prompts make decode steps whose products have 1-2 rows, where the old fp16 emulation's fp32
     GEMM summed in another order than in the shadow's many-row products: its gap here was 6e-5
     per token, against 1e-7 for bf16."""
-    from parity import testbed
     from parity.engines.hf import HFEngine
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.tasks.data import text_prompts
     torch.set_num_threads(1)
     model, tok = load_policy(text_model)
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(8, seed=0)]
+    prompts = [tok(p)["input_ids"] for p in text_prompts(8, seed=0)]
     engine = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
     shadow = Shadow(model, dtype, "fp32")
     s, g = Sampling(), torch.Generator().manual_seed(0)

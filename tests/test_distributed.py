@@ -308,6 +308,6 @@ def test_multiprocess_launch_without_a_rendezvous_is_a_user_error(tmp_path):
 
 def test_shards_tile_every_minibatch():
     """Rank r's share of minibatch m is the r-th slice of the one-process minibatch m."""
-    from parity.distributed import Dist
+    from parity.runs.distributed import Dist
     assert [Dist(r, 2).shard(8, 2) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert [Dist(r, 4).shard(8, 1) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]

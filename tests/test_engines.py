@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from parity.engines import Sampling, processed_logits
 from parity.engines.hf import HFEngine
-from parity.engines.scoring import score
+from parity.models.forward import score
 
 PROMPT = [3, 4, 5]
 
@@ -213,8 +213,8 @@ def test_engine_logprobs_match_trainer_forward_fp32_and_differ_in_bf16(text_mode
     a bf16 engine on the same weights disagrees: that gap is β's raw material."""
     model = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(text_model)
-    from parity import testbed
-    prompts = [tok(p)["input_ids"] for p in testbed.text_prompts(16, seed=0)]
+    from parity.tasks.data import text_prompts
+    prompts = [tok(p)["input_ids"] for p in text_prompts(16, seed=0)]
     diffs = {}
     for dtype in ("fp32", "bf16"):
         engine = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
@@ -263,7 +263,7 @@ def _attention_reference(q, k, v, mask, scaling):
 
 
 def test_engine_attention_against_a_float64_reference():
-    from parity.engines.attention import engine_attention
+    from parity.models.attention import engine_attention
     torch.manual_seed(0)
     module = torch.nn.Module().eval()
     B, H, kv, d, L = 2, 6, 2, 8, 9   # grouped-query: 3 query heads per key/value head

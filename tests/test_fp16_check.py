@@ -45,7 +45,7 @@ def one_error_line(p, *words):
 def scaled(text_model, tmp_path_factory):
     """Two copies of text-xs: one with a weight matrix past FP16's max, one whose weights all
     fit but whose final norm is scaled so the logits overflow."""
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     dirs = {}
     for kind, name, factor in (("weight", OVER, 1e6), ("activation", NORM, 3e4)):
         model, tok = load_policy(text_model)
@@ -201,7 +201,7 @@ def _paired(text_model, d, c: float):
     scale settles low (the norm's gradient must stay below 65504) and the head's smallest
     gradient values fall below 2**-24. A model whose gradients span that range is where fp16
     training really does lose some."""
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     model, tok = load_policy(text_model)
     with torch.no_grad():
         model.model.norm.weight.mul_(c)
@@ -214,13 +214,14 @@ def _paired(text_model, d, c: float):
 def _fp16_gradients(model_dir, scale: float) -> dict[str, torch.Tensor]:
     """The LM-loss gradient fp16 training computes (parity's fp16 autocast, loss scaled by
     `scale`), and fp32's, over the check's prompts."""
-    from parity import fp16_check, testbed
-    from parity.precision import autocast
-    from parity.runs import load_policy
+    from parity import fp16_check
+    from parity.models.loading import load_policy
+    from parity.models.precision import autocast
+    from parity.tasks.data import text_prompts
     out = {}
     for dtype, s in (("fp32", 1.0), ("fp16", scale)):
         model, tok = load_policy(model_dir)
-        ids = fp16_check._encode(tok, testbed.text_prompts(8), 512)
+        ids = fp16_check._encode(tok, text_prompts(8), 512)
         for x in ids:
             with autocast(dtype, torch.device("cpu"), "emulate"):
                 logits = model(input_ids=x, use_cache=False).logits
@@ -265,14 +266,14 @@ def test_a_model_the_check_passes_trains_in_fp16_as_in_fp32(text_model):
     scaling, fp32 master weights) against fp32: the same losses to 1e-4 (5e-5 measured), the same
     updates to 3% of their norm (1.8% at most measured: Adam divides each coordinate by its own
     scale, which magnifies fp16's rounding of the smallest gradients)."""
-    from parity import testbed
     from parity.fp16_check import _encode
-    from parity.precision import LossScaler, autocast
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.models.precision import LossScaler, autocast
+    from parity.tasks.data import text_prompts
     runs = {}
     for dtype in ("fp32", "fp16"):
         model, tok = load_policy(text_model)
-        ids = _encode(tok, testbed.text_prompts(8), 512)
+        ids = _encode(tok, text_prompts(8), 512)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         scaler = LossScaler(dtype, torch.device("cpu"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import TINY_RUN, assert_user_error, cli
-from parity import checkpoints
+from parity.runs import checkpoints
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cli_helpers import assert_user_error
-from parity.audit_inputs import read_prompts, read_rollouts
+from parity.audit.inputs import read_prompts, read_rollouts
 from parity.config import AuditSettings, Config, coerce, field_specs, load_yaml, make_config
 from parity.errors import ParityError
 from parity.reports import load_metrics

@@ -89,7 +89,7 @@ def test_fp16_overflow_is_skipped_on_cuda(tmp_path, text_model):
 
 def test_audit_and_fp16_check_on_cuda(tmp_path, text_model):
     from parity import fp16_check
-    from parity.audit import audit
+    from parity.audit.command import audit
     for engine in ("bf16", "fp16"):
         res = audit(AuditSettings(model="text-xs", task="neg-length", samples=32, group=4,
                                   engine_dtype=engine, progress=False, device="cuda"),

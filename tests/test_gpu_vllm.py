@@ -12,7 +12,7 @@ import torch
 from parity.config import RECIPES
 from parity.engines import Sampling
 from parity.engines.hf import HFEngine
-from parity.runs import load_policy
+from parity.models.loading import load_policy
 from vllm_helpers import moved_copy, prompts_of, resume, train, vllm_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]

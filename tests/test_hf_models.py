@@ -68,8 +68,8 @@ def _parity(*args, cwd: Path) -> subprocess.CompletedProcess:
 def data(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("data")
     (d / "rewards.py").write_text(REWARDS)
-    from parity import testbed
-    prompts = testbed.text_prompts(16)
+    from parity.tasks.data import text_prompts
+    prompts = text_prompts(16)
     with open(d / "chat.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt": [{"role": "system", "content": "Be brief."},
@@ -195,7 +195,8 @@ def test_neg_length_chat_asks_chat_questions(text_model, tmp_path):
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from parity.tasks import build_task, chat_questions
+    from parity.tasks import build_task
+    from parity.tasks.data import chat_questions
     tok = AutoTokenizer.from_pretrained(model)
     qs = chat_questions(256, seed=0)
     assert len({q[0]["content"] for q in qs}) > 100   # varied questions, not a few repeated

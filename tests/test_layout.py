@@ -16,9 +16,28 @@ EXPERIMENTS = "parity.experiments"
 # Who may run the trainer: the command line and the sweep (one training per worker).
 TRAINER_USERS = {"parity.cli", "parity.experiments.sweep"}
 # Commands the command line runs (each one a whole job). Components never reach up to them.
-COMMANDS = {"parity.trainer", "parity.audit", "parity.server_audit", "parity.fp16_check",
+COMMANDS = {"parity.trainer", "parity.audit.command", "parity.audit.server", "parity.fp16_check",
             "parity.reports"}
 MAX_LINES = 60
+# The library's layers, lowest first: a module imports only from its own layer or those below,
+# so the packages' directions hold (a module belongs to the longest prefix that names it).
+# CONTRIBUTING.md's "The layout" draws them.
+LAYERS = [
+    ("base", ["parity.errors", "parity.files", "parity.ui", "parity.devices",
+              "parity.metric_names"]),
+    # what the rest speaks in: task data, the rollout batch, the registries' entries, the
+    # run directory; none of them samples or trains
+    ("data", ["parity.tasks", "parity.engines.rollout", "parity.engines.abilities",
+              "parity.objectives", "parity.runs.distributed", "parity.runs.dirs",
+              "parity.runs.loggers"]),
+    ("models", ["parity.models", "parity.runs.memory", "parity.runs.checkpoints"]),
+    ("engines and settings", ["parity.engines", "parity.testbed", "parity.config"]),
+    ("measurement and run parts", ["parity.diagnostics", "parity.runs", "parity.reports"]),
+    ("commands and integrations", ["parity.trainer", "parity.audit", "parity.fp16_check",
+                                   "parity.integrations"]),
+    ("application", ["parity.experiments", "parity.cli", "parity.__main__", "parity"]),
+]
+TOP_LEVEL_LIMIT = 15
 
 
 def modules(root: Path = PKG) -> dict[str, ast.Module]:
@@ -115,6 +134,42 @@ def test_the_library_never_imports_an_experiment():
 def test_only_the_entry_points_import_the_trainer():
     users = {name for name, deps in graph(modules()).items() if "parity.trainer" in deps}
     assert users <= TRAINER_USERS, users - TRAINER_USERS
+
+
+def layer(name: str) -> int:
+    """The index in LAYERS of the longest prefix that names module `name`."""
+    best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+                if name == prefix or name.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{name} is in no layer of LAYERS"
+    return best[1]
+
+
+def test_every_module_named_here_exists():
+    known = set(modules())
+    named = (ENTRY_POINTS | TRAINER_USERS | COMMANDS
+             | {p for _, prefixes in LAYERS for p in prefixes})
+    assert named <= known, named - known
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert layer("parity.tasks.data") < layer("parity.engines.hf")
+    assert layer("parity.engines.rollout") < layer("parity.models.forward") < layer(
+        "parity.engines.hf")
+
+
+def test_the_packages_import_downward_only():
+    """Task data never reaches an engine, the models never reach a command, and so on up."""
+    found = sorted(f"{name} ({LAYERS[layer(name)][0]}) imports {dep} ({LAYERS[layer(dep)][0]})"
+                   for name, deps in graph(modules()).items()
+                   for dep in deps if layer(dep) > layer(name))
+    assert not found, found
+
+
+def test_few_modules_at_the_top():
+    """Concepts live in packages; the top of parity/ holds the command line and what every
+    package shares."""
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_LIMIT, top
 
 
 def test_components_never_import_a_command():

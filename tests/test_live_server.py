@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parity.cli import main
-from parity.server_client import LocalVLLM
+from parity.engines.server import LocalVLLM
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""One lock on every output directory (`runs.claim_dir`): of two commands started into one
+"""One lock on every output directory (`runs.lock_dir`): of two commands started into one
 --out, one proceeds and the other is refused in one line with nothing overwritten; a sweep
 never writes into another command's directory; Ctrl-C stops a sweep's queued runs and a rerun
 goes on from what finished; a killed run's metrics are read by `report` as `--resume` reads
@@ -19,7 +19,7 @@ import pytest
 
 from cli_helpers import TINY_RUN, assert_user_error, cli
 from parity.cli import main
-from parity.runs import claim_dir
+from parity.runs.dirs import lock_dir
 
 SWEEP = ["sweep", "--models", "text-xs", "--max-new-tokens", "8", "--prompts-per-step", "2",
          "--samples-per-prompt", "4", "--no-progress"]
@@ -38,7 +38,7 @@ def _listing(path: Path) -> dict[str, int]:
 def test_a_report_into_a_held_directory_is_refused_and_writes_nothing(tmp_path):
     run, out = tmp_path / "run", tmp_path / "out"
     _metrics(run, 3)
-    with claim_dir(out, "report --out"):   # another parity command writing `out`
+    with lock_dir(out, "report --out"):   # another parity command writing `out`
         p = cli("report", str(run), "--out", str(out))
         assert_user_error(p, f"report --out {out} is in use by another parity run")
         assert list(out.iterdir()) == []
@@ -49,7 +49,7 @@ def test_a_report_into_a_held_directory_is_refused_and_writes_nothing(tmp_path):
 
 def test_a_reproduction_into_a_held_or_foreign_directory_is_refused(tmp_path):
     out = tmp_path / "repro"
-    with claim_dir(out, "reproduce --out"):
+    with lock_dir(out, "reproduce --out"):
         p = cli("reproduce", "--quick", "--out", str(out), "--no-progress")
         assert_user_error(p, f"reproduce --out {out} is in use by another parity run")
         assert list(out.iterdir()) == []
@@ -65,12 +65,12 @@ def test_a_reproduction_into_a_held_or_foreign_directory_is_refused(tmp_path):
 def test_a_claim_refused_leaves_no_directory_it_made(tmp_path):
     out = tmp_path / "new"
     with pytest.raises(RuntimeError):
-        with claim_dir(out, "audit --out", empty=True):
+        with lock_dir(out, "audit --out", empty=True):
             raise RuntimeError("the command failed before writing")
     assert not out.exists()
     kept = tmp_path / "kept"
     with pytest.raises(RuntimeError):
-        with claim_dir(kept, "audit --out", empty=True):
+        with lock_dir(kept, "audit --out", empty=True):
             (kept / "audit.json").write_text("{}")
             raise RuntimeError("the command failed after writing")
     assert (kept / "audit.json").is_file()   # work written is never removed by the claim
@@ -224,5 +224,5 @@ def test_report_reads_a_killed_runs_torn_last_line_as_resume_does(tmp_path):
     assert p.returncode == 0, p.stderr
     assert f"parity: warning: {run / 'metrics.jsonl'}: line 5 could not be read" in p.stderr
     assert "<td>4</td>" in (tmp_path / "out" / "report.html").read_text()
-    from parity.runs import metrics_lines
+    from parity.runs.dirs import metrics_lines
     assert [x.row["step"] for x in metrics_lines(run / "metrics.jsonl") if x.row] == [1, 2, 3, 4]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity import lora
 from parity.config import RECIPES, make_config
 from parity.errors import ParityError
+from parity.models import lora
 from parity.trainer import train
 
 pytestmark = pytest.mark.e2e
@@ -78,8 +78,8 @@ def _weights(model):
 def test_the_engine_holds_the_adapted_weights_cast_as_chosen(merge, arith_model):
     """Merged: each adapted layer's weight is W + (alpha/r) B A, summed exactly (float64 here)
     and rounded once to bf16. Unmerged: the base and each adapter rounded to bf16 apart."""
-    from parity.precision import low_precision_copy
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.models.precision import low_precision_copy
     model, _ = load_policy(arith_model)
     torch.manual_seed(0)
     peft_model = lora.wrap(model, 4, 8.0, "all-linear", merge, torch.float32)
@@ -150,7 +150,7 @@ def test_audit_of_a_base_plus_an_adapter(tmp_path, arith_model):
     """`parity audit --model BASE --adapter DIR` audits the adapted model: a LoRA checkpoint's
     adapters, audited with an fp32 engine, agree with the trainer to kernel noise, and with a
     bf16 engine show the bf16 gap."""
-    from parity.audit import audit
+    from parity.audit.command import audit
     from parity.config import AuditSettings
     out, _ = _run(tmp_path, "a", steps=3)
     adapter = out / "checkpoints" / "step-3"

@@ -16,7 +16,7 @@ from cli_helpers import assert_user_error
 from parity.config import AuditSettings, make_config
 from parity.engines import EngineNeeds, EngineSpec, Sampling, check_engine, make_engine
 from parity.errors import ParityError
-from parity.runs import load_policy
+from parity.models.loading import load_policy
 from vllm_helpers import prompts_of
 
 TEMPERATURES = (1e-6, 1e-4, 0.01, 1.0)

@@ -87,7 +87,7 @@ def test_every_recorded_runs_keys_are_registered():
 
 @pytest.mark.e2e
 def test_every_key_a_run_and_an_audit_write_is_registered(tmp_path, text_model):
-    from parity.audit import audit
+    from parity.audit.command import audit
     from parity.config import AuditSettings, make_config
     from parity.trainer import train
     out = train(make_config({**TINY, "steps": 2, "diagnostics": True, "kl_exact_rows": 2,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from parity.config import RECIPES, make_config
-from parity.engines.scoring import pieces, trimmed
+from parity.models.forward import pieces, trimmed
 from parity.trainer import train
 
 BASE = dict(task="neg-length", model="text-xs", recipe="fp32", steps=2, prompts_per_step=4,
@@ -145,8 +145,8 @@ def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
     """The LM head sees at most `chunk` positions of a forward with gradient at a time."""
     from parity.engines import Sampling
     from parity.engines.hf import HFEngine
-    from parity.engines.scoring import score_full
-    from parity.runs import load_policy
+    from parity.models.forward import score_full
+    from parity.models.loading import load_policy
     model, tok = load_policy(text_model)
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         [tok("the cat")["input_ids"]] * 3, 10, Sampling(), torch.Generator().manual_seed(0))
@@ -189,9 +189,9 @@ def test_pieces_cover_the_batch_in_order():
 def test_a_run_too_big_for_memory_says_which_setting_to_change(text_model, monkeypatch):
     import re
 
-    from parity import memory
     from parity.errors import ParityError
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.runs import memory
     cfg = make_config({**BASE, "prompts_per_step": 16, "samples_per_prompt": 8,
                        "max_new_tokens": 64, "minibatches": 1}).validate()
     model, _ = load_policy(text_model)
@@ -218,7 +218,7 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
     rollout depends on it)."""
     from parity.engines import Sampling
     from parity.engines.hf import HFEngine
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     model, tok = load_policy(text_model)
     eng = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
     prompts = [tok(p)["input_ids"] for p in ("the cat", "a", "import os and then", "x y")] * 3
@@ -274,8 +274,8 @@ def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from parity.engines import Rollout, Sampling
-    from parity.engines.scoring import score_full
     from parity.errors import ParityError
+    from parity.models.forward import score_full
     with pytest.raises(ParityError, match="micro_batch=3: objective=online-dpo pairs completions "
                                           "of one prompt"):
         make_config({**BASE, "objective": "online-dpo", "micro_batch": 3}).validate()
@@ -298,14 +298,16 @@ def test_arith_refuses_a_model_that_cannot_do_it_after_its_first_problems(text_m
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from parity.errors import ParityError
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     from parity.tasks import ARITH_CANDIDATES, ARITH_PROBE, arith_rows
+    from parity.testbed import solve_rates
     _, tok = load_policy(text_model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(text_model)).eval()
     model.save_pretrained(tmp_path / "untrained")
     with pytest.raises(ParityError, match=r"solved none of the first \d+ problems") as e:
-        arith_rows(tmp_path / "untrained", model, tok, 0, 1.0, cache=tmp_path, progress=False)
+        arith_rows(tmp_path / "untrained", model, tok, 0, 1.0, solve_rates, cache=tmp_path,
+                   progress=False)
     n = int(re.search(r"first (\d+) problems", str(e.value)).group(1))
     assert ARITH_PROBE <= n < ARITH_CANDIDATES
     assert not list(tmp_path.glob("tasks/*.json"))  # nothing cached for a refused model

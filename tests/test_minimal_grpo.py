@@ -25,7 +25,7 @@ SETTINGS = dict(steps=3, prompts_per_step=2, samples_per_prompt=4, max_new_token
                 seed=0, threads=1)
 # Compared exactly: both sides run the same operations in the same order on the same tokens.
 # Where the script attends with transformers' eager attention, parity's engine and shadow attend
-# with its own (parity/engines/attention.py): the same arithmetic, for a model without
+# with its own (parity/models/attention.py): the same arithmetic, for a model without
 # grouped-query heads (text-xs) on the very same products.
 SAME = ("reward/mean", "completion/len_mean", "clip/frac", "clip/phantom_frac",
         "clip/hidden_frac", "clip/alpha_frac", "mismatch/beta_abs_mean", "mismatch/beta_mean",
@@ -49,10 +49,10 @@ def _flags(**kw) -> list[str]:
 
 @pytest.mark.e2e
 def test_the_script_reports_what_parity_train_logs(text_model, tmp_path):
-    from parity import testbed
+    from parity.tasks.data import text_prompts
     prompts = tmp_path / "prompts.jsonl"  # the neg-length task's rows, in the task's order
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
-                               for p in testbed.text_prompts(256, seed=SETTINGS["seed"])))
+                               for p in text_prompts(256, seed=SETTINGS["seed"])))
     # Both at once, one thread each, as a user would run them.
     script = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--model", str(text_model), "--prompts", str(prompts),

@@ -130,7 +130,7 @@ def test_a_crashed_run_leaves_its_directory_free_to_resume(tmp_path, text_model)
 
 def test_a_run_refused_by_the_memory_check_leaves_no_directory(tmp_path, text_model,
                                                                 monkeypatch, capsys):
-    from parity import memory
+    from parity.runs import memory
     monkeypatch.setattr(memory, "available", lambda device=None: 2 ** 20)
     out = tmp_path / "run"
     assert main(["train", *RUN, "--steps", "2", "--out", str(out)]) == 2
@@ -153,7 +153,7 @@ def test_a_lora_rank_beyond_ulimit_is_refused_before_anything_is_allocated(tmp_p
 
 OOM = textwrap.dedent("""
     import resource, sys
-    from parity import memory
+    from parity.runs import memory
     from parity.cli import main
     # The check misjudges (its figure is a guide): the allocation itself must fail cleanly.
     memory.available = lambda device=None: 1e15
@@ -191,10 +191,10 @@ def test_a_resume_after_config_yaml_names_another_model_is_one_line(tmp_path, fo
 def test_a_run_far_beyond_memory_is_refused_naming_the_setting(text_model, monkeypatch):
     """Beyond twice the memory free the estimate cannot be that wrong (docs/performance.md):
     refused before anything is written, naming the setting and the value that fits."""
-    from parity import memory
     from parity.config import make_config
     from parity.errors import ParityError
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.runs import memory
     model, _ = load_policy(text_model)
     cfg = make_config({"model": "text-xs", "prompts_per_step": 64, "samples_per_prompt": 16,
                        "max_new_tokens": 128}).validate()

@@ -2,7 +2,7 @@
 
 import torch
 
-from parity.precision import LossScaler, cast_weights_into
+from parity.models.precision import LossScaler, cast_weights_into
 
 
 def _model():
@@ -77,7 +77,7 @@ def test_fp16_matmul_emulation_is_fp16_numerics():
     fp16 (tensor-core numerics), within one fp16 ulp; and agree with torch's native CPU kernel."""
     import torch.nn.functional as F
 
-    from parity.precision import FP16MatmulOnCPU, autocast
+    from parity.models.precision import FP16MatmulOnCPU, autocast
     torch.manual_seed(0)
     x, w = torch.randn(64, 96), torch.randn(48, 96)
     x16, w16 = x.half(), w.half()
@@ -104,7 +104,7 @@ def test_fp16_matmul_emulation_writes_into_out():
     """`torch.mm(a, b, out=tile)` (TRL's chunked log-prob kernel fills tiles this way) gets
     the fp16 product in `tile` itself; before the fix the emulation wrote into a temporary and
     left `tile` uninitialised."""
-    from parity.precision import FP16MatmulOnCPU
+    from parity.models.precision import FP16MatmulOnCPU
     torch.manual_seed(1)
     a, b = torch.randn(8, 32).half(), torch.randn(32, 16).half()
     ref = (a.double() @ b.double()).half()
@@ -125,7 +125,7 @@ def test_fp16_emulation_gives_a_row_the_same_result_in_any_batch():
     gap |α| came out 700x bf16's on SmolLM2-135M."""
     import torch.nn.functional as F
 
-    from parity.precision import FP16MatmulOnCPU
+    from parity.models.precision import FP16MatmulOnCPU
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 576, generator=g).half()
     w = torch.randn(1536, 576, generator=g).half()

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from parity import pretrained
 from parity.errors import ParityError
+from parity.models import pretrained
 
 _CORPUS = ["the quick brown fox jumps over the lazy dog", "what is twelve plus seven",
            "a small model answers questions", "numbers like 12 and 7 add up to 19"] * 8
@@ -125,7 +125,7 @@ def small_gguf(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_conversion_gives_back_the_model_and_tokenizer(small_gguf, tmp_path):
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     path, reference, tok = small_gguf
     info = pretrained.convert_gguf(path, tmp_path / "out", progress=False)
     stamp = json.loads((tmp_path / "out" / "pretrained.json").read_text())
@@ -148,7 +148,7 @@ def test_conversion_gives_back_the_model_and_tokenizer(small_gguf, tmp_path):
 
 @pytest.mark.e2e
 def test_bf16_rounded_variant_holds_the_conversion_rounded_to_bf16(small_gguf, tmp_path):
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
     path, _, _ = small_gguf
     pretrained.convert_gguf(path, tmp_path / "fp32", progress=False)
     info = pretrained.convert_gguf(path, tmp_path / "bf16", progress=False, round_to="bf16")

@@ -90,7 +90,7 @@ def test_the_audit_path_prints_a_verdict_and_writes_its_page(chat_model, tmp_pat
 @pytest.mark.e2e
 def test_the_audit_path_against_a_running_vllm_server(chat_model, vllm_ready, tmp_path):
     """The same command with the README's `--server URL` added, against a real vLLM server."""
-    from parity.server_client import LocalVLLM
+    from parity.engines.server import LocalVLLM
     addition = re.search(r"add `(--server http://\S+)`", path_text(PATHS[0])).group(1)
     server = LocalVLLM(chat_model, "bfloat16", tmp_path / "vllm.log", max_model_len=128,
                        kv_cache_bytes=256 << 20)

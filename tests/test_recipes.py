@@ -10,7 +10,7 @@ import torch
 
 from parity.config import RECIPES, make_config
 from parity.engines import Rollout, Sampling
-from parity.engines.scoring import score
+from parity.models.forward import score
 from parity.objectives import OBJECTIVES, log_ratio
 from parity.trainer import train
 

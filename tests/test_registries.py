@@ -83,7 +83,7 @@ class NoCacheEngine:
     same processed distribution, so in fp32 it samples what the hf engine samples."""
 
     def __init__(self, master, dtype, eos_ids, pad_id):
-        from parity.precision import low_precision_copy
+        from parity.models.precision import low_precision_copy
         self.model = low_precision_copy(master, dtype)
         self.dtype, self.pad_id, self.version, self.eos_ids = dtype, pad_id, 0, list(eos_ids)
 
@@ -92,7 +92,7 @@ class NoCacheEngine:
         return next(self.model.parameters()).device
 
     def sync(self, master):
-        from parity.precision import cast_weights_into
+        from parity.models.precision import cast_weights_into
         self.version += 1
         return cast_weights_into(master, self.model)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from parity.checkpoints import steps_on_disk, verify
 from parity.cli import main
+from parity.runs.checkpoints import steps_on_disk, verify
 
 pytestmark = pytest.mark.e2e
 

@@ -1,5 +1,5 @@
-"""How parity calls a reward function (parity/tasks.py): each call gets its own copies of the
-prompts, completions, token ids and columns, as a function may consume or change them, and an
+"""How parity calls a reward function (parity/tasks/rewards.py): each call gets its own copies of
+the prompts, completions, token ids and columns, as a function may consume or change them, and an
 `async def` reward is awaited, as TRL awaits one."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import warnings
 import pytest
 
 from parity.errors import ParityError
-from parity.tasks import Reward, Task
+from parity.tasks import Task
+from parity.tasks.rewards import Reward
 
 COMPLETIONS = ["ab", "c", "def", ""]
 IDS = [[5, 6], [7], [8, 9, 10], [0]]

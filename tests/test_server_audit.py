@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli_helpers import assert_user_error
-from parity.audit import audit
+from parity.audit.command import audit
 from parity.cli import main
 from parity.config import AuditSettings
-from parity.runs import load_policy
+from parity.models.loading import load_policy
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""parity's one HTTP client (parity/server_client.py) against real HTTP servers on loopback that
+"""parity's one HTTP client (parity/engines/server.py) against real HTTP servers on loopback that
 answer as a misbehaving server or gateway does: a total deadline per answer, no redirect
 followed to another address, and every field parity reads checked, each a one-line ParityError
 naming the endpoint (docs/errors.md). No model is loaded: the fast tier."""
@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from parity.cli import main
+from parity.engines.server import Server, request
 from parity.errors import ParityError
 from parity.integrations.weight_sync import DirectoryWeightTransfer
 from parity.integrations.weight_sync import Server as VLLMServer
-from parity.server_client import Server, request
 
 MODELS = {"object": "list", "data": [{"id": "m", "root": "m", "max_model_len": 512}]}
 

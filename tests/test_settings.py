@@ -14,6 +14,7 @@ import pytest
 
 from parity import config
 from parity.config import AuditSettings, Config, check_fields, coerce, field_specs, make_config
+from parity.config import fields as config_fields
 from parity.errors import ParityError
 
 # Numbers with no bound of their own: max_grad_norm <= 0 disables clipping, and sync_every's
@@ -30,7 +31,7 @@ def _numbers(cls=Config) -> list[str]:
     return [n for n, sp in field_specs(cls).items() if sp.kind in (int, float)]
 
 
-def _outside(r: config.Range, kind: type) -> list[float]:
+def _outside(r: config_fields.Range, kind: type) -> list[float]:
     step = 1 if kind is int else 0.5
     out = []
     if r.ge is not None:
@@ -132,8 +133,8 @@ def test_a_new_config_field_becomes_a_train_flag(monkeypatch, capsys):
 
     @dataclasses.dataclass
     class Bigger(Config):
-        new_knob: float = config._f(0.5, "A field added by this test: it must reach the CLI.",
-                                    gt=0)
+        new_knob: float = config_fields._f(
+            0.5, "A field added by this test: it must reach the CLI.", gt=0)
     monkeypatch.setattr(config, "Config", Bigger)
     p = build_parser()
     args = p.parse_args(["train", "--new-knob", "0.7"])

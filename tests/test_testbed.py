@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity import arith
 from parity import testbed as tb
 from parity.errors import ParityError
+from parity.files import cache_dir
+from parity.tasks.data import arith_correct, arith_problem, text_corpus, text_prompts
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +80,7 @@ def test_arith_model_is_partially_trained(arith_dir):
     assert 0 < info["greedy_accuracy"] < 1 and 0 < info["sampled_accuracy"] < 1
     torch.manual_seed(0)
     rng = random.Random(7)
-    rates = arith.solve_rates(arith_dir, [arith.problem(rng) for _ in range(60)], samples=40)
+    rates = tb.solve_rates(arith_dir, [arith_problem(rng) for _ in range(60)], samples=40)
     assert any(0.2 <= r <= 0.8 for r in rates)  # the arith task needs problems in this band
 
 
@@ -87,7 +88,7 @@ def test_arith_model_is_partially_trained(arith_dir):
 def test_text_model_ends_samples_with_eos(text_dir):
     tok = AutoTokenizer.from_pretrained(text_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(text_dir)
-    enc = tok(tb.text_prompts(64), return_tensors="pt", padding=True)
+    enc = tok(text_prompts(64), return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with torch.no_grad():
         out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -172,35 +173,35 @@ def test_resolve_model_errors_name_the_problem(tmp_path):
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("PARITY_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert tb.cache_dir() == tmp_path / "xdg" / "parity"
+    assert cache_dir() == tmp_path / "xdg" / "parity"
     monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "pc"))
-    assert tb.cache_dir() == tmp_path / "pc"
+    assert cache_dir() == tmp_path / "pc"
     monkeypatch.delenv("PARITY_CACHE")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert tb.cache_dir() == tmp_path / "home" / ".cache" / "parity"
+    assert cache_dir() == tmp_path / "home" / ".cache" / "parity"
 
 
 def test_arith_problems_are_well_formed():
     rng = random.Random(0)
     for _ in range(200):
-        prompt, answer = arith.problem(rng)
+        prompt, answer = arith_problem(rng)
         m = re.fullmatch(r"(\d{1,3})\+(\d{1,3})=", prompt)
         assert m and int(answer) == int(m[1]) + int(m[2])
-    assert arith.problem(random.Random(3)) == arith.problem(random.Random(3))
+    assert arith_problem(random.Random(3)) == arith_problem(random.Random(3))
 
 
 def test_arith_grading_is_exact_match_of_the_stripped_completion():
-    assert arith.correct(" 95\n", "95")
-    assert not arith.correct("095", "95") and not arith.correct("95 1", "95")
+    assert arith_correct(" 95\n", "95")
+    assert not arith_correct("095", "95") and not arith_correct("95 1", "95")
 
 
 def test_corpus_and_prompts_are_deterministic_and_held_out():
-    corpus = tb.text_corpus()
-    assert corpus == tb.text_corpus() and corpus != tb.text_corpus(seed=1)
+    corpus = text_corpus()
+    assert corpus == text_corpus() and corpus != text_corpus(seed=1)
     assert all(20 <= len(p) for p in corpus)
-    prompts = tb.text_prompts(50)
-    assert prompts == tb.text_prompts(50) and len(prompts) == 50
+    prompts = text_prompts(50)
+    assert prompts == text_prompts(50) and len(prompts) == 50
     assert all(8 <= len(p.strip()) and len(p) <= 40 for p in prompts)
     train_text = "\n".join(corpus)
     assert sum(p in train_text for p in prompts) < len(prompts)  # prompts come from held-out text

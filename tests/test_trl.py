@@ -37,10 +37,10 @@ def _trainer(model_dir, tmp_path, recipe="bf16-engine", steps=3, eps=0.2, lr=1e-
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from parity import testbed
+    from parity.tasks.data import text_prompts
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ds = datasets.Dataset.from_list([{"prompt": p} for p in testbed.text_prompts(64)])
+    ds = datasets.Dataset.from_list([{"prompt": p} for p in text_prompts(64)])
     base = dict(output_dir=str(tmp_path / "trl"), use_cpu=True, per_device_train_batch_size=16,
                 num_generations=4, max_completion_length=16, max_steps=steps, logging_steps=1,
                 report_to=[], learning_rate=lr, save_strategy="no", seed=0, epsilon=eps,
@@ -239,8 +239,8 @@ def test_prompts_that_leave_no_room_for_the_completion_are_refused_at_constructi
     tok = AutoTokenizer.from_pretrained(text_model)
     import datasets
 
-    from parity import testbed
-    long = tok.decode(tok(" ".join(testbed.text_prompts(64)))["input_ids"][:250])
+    from parity.tasks.data import text_prompts
+    long = tok.decode(tok(" ".join(text_prompts(64)))["input_ids"][:250])
     t = _trainer(text_model, tmp_path, max_completion_length=16)
     with pytest.raises(ParityError, match=r"^eval_dataset row 1: prompt is \d+ tokens; with "
                                           r"max_completion_length=16"):
@@ -257,7 +257,7 @@ def test_trl_peft_config_trains_adapters_that_the_engine_samples_from(text_model
     log."""
     from peft import LoraConfig
 
-    from parity import lora
+    from parity.models import lora
     trainer = _trainer(text_model, tmp_path, steps=2, lr=1e-2,
                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     master = trainer.accelerator.unwrap_model(trainer.model)

@@ -33,7 +33,7 @@ from parity.integrations.weight_sync import (  # noqa: E402
     named_tensors,
     reference_logprobs,
 )
-from parity.precision import low_precision_copy  # noqa: E402
+from parity.models.precision import low_precision_copy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -76,9 +76,9 @@ def server(chat_model, tmp_path_factory):
 def _dataset(n=32):
     import datasets
 
-    from parity import testbed
+    from parity.tasks.data import text_prompts
     return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}]}
-                                       for p in testbed.text_prompts(n)])
+                                       for p in text_prompts(n)])
 
 
 def _trainer(chat_model, url, tmp_path, recipe="bf16-engine", steps=2, lr=1e-3,

@@ -12,8 +12,8 @@ import torch
 
 from parity.engines import Engine, Sampling
 from parity.engines.hf import HFEngine
-from parity.engines.scoring import score
-from parity.runs import load_policy as load_model
+from parity.models.forward import score
+from parity.models.loading import load_policy as load_model
 from vllm_helpers import moved_copy, prompts_of, resume, train, vllm_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
@@ -160,7 +160,7 @@ def test_scoring_follows_the_master_across_optimizer_steps(master, engine):
 
 def test_vllm_scores_with_the_raw_model_whatever_the_sampling(master, engine):
     """Why an engine-scored shadow with vLLM is refused at T != 1 or with top-p/top-k
-    (parity/config.py): vLLM's prompt log-probs are the raw model's, not the processed
+    (parity/config/run.py): vLLM's prompt log-probs are the raw model's, not the processed
     distribution ℓ_μ was sampled from."""
     model, tok = master
     s = Sampling(0.7, 1.0, 0)

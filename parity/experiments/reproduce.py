@@ -141,7 +141,7 @@ KL_ROWS = 8
 def _audit(plan: ReproductionPlan, engine: str, out: Path, progress: bool,
            model: str | None = None, task: str = "neg-length", tokens: int | None = None,
            temperature: float = AuditSettings.temperature) -> dict[str, Any]:
-    from parity.audit import audit
+    from parity.audit.command import audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
     # neg-length at the length it trains with; a built-in task's own length otherwise
@@ -172,7 +172,7 @@ def calibrated_eps(audit: dict[str, Any]) -> tuple[float, bool]:
 
 def _scale(plan: ReproductionPlan, out: Path, progress: bool, done: dict[str, dict]
            ) -> dict[str, Any]:
-    from parity.audit import scale
+    from parity.audit.command import scale
     if (out / "scale.json").is_file():
         return read_json(out / "scale.json", "earlier scale audit")
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
@@ -225,7 +225,7 @@ def beta_by_position(tokens: Path, bins: list[int]) -> list[dict[str, float]]:
 
 def extrapolate(xy: list[tuple[float, float]], target: float) -> dict[str, Any]:
     """|β| at `target` along the log-log fit of the measured (axis value, |β|) points."""
-    from parity.audit import fit_loglog
+    from parity.audit.command import fit_loglog
     fit = fit_loglog([x for x, _ in xy], [y for _, y in xy])
     at = None if fit is None else 10 ** (fit["intercept"] + fit["slope"] * math.log10(target))
     return {"points": [list(p) for p in xy], "target": target,

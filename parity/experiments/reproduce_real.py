@@ -84,7 +84,7 @@ AUDITS = {"bf16": ("bf16", False), "fp16": ("fp16", False), "bf16-fp32-head": ("
 
 
 def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -> dict[str, Any]:
-    from parity.audit import AuditSettings, audit
+    from parity.audit.command import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
     return audit(AuditSettings(model=plan.model, engine=plan.engine, engine_dtype=engine,
@@ -305,8 +305,8 @@ def _ties_claim(ties: float | None, bf: list[dict], cb: list[dict]) -> C.Claim:
 def _ties(model: str) -> float:
     """Share of the model's weights exactly halfway between two bf16 values."""
     from parity import testbed
-    from parity.pretrained import _bf16_ties
-    from parity.runs import load_policy
+    from parity.models.loading import load_policy
+    from parity.models.pretrained import _bf16_ties
     return _bf16_ties(load_policy(testbed.resolve_model(model))[0])
 
 

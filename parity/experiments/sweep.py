@@ -99,7 +99,7 @@ def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
 def finished(run: RunSpec) -> bool:
     """A run is finished when its last step is logged and its final checkpoint is in place."""
     from parity.config import make_config
-    from parity.runs import metrics_lines
+    from parity.runs.dirs import metrics_lines
     steps = make_config(dict(run.explicit)).steps
     metrics = run.path / "metrics.jsonl"
     if not (run.path / "checkpoints" / f"step-{steps}").is_dir() or not metrics.is_file():
@@ -125,8 +125,8 @@ def _set_aside(path: Path) -> Path:
 def _copy_earlier(run: RunSpec, earlier: Path) -> bool:
     """Start `run` as a copy of the same-named run of the sweep in `earlier`, to be resumed;
     False where that run has no checkpoint to go on from (the run then starts afresh)."""
-    from parity import checkpoints
     from parity.config import dump_yaml, make_config
+    from parity.runs import checkpoints
     src = earlier / "runs" / run.name
     if not src.is_dir() or checkpoints.latest_valid(src) is None:
         return False
@@ -208,8 +208,8 @@ def _die_with_parent(parent: int) -> None:
 
 def _cost(run: RunSpec) -> float:
     """A run's expected time relative to its grid's others, to start the longest first: fp16
-    on the CPU is emulated (parity/precision.py) and a step takes ~2.5× an fp32 or bf16 one on
-    SmolLM2-135M (docs/performance.md). With a pool of 2, a long run started last leaves one
+    on the CPU is emulated (parity/models/precision.py) and a step takes ~2.5× an fp32 or bf16
+    one on SmolLM2-135M (docs/performance.md). With a pool of 2, a long run started last leaves one
     worker idle for most of its length."""
     from parity.config import make_config
     cfg = make_config(dict(run.explicit))
@@ -231,14 +231,14 @@ def _workers(spec: SweepSpec, n_runs: int) -> int:
 
 def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = True
               ) -> dict[str, Any]:
-    """Run the grid into `out`, held for the sweep's length (`runs.claim_dir`): a second sweep
+    """Run the grid into `out`, held for the sweep's length (`runs.lock_dir`): a second sweep
     into it is refused before it sets aside, or starts, any run the first one is training."""
-    from parity.runs import claim_dir, refuse_other_output
+    from parity.runs.dirs import lock_dir, refuse_other_output
     runs = plan(spec, out)
     for path in (out, out / "runs"):  # the directory given, then where the runs go
         ensure_writable(path, "sweep --out")
     refuse_other_output(out, "a sweep", "sweep --out")
-    with claim_dir(out, "sweep --out"):
+    with lock_dir(out, "sweep --out"):
         refuse_other_output(out, "a sweep", "sweep --out")  # written before it was held
         return _claimed_sweep(spec, runs, out, progress, report)
 
@@ -297,7 +297,7 @@ def _earlier_summary(out: Path) -> dict[str, Any]:
 
 def _prebuild(todo: list[RunSpec]) -> None:
     from parity.config import make_config
-    from parity.runs import load_model_and_task
+    from parity.runs.model import load_model_and_task
     seen = set()
     for r in todo:
         cfg = make_config(dict(r.explicit))

@@ -38,7 +38,7 @@ vLLM returns processed log-probs in the recipe's engine precision.
 
 Trainer precision is GRPOConfig's (`bf16=True`, `fp16=True`). On CPU accelerate silently runs
 `fp16=True` in fp32, so parity supplies what it leaves out: fp16 autocast (tensor-core numerics
-emulated, parity/precision.py, also in gradient checkpointing's recomputation) and a dynamic
+emulated, parity/models/precision.py, also in gradient checkpointing's recomputation) and a dynamic
 loss scaler on accelerate's own hooks.
 """
 
@@ -66,8 +66,7 @@ from parity.config import (
     quoted,
     shared,
 )
-from parity.diagnostics import StepDiagnostics, attribute
-from parity.distributed import Dist
+from parity.diagnostics import StepDiagnostics, measure
 from parity.engines import (
     EngineSpec,
     Rollout,
@@ -77,8 +76,6 @@ from parity.engines import (
     positions,
     refuse_unable,
 )
-from parity.engines.attention import ENGINE_ATTENTION
-from parity.engines.scoring import disable_dropout
 from parity.errors import ParityError
 from parity.integrations import trl_vllm
 from parity.integrations.trl_sampling import (
@@ -88,14 +85,16 @@ from parity.integrations.trl_sampling import (
     token_logps,
     warn_bypassed,
 )
-from parity.objectives import clipped_tokens
-from parity.precision import (
+from parity.models.attention import ENGINE_ATTENTION
+from parity.models.forward import disable_dropout
+from parity.models.loading import max_positions
+from parity.models.precision import (
     cast_weights_into,
     checkpoint_under_emulation,
     fp16_kernels,
     low_precision_copy,
 )
-from parity.runs import max_positions
+from parity.runs.distributed import Dist
 from parity.tasks import check_fits
 
 try:
@@ -477,24 +476,18 @@ class ParityGRPOTrainer(GRPOTrainer):
         pi, s, mu = call["pi"].float().cpu(), call["s"].float().cpu(), mu.float().cpu()
         adv = inputs["advantages"].float().cpu()
         pi, s, mu = pi * mask, s * mask, torch.nan_to_num(mu) * mask
-        source = self.parity.ratio_source
-        old = mu if source != "recompute" else inputs.get("old_per_token_logps")
+        old = inputs.get("old_per_token_logps")  # TRL's ℓ_old; absent: the ratio is 1
         old = pi if old is None else old.float().cpu() * mask
-        log_r = (s if source == "shadow" else pi) - old
-        sequence = self.importance_sampling_level == "sequence"
-        eps_low, eps_high = None, None
-        clipped = torch.zeros_like(mask, dtype=torch.bool)
-        if self.loss_type in CLIPPING_LOSSES:
-            eps_low, eps_high = self.epsilon_low, self.epsilon_high
-            a = adv.mean(-1) if sequence and adv.dim() == 2 else adv
-            clipped = clipped_tokens(log_r, a, mask, eps_low, eps_high, sequence)
-        att = attribute(pi, s, mu, adv, mask, eps_low, eps_high, clipped, sequence=sequence)
+        clips = self.loss_type in CLIPPING_LOSSES
+        eps = (self.epsilon_low, self.epsilon_high) if clips else (None, None)
         # Completions sampled at this optimizer step: θ = θ_old, so |α| is the kernel gap and
         # ℓ_π − ℓ_μ the mismatch before the policy moves. On completions reused by a later
         # step (num_iterations > 1, steps_per_generation) both include the policy change.
         fresh = self._synced_step == self.state.global_step
         diag = StepDiagnostics()
-        diag.add(att, pi, mu, adv, mask, first=fresh)
+        measure(diag, pi, s, mu, adv, mask, *eps, ratio_source=self.parity.ratio_source,
+                logp_old=old, sequence=self.importance_sampling_level == "sequence",
+                first=fresh)
         if self.accelerator.num_processes > 1:
             # Every rank's tokens, as one process holding them all would measure them: token
             # means weighted by each rank's tokens, maxima over all. TRL gathers its own figures

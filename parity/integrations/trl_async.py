@@ -48,14 +48,14 @@ from parity.config import (
     quoted,
     shared,
 )
-from parity.diagnostics import StepDiagnostics, attribute
-from parity.engines.scoring import disable_dropout
+from parity.diagnostics import StepDiagnostics, measure
 from parity.errors import ParityError
 from parity.integrations.trl import install_cpu_fp16_scaler
 from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
-from parity.objectives import behaviour_weights, clipped_tokens
-from parity.precision import cast_weights_into, fp16_kernels, low_precision_copy
-from parity.runs import max_positions
+from parity.models.forward import disable_dropout
+from parity.models.loading import max_positions
+from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.objectives import behaviour_weights
 from parity.tasks import check_fits
 
 try:
@@ -524,12 +524,10 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         seg, mu, adv = seg.cpu(), mu.cpu(), adv.cpu()
         pi, mask = rows(pi_t, seg)
         s, m, a = rows(s_t, seg)[0], rows(mu, seg)[0], rows(adv, seg)[0]
-        log_r = rows((s_t if src == "shadow" else pi_t) - old_t, seg)[0]
+        old = rows(old_t, seg)[0]
         eps = (None, None) if self.parity.no_clip else (self.epsilon_low, self.epsilon_high)
-        clipped = clipped_tokens(log_r, a, mask, *eps)
-        att = attribute(pi, s, m, a, mask, *eps, clipped)
         d = StepDiagnostics()
-        d.add(att, pi, m, a, mask, first=True)
+        measure(d, pi, s, m, a, mask, *eps, ratio_source=src, logp_old=old)
         out = d.metrics()
         # α includes the policy's change over each sample's staleness, so it is no kernel gap
         # here; the sync's probe measures that (sync/probe_gap_abs_mean).

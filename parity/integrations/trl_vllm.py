@@ -77,7 +77,7 @@ def _colocated_llm(engine_dtype: str, cpu: bool) -> Any:
     """vLLM's LLM as TRL starts it, in engine precision (module docstring)."""
     from vllm import LLM
 
-    from parity.memory import kv_cache_bytes
+    from parity.runs.memory import kv_cache_bytes
 
     def build(*args: Any, **kw: Any) -> Any:
         kw.setdefault("dtype", FLAG[engine_dtype])
@@ -188,7 +188,7 @@ class ParityVLLMGeneration(VLLMGeneration):
         of the policy in the server's precision."""
         if self.transfer is None or self.transfer.reference is not None:
             return
-        from parity.precision import low_precision_copy
+        from parity.models.precision import low_precision_copy
         ref = low_precision_copy(master, self.engine_dtype)
         ref.set_attn_implementation("sdpa")
         self.transfer.attach(ref, max(prompt_ids, key=len))

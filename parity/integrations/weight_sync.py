@@ -43,10 +43,10 @@ from typing import Any
 import torch
 
 from parity import metric_names as mn
+from parity.engines.server import field, request
 from parity.errors import ParityError, one_line
 from parity.files import write_failure
-from parity.precision import fp16_kernels
-from parity.server_client import field, request
+from parity.models.precision import fp16_kernels
 
 SERVER_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -294,7 +294,7 @@ def dpo_loss(logp_pi: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
 # The registry (parity/objectives/__init__.py) names these. `share(loss, n, unit)` turns a mean
 # over n items (tokens, sequences or pairs) of this piece of the minibatch into its share of the
 # mean over the minibatch's items on every rank; for the whole minibatch in one process it is
-# the identity. `cfg` is the run's Config, typed Any: parity/config.py imports the registry to
+# the identity. `cfg` is the run's Config, typed Any: parity/config/run.py imports the registry to
 # check objective names and clip ranges, so importing Config here would make a cycle.
 
 Share = Callable[[torch.Tensor, float, str], torch.Tensor]

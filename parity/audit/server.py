@@ -2,7 +2,7 @@
 server (vLLM), keep its answers as a rollouts file, and check what can be checked about it.
 
 The answers are saved one request and response per line, the form `parity audit --rollouts`
-reads (parity/server_rollouts.py); the audit then reads that file as it reads any other, so a
+reads (parity/audit/responses.py); the audit then reads that file as it reads any other, so a
 live audit and the audit of its saved file are the same computation (docs/serving.md).
 
 What is checked about the server, and how:
@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parity import ui
-from parity.audit_inputs import to_rollout
+from parity.audit.inputs import to_rollout
+from parity.audit.responses import server_rows
 from parity.config import AuditSettings
 from parity.engines import Sampling, logprobs_from_logits, stop_token_ids
-from parity.engines.scoring import score_full
+from parity.engines.server import Server, chat_request, completion_request
 from parity.errors import ParityError
+from parity.models.forward import score_full
+from parity.models.precision import autocast
 from parity.objectives import grpo_advantages
-from parity.precision import autocast
-from parity.server_client import Server, chat_request, completion_request
-from parity.server_rollouts import server_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

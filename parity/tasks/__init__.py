@@ -22,25 +22,18 @@ conversation reach the reward function as [{"role": "assistant", "content": text
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import hashlib
-import importlib
-import importlib.util
-import inspect
 import json
-import math
 import random
-import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from parity import arith, testbed, ui
+from parity import ui
 from parity.errors import ParityError, one_line
 from parity.files import (
     arrow_rows,
+    cache_dir,
     ensure_writable,
     exists,
     json_lines,
@@ -48,28 +41,28 @@ from parity.files import (
     quiet_libraries,
     read_json,
     read_parquet,
-    read_python,
     read_text,
 )
+from parity.tasks.data import arith_problem, chat_questions, text_prompts
+from parity.tasks.rewards import (
+    REWARD_LIMIT,
+    Reward,
+    _call_reward,
+    arith_reward,
+    load_rewards,
+    neg_length_reward,
+)
 
-RewardFn = Callable[..., list[float]]
+# What the arith filter asks of a sampler: each problem's solve rate, sampled from the model
+# (the run's layer passes the testbed's `solve_rates`, so that no task data needs an engine).
+SolveRates = Callable[..., list[float]]
+
 BUILTIN = ("neg-length", "neg-length-chat", "arith")
 
 ARITH_CANDIDATES = 512
 ARITH_SAMPLES = 40
 ARITH_PROBE = 32  # problems sampled before a model that solves none of them is refused
 ARITH_BAND = (0.2, 0.8)
-# Rewards become float32 tensors, and their batch mean and std are float32 sums: a reward near
-# float32's largest value (3.4e38) turns them into inf. 1e30 leaves room for sums over any batch.
-REWARD_LIMIT = 1e30
-
-
-@dataclass
-class Reward:
-    fn: RewardFn
-    name: str           # the function's name, as TRL logs it: rewards/<name>/mean
-    spec: str           # what the user wrote, for error messages
-    weight: float = 1.0
 
 
 @dataclass
@@ -109,179 +102,6 @@ class Task:
                                   f"{[rw.weight for rw in self.reward_fns]} it must lie within "
                                   f"+-{REWARD_LIMIT:g}")
         return total, parts
-
-
-def _call_reward(rw: Reward, prompts: list, completions: list, completion_ids: list[list[int]],
-                 columns: dict[str, list], row_idx: list[int]) -> list[float]:
-    n = len(completions)
-    # Copies: a function may consume or change what it is given, as it may with TRL's lists,
-    # and the count checked below, the next function, the trainer's token ids and the task's
-    # rows must not see it.
-    given = copy.deepcopy((prompts, completions, completion_ids, columns))
-    try:
-        out = rw.fn(given[0], given[1], completion_ids=given[2], **given[3])
-        if inspect.isawaitable(out):   # an `async def` reward, which TRL awaits
-            out = _await(out)
-    except Exception as e:  # the user's code: report it, do not crash with its traceback
-        raise ParityError(f"reward function {rw.spec} raised {one_line(e)}") from None
-    except SystemExit as e:  # graders call sys.exit(); it must not end the run unexplained
-        raise ParityError(f"reward function {rw.spec} called sys.exit({e.code!r}) while scoring "
-                          f"prompt rows {_rows_text(row_idx)}; a reward function must return "
-                          f"its values, not exit") from None
-    try:
-        items = list(out)
-    except TypeError:
-        raise ParityError(f"reward function {rw.spec} must return a list of numbers, got "
-                          f"{type(out).__name__}") from None
-    values = []
-    for i, v in enumerate(items):
-        try:
-            values.append(float(v))
-        except (TypeError, ValueError):
-            raise ParityError(f"reward function {rw.spec} must return a list of numbers; value "
-                              f"{i} (prompt row {row_idx[i] if i < len(row_idx) else '?'}) is "
-                              f"{v!r:.60} ({type(v).__name__})") from None
-    if len(values) != n:
-        raise ParityError(f"reward function {rw.spec} returned {len(values)} values for "
-                          f"{n} completions")
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise ParityError(f"reward function {rw.spec} returned {v} for completion {i} "
-                              f"(prompt row {row_idx[i]}); rewards must be finite")
-        if abs(v) > REWARD_LIMIT:
-            raise ParityError(f"reward function {rw.spec} returned {v:g} for completion {i} "
-                              f"(prompt row {row_idx[i]}); rewards must lie within "
-                              f"+-{REWARD_LIMIT:g}")
-    return values
-
-
-_REWARD_LOOP: asyncio.AbstractEventLoop | None = None
-
-
-def _await(awaitable: Any) -> Any:
-    """An async reward's result, awaited as TRL awaits one: on one event loop that runs in a
-    daemon thread for the whole process, so that what the function keeps between calls (a
-    client session) stays on the loop it was made on."""
-    global _REWARD_LOOP
-    if _REWARD_LOOP is None:
-        _REWARD_LOOP = asyncio.new_event_loop()
-        threading.Thread(target=_REWARD_LOOP.run_forever, daemon=True,
-                         name="parity-rewards").start()
-
-    async def outcome() -> tuple[bool, Any]:
-        try:
-            return False, await awaitable
-        except (SystemExit, KeyboardInterrupt) as e:
-            # Raised on the loop they would stop it before the wait below hears of them: they
-            # are raised again in the caller's thread, where _call_reward reports sys.exit().
-            return True, e
-    stopped, value = asyncio.run_coroutine_threadsafe(outcome(), _REWARD_LOOP).result()
-    if stopped:
-        raise value
-    return value
-
-
-def _rows_text(rows: list[int]) -> str:
-    shown = sorted(set(rows))
-    return ", ".join(map(str, shown[:8])) + (f" ... ({len(shown)} in all)" if len(shown) > 8
-                                             else "")
-
-
-def load_rewards(specs: list[str], weights: list[float] | None = None) -> list[Reward]:
-    """Each `module:function` spec imported; names made unique the way TRL's log needs them."""
-    weights = weights or [1.0] * len(specs)
-    out: list[Reward] = []
-    for spec, w in zip(specs, weights):
-        fn, _ = load_reward(spec)
-        name = getattr(fn, "__name__", spec.rpartition(":")[2])
-        if any(r.name == name for r in out):
-            name = f"{name}_{len(out)}"
-        out.append(Reward(fn, name, spec, w))
-    return out
-
-
-def neg_length_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                      **_: Any) -> list[float]:
-    return [-float(len(ids)) for ids in completion_ids]
-
-
-# Questions with a short answer: with "Answer briefly." 8-42% of SmolLM2-135M-Instruct's first
-# completions run past 64 tokens, against 50-88% on text fragments (docs/reproduce/smollm2-135m).
-_QUESTIONS = ("What is {a} + {b}?", "What is {a} times {b}?", "Is {a} an even number?",
-              "What is the capital of {country}?", "Name a {thing}.",
-              "What color is {obj}?", "Give me a synonym for '{adj}'.",
-              "Translate '{word}' into {lang}.", "How many legs does {animal} have?",
-              "What is the opposite of '{adj}'?", "Spell the word '{word}' backwards.",
-              "Which is larger, {a} or {b}?")
-_FILL = {"country": ("France", "Japan", "Italy", "Spain", "Egypt", "Canada", "Brazil", "Kenya",
-                     "Peru", "Norway"),
-         "thing": ("color", "fruit", "planet", "musical instrument", "vegetable", "river"),
-         "obj": ("the sky", "grass", "snow", "a banana", "a tomato", "coal"),
-         "adj": ("happy", "fast", "cold", "big", "bright", "quiet"),
-         "word": ("cat", "house", "water", "book", "tree", "bread"),
-         "lang": ("French", "Spanish", "German", "Italian"),
-         "animal": ("a dog", "a spider", "a bird", "an ant", "a horse", "a snake")}
-
-
-def chat_questions(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    """n one-message conversations asking a short question (`neg-length-chat`'s prompts)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        fill = {k: rng.choice(v) for k, v in _FILL.items()}
-        q = _QUESTIONS[i % len(_QUESTIONS)].format(a=rng.randint(2, 99), b=rng.randint(2, 99),
-                                                  **fill)
-        out.append([{"role": "user", "content": f"{q} Answer briefly."}])
-    rng.shuffle(out)
-    return out
-
-
-def arith_reward(prompts: list[str], completions: list[str], answer: list[str],
-                 **_: Any) -> list[float]:
-    return [float(arith.correct(c, a)) for c, a in zip(completions, answer)]
-
-
-def load_reward(spec: str) -> tuple[RewardFn, str]:
-    """`module:function` (importable from the working directory) or `path/to/file.py:function`.
-    Only this explicit flag ever imports user code."""
-    mod_name, sep, fn_name = spec.rpartition(":")
-    if not sep or not mod_name or not fn_name:
-        raise ParityError(f"--reward {spec!r} must look like module:function or file.py:function")
-    try:
-        module = _reward_module(mod_name)
-    except ParityError:
-        raise
-    except Exception as e:  # the user's module, run on import: any exception at all
-        raise ParityError(f"cannot import reward module {mod_name!r}: {one_line(e)}") from None
-    except SystemExit as e:
-        raise ParityError(f"reward module {mod_name!r} called sys.exit({e.code!r}) on "
-                          f"import") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ParityError(f"reward module {mod_name!r} has no function {fn_name!r}")
-    return fn, spec
-
-
-def _reward_module(mod_name: str) -> Any:
-    """The module. Its source goes through `read_python` first: Python's own import would
-    report a file that is not text as a SyntaxError without the byte's offset in the file."""
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if path.is_dir():
-            raise ParityError(f"reward file {path} is a directory, not a Python file")
-        if not path.is_file():
-            raise ParityError(f"reward file {path} does not exist")
-        read_python(path, "reward file")
-        sp = importlib.util.spec_from_file_location(f"parity_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(sp)
-        sp.loader.exec_module(module)
-        return module
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    found = importlib.util.find_spec(mod_name)
-    if found is not None and found.origin and found.origin.endswith(".py"):
-        read_python(found.origin, "reward module")
-    return importlib.import_module(mod_name)
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -405,7 +225,7 @@ def _refused_message(tok: Any, messages: list[dict]) -> int | None:
 
 
 def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperature: float,
-               chat_template: bool = False, cache: Path | None = None,
+               solve_rates: SolveRates, chat_template: bool = False, cache: Path | None = None,
                progress: bool = True) -> tuple[list[dict], dict]:
     """The filtered arith problem set for this model: every candidate really sampled
     ARITH_SAMPLES times at the run's temperature, from the prompt the run will feed it (chat
@@ -416,7 +236,7 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
     key_parts = [str(model_dir.resolve()), stamp, seed, temperature, ARITH_CANDIDATES,
                  ARITH_SAMPLES, "engine-cdf"] + (["chat-template"] if chat_template else [])
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:16]
-    path = (cache or testbed.cache_dir()) / "tasks" / f"arith-{key}.json"
+    path = (cache or cache_dir()) / "tasks" / f"arith-{key}.json"
     if path.is_file():
         try:
             data = read_json(path, "arith cache")
@@ -427,7 +247,7 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
     rng = random.Random(seed)
     seen: dict[str, str] = {}
     while len(seen) < ARITH_CANDIDATES:  # distinct problems only
-        q, a = arith.problem(rng)
+        q, a = arith_problem(rng)
         seen.setdefault(q, a)
     problems = list(seen.items())
     ids = [prompt_token_ids(tokenizer, q, chat_template, "arith") for q, _ in problems]
@@ -444,7 +264,7 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
                     f"problems in {ARITH_SAMPLES} samples each (the task wants the sum alone, "
                     f"then end of sequence, within 8 tokens); arith cannot train this model: "
                     f"use neg-length, or a dataset with your own --reward")
-        rates = arith.solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
+        rates = solve_rates(model, problems, ARITH_SAMPLES, temperature, tok=tokenizer,
                                   seed=seed, prompt_ids=ids, on_batch=seen_enough)
     lo, hi = ARITH_BAND
     rows = [{"prompt": q, "answer": a, "solve_rate": r}
@@ -465,19 +285,22 @@ def arith_rows(model_dir: Path, model: Any, tokenizer: Any, seed: int, temperatu
 def build_task(name: str, reward: str | list[str] | None, model_dir: Path, model: Any,
                tokenizer: Any, max_new_tokens: int, max_positions: int | None, seed: int,
                temperature: float, reward_weights: list[float] | None = None,
-               chat_template: bool = False) -> Task:
+               chat_template: bool = False, solve_rates: SolveRates | None = None) -> Task:
     """`reward`: one `module:function` spec, a comma-separated string of them, or a list;
     it replaces a built-in task's own reward."""
     specs = ([x.strip() for x in reward.split(",")] if isinstance(reward, str)
              else list(reward or []))
     if name == "neg-length":
-        rows = [{"prompt": p} for p in testbed.text_prompts(256, seed=seed)]
+        rows = [{"prompt": p} for p in text_prompts(256, seed=seed)]
         task = Task(name, rows, [Reward(neg_length_reward, "neg_length", "neg-length")])
     elif name == "neg-length-chat":
         rows = [{"prompt": q} for q in chat_questions(256, seed=seed)]
         task = Task(name, rows, [Reward(neg_length_reward, "neg_length", "neg-length-chat")])
     elif name == "arith":
-        rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature, chat_template)
+        if solve_rates is None:
+            raise ValueError("the arith task is built with a sampler for its solve rates")
+        rows, info = arith_rows(model_dir, model, tokenizer, seed, temperature, solve_rates,
+                                chat_template)
         task = Task(name, rows, [Reward(arith_reward, "arith", "arith")], info=info)
     else:
         if not specs:

@@ -1,8 +1,7 @@
-"""What every command that runs a model shares: loading a policy and its tokenizer, the model's
-context length, and run directories that never overwrite an earlier run.
+"""Run directories: the lock every command that writes one takes, names that never overwrite an
+earlier run, and the one reader of a run's metrics.jsonl.
 
-`parity train`, `audit`, `fp16-check`, `sweep` and the benches import these; none of them
-imports the trainer.
+`parity train`, `audit`, `fp16-check`, `sweep`, `reproduce` and `report` use these.
 """
 
 from __future__ import annotations
@@ -15,113 +14,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-from parity import testbed
 from parity.errors import ParityError, one_line
-from parity.files import (
-    check_safetensors,
-    ensure_writable,
-    quiet_libraries,
-    read_bytes,
-    write_atomic,
-)
+from parity.files import ensure_writable, read_bytes, write_atomic
 
 if TYPE_CHECKING:
     from parity.config import Config
-    from parity.tasks import Task
-
-
-# Model types whose transformers "causal LM" class is an encoder run as a decoder: their
-# weights were trained bidirectionally, so their log-probs are not a policy's.
-ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
-                "deberta-v2", "camembert", "ernie", "mpnet", "modernbert")
-
-
-def _causal_lm_config(model_dir: Path) -> Any:
-    """The model's config, refused unless it describes a decoder-only language model."""
-    try:
-        with quiet_libraries():
-            config = AutoConfig.from_pretrained(model_dir)
-    except Exception as e:
-        raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
-    names = list(getattr(config, "architectures", None) or [])
-    causal = [n for n in names if n.endswith(("ForCausalLM", "LMHeadModel"))]
-    if config.model_type in ENCODER_ONLY and not getattr(config, "is_decoder", False) or (
-            names and not causal):
-        what = f"{config.model_type} ({', '.join(names)})" if names else config.model_type
-        raise ParityError(f"{model_dir} is not a causal LM: its config describes {what}, an "
-                          f"encoder or another head; parity trains decoder-only language models")
-    return config
-
-
-def _check_weights_fit(model: torch.nn.Module, info: dict, model_dir: Path) -> None:
-    """Refuse a config.json that disagrees with the weights beside it: transformers would
-    otherwise initialise the missing layers at random, or stop after a long report."""
-    tied = ({"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False)
-            else set())
-    missing = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
-    mismatched = sorted(info.get("mismatched_keys", ()))
-    unexpected = sorted(info.get("unexpected_keys", ()))
-    if mismatched:
-        k = mismatched[0]
-        detail = (f"{k[0]} is {tuple(k[1])} in the weights but {tuple(k[2])} by config.json"
-                  if isinstance(k, tuple) and len(k) == 3 else str(k))
-        raise ParityError(f"{model_dir}: config.json does not match the weights ({detail}; "
-                          f"{len(mismatched)} tensors differ in shape: a vocabulary or width "
-                          f"that does not match?)")
-    if missing or unexpected:
-        which = (f"{len(missing)} weights config.json asks for are not in the files, e.g. "
-                 f"{missing[0]}" if missing else
-                 f"{len(unexpected)} weights in the files are not in config.json's model, e.g. "
-                 f"{unexpected[0]}")
-        raise ParityError(f"{model_dir}: config.json does not match the weights: {which} (a "
-                          f"layer count that does not match?)")
-
-
-def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
-    """fp32 master weights and the tokenizer. A directory that is not a causal LM, or whose
-    config.json disagrees with its weights, is a user error."""
-    config = _causal_lm_config(model_dir)
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        check_safetensors(f, "weights file")
-    try:
-        with quiet_libraries():
-            model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir, config=config, dtype=torch.float32, output_loading_info=True,
-                ignore_mismatched_sizes=True)
-    except Exception as e:
-        raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
-    _check_weights_fit(model, info, model_dir)
-    try:
-        with quiet_libraries():
-            tok = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as e:
-        raise ParityError(f"cannot load the tokenizer in {model_dir}: {one_line(e)}") from None
-    if tok.eos_token_id is None:
-        raise ParityError(f"the tokenizer in {model_dir} has no eos token; completions could "
-                          f"never end")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return model, tok
-
-
-def max_positions(model: torch.nn.Module) -> int | None:
-    """The model's context length, where its config states one."""
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-
-
-def load_model_and_task(cfg: "Config") -> tuple[torch.nn.Module, Any, Path, "Task"]:
-    """The run's policy (fp32), tokenizer, model directory and task, as `cfg` names them."""
-    from parity.tasks import build_task
-    model_dir = testbed.resolve_model(cfg.model)
-    model, tok = load_policy(model_dir)
-    task = build_task(cfg.task, cfg.reward_specs(), model_dir, model, tok, cfg.max_new_tokens,
-                      max_positions(model), cfg.seed, cfg.temperature,
-                      cfg.reward_weight_list(), cfg.chat_template)
-    return model, tok, model_dir, task
 
 
 # ---- run directories ---------------------------------------------------------------------
@@ -152,7 +49,7 @@ def check_run_dir(path: Path) -> None:
                           f"another --out")
 
 
-class RunClaim:
+class DirLock:
     """An output directory held by this process for as long as its command lasts: an exclusive
     lock on the directory itself (flock), so a second parity command writing it is refused, and
     one that crashes or is killed leaves nothing stuck (the kernel drops the lock with the
@@ -168,7 +65,7 @@ class RunClaim:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "RunClaim":
+    def __enter__(self) -> "DirLock":
         return self
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
@@ -183,7 +80,7 @@ class RunClaim:
         self.close()
 
 
-def claim_dir(path: Path, what: str, *, create: bool = True, empty: bool = False) -> RunClaim:
+def lock_dir(path: Path, what: str, *, create: bool = True, empty: bool = False) -> DirLock:
     """Hold the output directory `path` (`what` names it in a refusal: "run directory", "sweep
     --out") for one command: the one lock of every command that writes a directory, so of two
     started at once with one --out exactly one proceeds and the other is refused in one line
@@ -202,7 +99,7 @@ def claim_dir(path: Path, what: str, *, create: bool = True, empty: bool = False
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:
             raise ParityError(f"{what} {path}: {e.strerror or one_line(e)}") from None
-        claim = RunClaim(fd, path, created)
+        claim = DirLock(fd, path, created)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -231,11 +128,11 @@ def claim_dir(path: Path, what: str, *, create: bool = True, empty: bool = False
                       f"another --out")
 
 
-def claim_run_dir(path: Path, new: bool) -> RunClaim:
+def lock_run_dir(path: Path, new: bool) -> DirLock:
     """Hold `path` for this run. A new run creates it (or takes an empty one) and checks it is
     still empty once held. A resumed run holds its directory before it reads or repairs
     anything in it."""
-    return claim_dir(path, "run directory", create=new, empty=new)
+    return lock_dir(path, "run directory", create=new, empty=new)
 
 
 # What each command leaves at the top of its output directory, to tell one command's directory

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from parity import metric_names as mn
-from parity.checkpoints import Restored, engine_versions
 from parity.config import Config
-from parity.distributed import Dist
 from parity.engines import Engine, Rollout, Sampling, Shard
 from parity.engines.async_process import AsyncEngine, Request
+from parity.runs.checkpoints import Restored, engine_versions
+from parity.runs.distributed import Dist
 from parity.tasks import PromptSampler, Task
 
 

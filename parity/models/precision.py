@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from parity import lora
-from parity.distributed import full_tensor
 from parity.errors import ParityError
+from parity.models import lora
+from parity.runs.distributed import full_tensor
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -188,7 +188,7 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
                       ) -> float:
     """Copy fp32 master weights into `target` in its own dtype; return the fraction of target
     values that changed (`sync/changed_frac`; 0.0 when not `count`ed). Small updates can leave a
-    bf16 cast unchanged. A LoRA master casts its adapted weights (parity/lora.py)."""
+    bf16 cast unchanged. A LoRA master casts its adapted weights (parity/models/lora.py)."""
     if lora.is_lora(master):
         return lora.cast_into(master, target, count)
     src = master.state_dict()
@@ -250,7 +250,7 @@ def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool =
                        ) -> torch.nn.Module:
     """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's),
     without the master's hooks and patched methods (`without_patches`); of a LoRA master, the
-    adapted weights as the master's `lora_merge` says (parity/lora.py)."""
+    adapted weights as the master's `lora_merge` says (parity/models/lora.py)."""
     if lora.is_lora(master):
         copy_ = lora.engine_copy(master, torch_dtype(dtype))
     else:

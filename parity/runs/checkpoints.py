@@ -33,7 +33,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_file, save_model
 
-from parity import lora
 from parity.errors import ParityError, one_line
 from parity.files import (
     check_safetensors,
@@ -43,6 +42,7 @@ from parity.files import (
     read_torch,
     write_failure,
 )
+from parity.models import lora
 
 MANIFEST = "manifest.json"
 ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)
@@ -143,7 +143,7 @@ def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: 
     tok.save_pretrained(tmp)
     # The engine's copy is not a cast of the final weights (it was cast at the step's start).
     # save_model, not save_file: a tied head (GPT-2) shares its tensor with the embedding. A LoRA
-    # run keeps the adapters the engine was cast from instead (parity/lora.py).
+    # run keeps the adapters the engine was cast from instead (parity/models/lora.py).
     if lora.is_lora(model):
         save_file(engine_model.parity_synced, str(tmp / ENGINE_ADAPTERS))
     else:

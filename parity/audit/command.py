@@ -23,21 +23,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parity import devices, lora, testbed, ui
+from parity import devices, testbed, ui
 from parity import metric_names as mn
-from parity.advice import advise, as_json, fp16_fit, print_advice, what_to_do
-from parity.audit_inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
+from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
+from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
     EPS_SWEEP,
     Shadow,
     StepDiagnostics,
-    attribute,
     clip_fractions,
     dump_table,
     exact_kl_of_rows,
     exact_kl_rows,
     kept_rows,
+    measure,
     write_dump,
 )
 from parity.engines import (
@@ -49,11 +49,13 @@ from parity.engines import (
     make_engine,
     stop_token_ids,
 )
-from parity.engines.scoring import score_full
 from parity.errors import ParityError
+from parity.models import lora
+from parity.models.forward import score_full
+from parity.models.loading import load_policy, max_positions
+from parity.models.precision import autocast, fp32_head
 from parity.objectives import grpo_advantages
-from parity.precision import autocast, fp32_head
-from parity.runs import check_run_dir, claim_dir, free_dir, load_policy, max_positions
+from parity.runs.dirs import check_run_dir, free_dir, lock_dir
 from parity.ui import progress
 
 if TYPE_CHECKING:
@@ -89,8 +91,8 @@ class Measurement:
         self.has_adv &= adv is not None
         adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
         mask = r.completion_mask
-        att = attribute(logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
-        self.diag.add(att, logp_pi, r.engine_logprobs, adv_t, mask, first=True)
+        # What the engine's own ratio ℓ_π − ℓ_μ would clip at θ = θ_old.
+        att = measure(self.diag, logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
         if r.dists is not None:
             self.diag.add_exact_kl(exact_kl_of_rows(r, logits, rows, mask[rows], s))
         m = mask > 0
@@ -157,7 +159,7 @@ def _prompts(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerB
         return None, texts, prompt_ids, f"prompts file {a.prompts}"
     task = build_task(a.task, a.reward, model_dir, model, tok, a.max_new_tokens,
                       max_positions(model), a.seed, a.temperature,
-                      chat_template=a.chat_template)
+                      chat_template=a.chat_template, solve_rates=testbed.solve_rates)
     return task, [r["prompt"] for r in task.rows], task.prompt_ids, f"task {a.task}"
 
 
@@ -210,8 +212,8 @@ def _serve(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBas
            model_dir: Path, s: Sampling, path: Path) -> tuple[dict[str, Any], str]:
     """Sample from the server into the rollouts file `path`; what was found about the server,
     and where the prompts came from."""
-    from parity import server_audit
-    from parity.server_client import Server
+    from parity.audit import server as server_audit
+    from parity.engines.server import Server
     server = Server(a.server, a.server_timeout_s)
     info = server_audit.served_model(server, a, model_dir)
     task, prompts, prompt_ids, source = _prompts(a, model, tok, model_dir)
@@ -263,11 +265,11 @@ def default_out(a: AuditSettings) -> Path:
 
 def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dict[str, Any]:
     """Run one audit; returns audit.json's content. Input is checked before `out` is written,
-    and `out` is held for the audit's length (`runs.claim_dir`): a second audit into it is
+    and `out` is held for the audit's length (`runs.lock_dir`): a second audit into it is
     refused, never left to overwrite this one's files."""
     t0 = time.perf_counter()
     device, out = _refuse_early(a, out)
-    with claim_dir(out, "audit --out", empty=True):
+    with lock_dir(out, "audit --out", empty=True):
         return _claimed_audit(a, out, report, device, t0)
 
 
@@ -373,7 +375,7 @@ def verdict(result: dict[str, Any]) -> str:
     ph = m.get(mn.PHANTOM_FRAC, 0.0)
     reach = next((row["eps"] for row in sorted(result["phantom_vs_eps"], key=lambda r: -r["eps"])
                   if row["phantom_frac"] >= 0.01), None)
-    if ph >= 0.01:   # which fix fits is the advice's to say (parity/advice.py)
+    if ph >= 0.01:   # which fix fits is the advice's to say (parity/audit/advice.py)
         return f"numerics alone clip {ph:.1%} of tokens at eps={eps:g}"
     where = f"; it reaches 1% at eps={reach:g}" if reach is not None else ""
     return f"phantom clipping at eps={eps:g} is {ph:.2%} of tokens{where}"
@@ -501,7 +503,7 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
     for name in models:  # a mistyped path is refused before the first model's minutes
         if name not in testbed.SPECS:
             testbed.resolve_model(name)
-    with claim_dir(out, "audit --out", empty=True) as claim:
+    with lock_dir(out, "audit --out", empty=True) as claim:
         return _claimed_scale(a, out, models, done, claim.created)
 
 

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from parity import lora
 from parity.errors import ParityError
+from parity.models import lora
 from parity.objectives import OBJECTIVES
 
 if TYPE_CHECKING:

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from parity.audit.responses import is_server_line, server_rows
 from parity.engines import Rollout, left_pad
 from parity.errors import ParityError
 from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
-from parity.server_rollouts import is_server_line, server_rows
-from parity.tasks import REWARD_LIMIT
+from parity.tasks.rewards import REWARD_LIMIT
 
 REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
 FLOAT32_MAX = 3.4028234663852886e38

@@ -1,0 +1,8 @@
+"""`parity audit`: how much of a model's clipping is numerical, measured offline.
+
+    command.py    the audit itself: sample (or read) completions, score them, attribute each clip
+    inputs.py     what it reads: another system's completions and log-probs, prompt files
+    responses.py  saved answers of a serving engine (vLLM, SGLang, OpenAI-style) as audit input
+    server.py     `--server URL`: the prompts sampled by a running server, then audited
+    advice.py     what the figures mean and what to do about them
+"""

@@ -1,0 +1,1 @@
+"""The seeds' reproduction as an application of the library: sweeps, claims and their verdicts."""
