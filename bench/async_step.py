@@ -1,6 +1,6 @@
 """Asynchronous rollouts: is a step as long as the slower of sampling and training?
 
-    python bench/async_step.py [--model LARGEST] [--steps 8] [--staleness 1,2] [--engines hf,vllm]
+    python -m bench.async_step [--model LARGEST] [--steps 8] [--staleness 1,2] [--engines hf,vllm]
 
 Runs `neg-length` GRPO through the real trainer, synchronously and with the engine in its own
 process (`--async-engine --max-staleness m`), on the same seed, and prints the mean over steps
@@ -19,8 +19,8 @@ import statistics
 import tempfile
 
 import torch
-from report import Table, engines_option, json_option, publish
 
+from bench.report import Table, engines_option, json_option, publish
 from parity import testbed
 from parity.config import make_config
 from parity.trainer import train

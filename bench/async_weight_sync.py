@@ -4,7 +4,7 @@ vLLM server (VLLM_SERVER_DEV_MODE=1) serving MODEL:
     VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server \\
         --model DIR --served-model-name DIR --host 127.0.0.1 --port 8000 --dtype bfloat16 \\
         --enforce-eager --logprobs-mode processed_logprobs
-    python bench/async_weight_sync.py --model DIR --server http://127.0.0.1:8000 \\
+    python -m bench.async_weight_sync --model DIR --server http://127.0.0.1:8000 \\
         --dirs /dev/shm/parity-sync /tmp/parity-sync
 
 Each sync sends the policy after a step of size `--lr` on every weight (sign-SGD, the size of an
@@ -18,9 +18,9 @@ import argparse
 import statistics
 
 import torch
-from report import Table, json_option, publish
-from timing import measure
 
+from bench.report import Table, json_option, publish
+from bench.timing import measure
 from parity.integrations.weight_sync import DirectoryWeightTransfer, named_tensors
 from parity.models.loading import load_policy
 from parity.models.precision import low_precision_copy

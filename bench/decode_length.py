@@ -1,9 +1,9 @@
 """The engine's decode throughput against completion length: transformers' eager attention
 against parity's (`parity.engines.engine_attention`), alternated in one process.
 
-    python bench/decode_length.py                                   # smollm2-135m, bf16
-    python bench/decode_length.py --model text --lengths 64,256 --rows 16
-    python bench/decode_length.py --sides parity_eager --lengths 64,256,512,1024,2048
+    python -m bench.decode_length                                   # smollm2-135m, bf16
+    python -m bench.decode_length --model text --lengths 64,256 --rows 16
+    python -m bench.decode_length --sides parity_eager --lengths 64,256,512,1024,2048
 
 Every row decodes the full length (the end-of-sequence id is one no token has), from the same
 prompts and the same random numbers on both sides; the table gives completion tokens per
@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import Table, json_option, publish
-from timing import alternate, measure
+
+from bench.report import Table, json_option, publish
+from bench.timing import alternate, measure
 
 STRIDED = "parity_strided"
 

@@ -1,6 +1,6 @@
 """One engine decode step, with each speed change of the engine switched on in turn.
 
-    python bench/decode_variants.py                    # ladder-w512, batch 256, bf16 and fp32
+    python -m bench.decode_variants                    # ladder-w512, batch 256, bf16 and fp32
 
 Rows, each adding to the one above: the engine as it was (DynamicCache, torch.multinomial, SDPA);
 a static KV cache; inverse-CDF sampling (`engines.sample_rows`); eager attention, which is
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 from mfu import workload_parser  # bench/ is the script's own directory
-from report import Table, json_option, publish
-from timing import measure
 from transformers import DynamicCache, StaticCache
 
+from bench.report import Table, json_option, publish
+from bench.timing import measure
 from parity import testbed
 from parity.engines import (
     Sampling,

@@ -1,6 +1,6 @@
 """Cost of the diagnostics per update: the same GRPO steps with and without the shadow forward.
 
-    python bench/diagnostics_overhead.py [--model LARGEST] [--recipes bf16-engine,fp16] \\
+    python -m bench.diagnostics_overhead [--model LARGEST] [--recipes bf16-engine,fp16] \\
         [--steps 6] [--rounds 2] [--engines hf,vllm]
 
 `neg-length` on the largest testbed model, 8 prompts x 8 samples, <= 24 new tokens, one update
@@ -16,8 +16,7 @@ import json
 import statistics
 import tempfile
 
-from report import Table, engines_option, json_option, publish
-
+from bench.report import Table, engines_option, json_option, publish
 from parity import testbed
 from parity.config import make_config
 from parity.trainer import train

@@ -1,7 +1,7 @@
 """A training step's time by stage for each engine, side by side: rollout, weight sync, update.
 
-    python bench/engine_step.py                                  # smollm2-135m, 64 x <= 64 tokens
-    python bench/engine_step.py --tokens 64,256 --steps 3 \\
+    python -m bench.engine_step                                  # smollm2-135m, 64 x <= 64 tokens
+    python -m bench.engine_step --tokens 64,256 --steps 3 \\
         --json docs/data/bench/engine_step-256.json
 
 Each run is `parity train` in its own process (fp32 trainer, bf16 engine, `neg-length` on text
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import Table, json_option, publish
+from bench.report import Table, json_option, publish
 
 
 def one_run(engine: str, tokens: int, a: argparse.Namespace) -> dict:

@@ -1,6 +1,6 @@
 """Why `cpu_fp16: emulate` is the default: fp16 matrix products on this CPU, native vs emulated.
 
-    python bench/fp16_cpu.py [--model arith]
+    python -m bench.fp16_cpu [--model arith]
 
 Times matrix products of a testbed-sized shape and of 1024^3 per dtype, then one fp16 trainer
 forward + backward (64 completions) with torch's native CPU fp16 kernels and with the emulation
@@ -15,9 +15,9 @@ import random
 
 import torch
 import torch.nn.functional as F
-from report import Table, json_option, publish
-from timing import measure
 
+from bench.report import Table, json_option, publish
+from bench.timing import measure
 from parity import testbed
 from parity.engines import Sampling
 from parity.engines.hf import HFEngine

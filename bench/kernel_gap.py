@@ -1,10 +1,10 @@
 """The precision gap and the shadow's kernel gap against each engine, side by side in one process.
 
-    python bench/kernel_gap.py                       # ladder-w512, parity's bf16 engine, 128 x 32
-    python bench/kernel_gap.py --model arith --engines hf:bf16,vllm:bf16,vllm:fp16 \
+    python -m bench.kernel_gap                       # ladder-w512, parity's bf16 engine, 128 x 32
+    python -m bench.kernel_gap --model arith --engines hf:bf16,vllm:bf16,vllm:fp16 \
         --json docs/data/bench/kernel_gap-arith.json
-    python bench/kernel_gap.py --device cuda --model text     # GPU kernels (hf engine)
-    python bench/kernel_gap.py --model smollm2-135m --prompts 8 --group 8 --new-tokens 64 \
+    python -m bench.kernel_gap --device cuda --model text     # GPU kernels (hf engine)
+    python -m bench.kernel_gap --model smollm2-135m --prompts 8 --group 8 --new-tokens 64 \
         --engines hf:bf16,vllm:bf16,vllm:fp16 --json docs/data/bench/kernel_gap-smollm2-135m.json
 
 For each engine (name:dtype) it samples one batch at T = 1 on the model's own weights, then:
@@ -29,9 +29,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from report import Table, json_option, publish
-from timing import measure
 
+from bench.report import Table, json_option, publish
+from bench.timing import measure
 from parity import testbed
 from parity.diagnostics import Shadow
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids

@@ -1,6 +1,6 @@
 """`logits_to_keep` as an int against an index tensor (engines.keep_last), side by side.
 
-    python bench/logits_to_keep.py [--model LARGEST] [--batch 64] [--repeats 5]
+    python -m bench.logits_to_keep [--model LARGEST] [--batch 64] [--repeats 5]
 
 An int makes transformers slice the hidden states into a strided view; with a head weight that
 does not require grad (the engine's and the shadow's copies), torch's matmul then takes the
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import Table, json_option, publish
-from timing import alternate
 
+from bench.report import Table, json_option, publish
+from bench.timing import alternate
 from parity import testbed
 from parity.engines import keep_last, positions
 from parity.models.loading import load_policy

@@ -1,6 +1,6 @@
 """Engine log-probs against a full fp32 trainer forward on the same tokens, per engine dtype.
 
-    python bench/logprob_gap.py [--model text] [--samples 256] [--max-new-tokens 24] \\
+    python -m bench.logprob_gap [--model text] [--samples 256] [--max-new-tokens 24] \\
         [--engines hf,vllm]
 
 The engine samples with its KV cache in its own precision; the trainer rescores the same tokens
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import Table, engines_option, json_option, publish
 
+from bench.report import Table, engines_option, json_option, publish
 from parity import testbed
 from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
 from parity.models.forward import score

@@ -1,8 +1,8 @@
 """Peak memory and update time of a training step against its shape, unbatched and with the
 memory settings (micro-batches, chunked log-probs, gradient checkpointing).
 
-    python bench/memory.py                                     # testbed `text`, a small grid
-    python bench/memory.py --model smollm2-135m --completions 16 --tokens 64,256,1024 \\
+    python -m bench.memory                                     # testbed `text`, a small grid
+    python -m bench.memory --model smollm2-135m --completions 16 --tokens 64,256,1024 \\
         --modes whole,micro4 --recipe bf16-engine --chat-template
 
 Each cell is its own process running `--steps` steps of neg-length (the task that makes
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import Table, json_option, publish
+from bench.report import Table, json_option, publish
 
 
 def _mode(name: str) -> dict:

@@ -1,9 +1,9 @@
 """Model FLOP utilisation of the engine (prefill, decode) and of the training step, against the
 matrix-product rate of this machine measured in the same run.
 
-    python bench/mfu.py                  # ladder-w512 (the largest testbed model), batch 256
-    python bench/mfu.py --model text --batch 64 --new-tokens 16
-    python bench/mfu.py --device cuda --dtypes fp32,bf16,fp16   # against the GPU's own rate
+    python -m bench.mfu                  # ladder-w512 (the largest testbed model), batch 256
+    python -m bench.mfu --model text --batch 64 --new-tokens 16
+    python -m bench.mfu --device cuda --dtypes fp32,bf16,fp16   # against the GPU's own rate
 
 FLOPs are counted as the model needs them, not as the kernels happen to run them:
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import Table, json_option, publish
-from timing import CPU, measure
 
+from bench.report import Table, json_option, publish
+from bench.timing import CPU, measure
 from parity import devices, testbed
 from parity.engines import Rollout, Sampling
 from parity.engines.hf import HFEngine

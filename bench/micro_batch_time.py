@@ -1,8 +1,8 @@
 """What micro-batches cost in update time: the trainer's forward and backward over one
 minibatch at once against the same minibatch in micro-batches, alternated in one process.
 
-    python bench/micro_batch_time.py                                 # testbed `text`
-    python bench/micro_batch_time.py --model smollm2-135m --rows 64 --tokens 64 --micro 8
+    python -m bench.micro_batch_time                                 # testbed `text`
+    python -m bench.micro_batch_time --model smollm2-135m --rows 64 --tokens 64 --micro 8
 
 The completions are sampled once by parity's engine (fp32, neg-length prompts, the lengths the
 model gives them); each round then runs the unbatched update and the micro-batched one
@@ -18,8 +18,9 @@ import argparse
 import statistics
 
 import torch
-from report import Table, json_option, publish
-from timing import alternate
+
+from bench.report import Table, json_option, publish
+from bench.timing import alternate
 
 
 def main() -> None:

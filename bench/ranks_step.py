@@ -1,6 +1,6 @@
 """What multi-process training costs: one process against torchrun ranks on the same work.
 
-    python bench/ranks_step.py [--model text] [--steps 6] [--ranks 2] [--engines hf,vllm]
+    python -m bench.ranks_step [--model text] [--steps 6] [--ranks 2] [--engines hf,vllm]
 
 Runs the same `neg-length` GRPO steps (fp32 recipe, so the runs stay equal) as one process with
 every core, and as `--ranks` processes with a core each under DDP and under FSDP, and prints the
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import Table, engines_option, json_option, publish
+from bench.report import Table, engines_option, json_option, publish
 
 
 def run(args: list[str], ranks: int, threads: int, out: Path) -> list[dict]:

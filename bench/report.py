@@ -160,9 +160,11 @@ def _cpu_model() -> str:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as it is typed from the repository root."""
+    """The command as it is typed from the repository root: a bench as a module of `bench`."""
     argv = list(sys.argv if argv is None else argv)
     script = Path(argv[0]).resolve()
+    if script.parent == ROOT / "bench":
+        return "python " + shlex.join(["-m", f"bench.{script.stem}", *argv[1:]])
     if script.is_relative_to(ROOT):
         argv[0] = str(script.relative_to(ROOT))
     return "python " + shlex.join(argv)

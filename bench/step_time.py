@@ -1,6 +1,6 @@
 """Step-time table: rollout / train split and tokens/s per model and recipe.
 
-    python bench/step_time.py [--steps 6] [--models text-xs,LARGEST] \\
+    python -m bench.step_time [--steps 6] [--models text-xs,LARGEST] \\
         [--recipes fp32,bf16-engine,fp16] [--engines hf,vllm]
 
 Runs `neg-length` GRPO steps (8 prompts x 8 samples, 24 new tokens) through the real trainer,
@@ -15,8 +15,7 @@ import json
 import statistics
 import tempfile
 
-from report import Table, engines_option, json_option, publish
-
+from bench.report import Table, engines_option, json_option, publish
 from parity import testbed
 from parity.config import make_config
 from parity.trainer import train

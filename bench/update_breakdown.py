@@ -1,7 +1,7 @@
 """Where the time of one parity training update goes on a real model, part by part, with MFU.
 
-    python bench/update_breakdown.py                       # smollm2-135m, 64 x <= 64 tokens
-    python bench/update_breakdown.py --model text --rows 16 --tokens 32 --reps 1
+    python -m bench.update_breakdown                       # smollm2-135m, 64 x <= 64 tokens
+    python -m bench.update_breakdown --model text --rows 16 --tokens 32 --reps 1
 
 The completions are sampled once by parity's engine (the default recipe's bf16 engine, plain
 neg-length prompts as bench/micro_batch_time.py takes them), recording the engine's whole
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 from mfu import attn_flops, matmul_params, matmul_rate  # bench/ is the script's own directory
-from report import Table, json_option, publish
 
 import parity.diagnostics as diagnostics
 import parity.models.precision as precision
 import parity.trainer as trainer
+from bench.report import Table, json_option, publish
 from parity import testbed
 from parity.config import Config
 from parity.diagnostics import Shadow, exact_kl_rows

@@ -3,7 +3,7 @@ sampling through parity's engine (`Engine.generate`: a seed per row, processed l
 recorded) and through vLLM's `LLM.generate` as a user would call it (one seed for the engine,
 no log-probs), side by side.
 
-    python bench/vllm_rate.py                       # smollm2-135m, 64 completions of <= 64 tokens
+    python -m bench.vllm_rate                       # smollm2-135m, 64 completions of <= 64 tokens
 
 Each side runs in its own process (one vLLM engine per process, as parity runs it), in eager
 mode and bf16, and times `--repeats` generate calls after one warm-up call; the sides
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from report import Table, json_option, publish
+from bench.report import Table, json_option, publish
 
 
 def measure(side: str, model: str, n: int, tokens: int, repeats: int) -> dict:

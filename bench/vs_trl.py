@@ -1,12 +1,12 @@
 """parity against TRL's GRPOTrainer on the same workload, side by side, on the CPU or a GPU.
 
-    python bench/vs_trl.py                       # arith model and task, 16 prompts x 8, 8 tokens
-    python bench/vs_trl.py --steps 40 --repeats 3
-    python bench/vs_trl.py --engines hf,vllm     # parity with its own engine and with vLLM
-    python bench/vs_trl.py --model text --task neg-length --max-new-tokens 24
-    python bench/vs_trl.py --model smollm2-135m --task neg-length --prompts 8 --max-new-tokens 64 \
+    python -m bench.vs_trl                       # arith model and task, 16 prompts x 8, 8 tokens
+    python -m bench.vs_trl --steps 40 --repeats 3
+    python -m bench.vs_trl --engines hf,vllm     # parity with its own engine and with vLLM
+    python -m bench.vs_trl --model text --task neg-length --max-new-tokens 24
+    python -m bench.vs_trl --model smollm2-135m --task neg-length --prompts 8 --max-new-tokens 64 \
         --lr 1e-6 --steps 4 --repeats 1 --micro-batch 8
-    python bench/vs_trl.py --device cuda --model smollm2-135m --task neg-length --max-new-tokens 128
+    python -m bench.vs_trl --device cuda --model smollm2-135m --task neg-length --max-new-tokens 128
 
 Both sides train the same testbed model on the same task rows with the same reward function
 (`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import Table, json_option, publish
+from bench.report import Table, json_option, publish
 
 
 def _peak_gb(device: str) -> float:

@@ -356,10 +356,10 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
-    from parity.experiments.reproduce import FULL, QUICK, VLLM, print_claims, reproduce
+    from parity.experiments.reproduce import plan_for, print_claims, reproduce
     _check_device(args.device)
     if args.model:
-        from parity.experiments.reproduce_real import RealPlan, reproduce_real, vllm_plan
+        from parity.experiments.reproduce_real import real_plan_for, reproduce_real
         from parity.models import pretrained
         if args.quick:
             raise ParityError("reproduce: --quick is the testbed's; --model runs the real-model "
@@ -370,9 +370,8 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
                               f"runs on a built-in pretrained model: {', '.join(names)}")
         fields = {"model": args.model, "device": args.device,
                   **({"steps": args.steps} if args.steps else {})}
-        plan = vllm_plan(**fields) if args.engine == "vllm" else RealPlan(**fields)
-        out = Path(args.out or f"reproduce-{args.model}"
-                   + ("-vllm" if args.engine == "vllm" else ""))
+        plan, default_out = real_plan_for(args.engine, **fields)
+        out = Path(args.out or default_out)
         with _claim_reproduction(out):
             result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
         print_claims({**result, "plan": args.model})
@@ -380,13 +379,9 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
         return
     if args.steps:
         raise ParityError("reproduce: --steps applies to the real-model reproduction (--model)")
-    if args.engine == "vllm" and args.quick:
-        raise ParityError("reproduce: --engine vllm runs its own plan (docs/vllm.md); drop "
-                          "--quick")
-    base = VLLM if args.engine == "vllm" else QUICK if args.quick else FULL
+    base, default_out = plan_for(args.engine, args.quick)
     plan = dataclasses.replace(base, device=args.device)
-    out = Path(args.out or ("reproduce-vllm" if args.engine == "vllm" else
-                            "reproduce-quick" if args.quick else "reproduce"))
+    out = Path(args.out or default_out)
     with _claim_reproduction(out):
         result = reproduce(plan, out, workers=args.workers, progress=args.progress)
     print_claims(result)

@@ -4,9 +4,7 @@ tables, which must be what bench/tables.py renders from the committed JSON files
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -14,27 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-HELPERS = {"timing", "report", "tables"}
+HELPERS = {"__init__", "timing", "report", "tables"}
 
 
-def bench_module(name: str):
-    """A module of bench/ by its name, as a bench script imports it (bench/ is a directory of
-    scripts, not a package: each imports its neighbours by name)."""
-    path = BENCH / f"{name}.py"
-    if getattr(sys.modules.get(name), "__file__", None) == str(path):
-        return sys.modules[name]
-    for dep in ("timing", "report") if name == "tables" else ():
-        bench_module(dep)
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-timing = bench_module("timing")
-report = bench_module("report")
-tables = bench_module("tables")
+from bench import report, tables, timing  # noqa: E402  (pyproject's pythonpath: the root)
 
 
 class FakeClock:
@@ -160,6 +141,9 @@ def test_every_bench_writes_its_tables_and_patches_no_path():
                  for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Name, ast.Attribute))}
         assert {"json_option", "publish"} <= names, f"{p.name} does not report through report.py"
         assert "sys.path" not in src, f"{p.name} patches sys.path"
+        assert not [line for line in src.splitlines()
+                    if line.startswith(("from report ", "from timing ", "import report"))], \
+            f"{p.name} imports a helper by its bare name, not from the bench package"
 
 
 def test_the_docs_tables_are_what_their_json_renders():
@@ -168,7 +152,7 @@ def test_the_docs_tables_are_what_their_json_renders():
         text = doc.read_text()
         marked += len(tables.regions(text))
         assert tables.rewrite(text, doc) == text, \
-            f"{doc.relative_to(ROOT)}: a marked table differs; run python bench/tables.py"
+            f"{doc.relative_to(ROOT)}: a marked table differs; run python -m bench.tables"
     assert marked > 0
 
 

@@ -24,7 +24,7 @@ MAX_LINES = 60
 # CONTRIBUTING.md's "The layout" draws them.
 LAYERS = [
     ("base", ["parity.errors", "parity.files", "parity.ui", "parity.devices",
-              "parity.metric_names"]),
+              "parity.metric_names", "parity.registry"]),
     # what the rest speaks in: task data, the rollout batch, the registries' entries, the
     # run directory; none of them samples or trains
     ("data", ["parity.tasks", "parity.engines.rollout", "parity.engines.abilities",

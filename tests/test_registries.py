@@ -180,3 +180,38 @@ def test_a_registered_engine_trains_the_run_the_hf_engine_trains(no_cache, tmp_p
         assert a["completion/len_mean"] == b["completion/len_mean"]
         assert a["reward/mean"] == b["reward/mean"]
         assert abs(a["mismatch/kl_k1"] - b["mismatch/kl_k1"]) < 1e-4
+
+
+# Where a name may appear as a string literal besides its registry: the config's default, and
+# vLLM's own logger, whose name is the package's and only happens to be the engine's.
+NAME_LITERALS_ALLOWED = {("parity/config/run.py", "ppo-clip"), ("parity/config/run.py", "hf"),
+                         ("parity/engines/vllm.py", "vllm")}
+
+
+def _literals(names: set[str]) -> dict[str, set[str]]:
+    """The library modules (parity/ outside experiments/) holding each name as a string."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    found: dict[str, set[str]] = {n: set() for n in names}
+    for p in (root / "parity").rglob("*.py"):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith("parity/experiments/"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found[node.value].add(rel)
+    return found
+
+
+def test_each_objective_engine_and_metric_name_is_written_in_one_module():
+    """A name is changed in one place: its registry entry (or metric_names.py)."""
+    from parity.engines import ENGINES
+    homes = {**{n: "parity/objectives/__init__.py" for n in OBJECTIVES},
+             **{n: "parity/engines/__init__.py" for n in ENGINES},
+             "mismatch/beta_abs_mean": "parity/metric_names.py"}
+    found = _literals(set(homes))
+    extra = {n: sorted(m for m in mods if m != homes[n] and (m, n) not in NAME_LITERALS_ALLOWED)
+             for n, mods in found.items()}
+    assert all(homes[n] in found[n] for n in homes), found
+    assert not any(extra.values()), extra

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from parity.engines.abilities import EngineCan, EngineNeeds, refuse_what_it_cannot
+from parity.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -110,15 +111,8 @@ class EngineEntry:
     check: Callable[[Any, EngineNeeds], None] = field(default=lambda config, needs: None)
 
 
-ENGINES: dict[str, EngineEntry] = {}
-
-
-def register(entry: EngineEntry) -> EngineEntry:
-    """Add an engine to the registry (a name already there is refused: one home each)."""
-    if entry.name in ENGINES:
-        raise ValueError(f"engine {entry.name!r} is already registered")
-    ENGINES[entry.name] = entry
-    return entry
+ENGINES: Registry[EngineEntry] = Registry("engine")
+register = ENGINES.register
 
 
 def _hf(spec: EngineSpec) -> Engine:
@@ -150,7 +144,9 @@ register(EngineEntry(
     build=_vllm, check=_vllm_check))
 # A live server audited by `parity audit --server` is vLLM's (or SGLang's, whose greedy floor is
 # lower): its temperature floor is the vllm engine's.
-SERVER_MIN_TEMPERATURE = ENGINES["vllm"].can.min_temperature
+# vLLM served or driven by another framework (a server, TRL's own vLLM) has vLLM's abilities.
+VLLM = ENGINES["vllm"].name
+SERVER_MIN_TEMPERATURE = ENGINES[VLLM].can.min_temperature
 
 
 def engines_that(test: Callable[[EngineCan], bool]) -> str:

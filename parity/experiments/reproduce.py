@@ -26,6 +26,7 @@ from typing import Any, Iterator
 from parity import metric_names as mn
 from parity import testbed, ui
 from parity.config import TASK_DEFAULTS, AuditSettings, Config
+from parity.errors import ParityError
 from parity.experiments import claims as C
 from parity.files import ensure_writable, read_json
 
@@ -108,6 +109,17 @@ FULL = ReproductionPlan(name="full", audit_model=testbed.LARGEST, samples=512,
                         seeds=[0, 1], steps=30, arith_steps=400, arith_seeds=[0, 1, 2],
                         algorithms=OTHER_ALGORITHMS, algorithm_seeds=[0, 1], async_seeds=[0, 1],
                         drivers=True, lora_seeds=[0, 1], horizon_steps=800)
+
+
+def plan_for(engine: str, quick: bool) -> tuple[ReproductionPlan, str]:
+    """The testbed reproduction `parity reproduce [--quick] [--engine E]` runs, and its default
+    output directory. vLLM's has a plan of its own, with no quick form."""
+    if engine == VLLM.engine:
+        if quick:
+            raise ParityError("reproduce: --engine vllm runs its own plan (docs/vllm.md); drop "
+                              "--quick")
+        return VLLM, "reproduce-vllm"
+    return (QUICK, "reproduce-quick") if quick else (FULL, "reproduce")
 
 
 def eps_at_share(table: list[dict[str, float]], target: float, key: str = "phantom_frac"

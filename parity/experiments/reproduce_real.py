@@ -79,6 +79,14 @@ def vllm_plan(**fields: Any) -> RealPlan:
                     large_lr=None, **fields)
 
 
+def real_plan_for(engine: str, **fields: Any) -> tuple[RealPlan, str]:
+    """The real-model reproduction `parity reproduce --model M [--engine E]` runs, and its
+    default output directory."""
+    if engine == "vllm":
+        return vllm_plan(**fields), f"reproduce-{fields['model']}-vllm"
+    return RealPlan(**fields), f"reproduce-{fields['model']}"
+
+
 # Each audit of the plan: its engine dtype and whether the LM head is fp32 on both sides.
 AUDITS = {"bf16": ("bf16", False), "fp16": ("fp16", False), "bf16-fp32-head": ("bf16", True)}
 

@@ -68,6 +68,7 @@ from parity.config import (
 )
 from parity.diagnostics import StepDiagnostics, measure
 from parity.engines import (
+    VLLM,
     EngineSpec,
     Rollout,
     Sampling,
@@ -288,7 +289,7 @@ class ParityGRPOTrainer(GRPOTrainer):
             logger.warning("parity: TRL's vLLM samples with %s, which the trainer's log-probs "
                            "and parity's shadow do not apply: it enters every ratio and beta "
                            "(docs/trl.md)", ", ".join(beyond))
-        self._check_engine_sampling("vllm")
+        self._check_engine_sampling(VLLM)
         vg.sync_through(os.path.join(self.args.output_dir, ".parity_weights"))
 
     def _make_engine(self, master: torch.nn.Module, head32: bool) -> Any:

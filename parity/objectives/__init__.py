@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from parity.registry import Registry
+
 if TYPE_CHECKING:
     from parity.objectives.losses import Loss, Minibatch, Share
 
@@ -43,15 +45,8 @@ class Objective:
         return None, None
 
 
-OBJECTIVES: dict[str, Objective] = {}
-
-
-def register(objective: Objective) -> Objective:
-    """Add an objective to the registry (a name already there is refused: one home each)."""
-    if objective.name in OBJECTIVES:
-        raise ValueError(f"objective {objective.name!r} is already registered")
-    OBJECTIVES[objective.name] = objective
-    return objective
+OBJECTIVES: Registry[Objective] = Registry("objective")
+register = OBJECTIVES.register
 
 
 def _built_in(name: str) -> LossFn:
