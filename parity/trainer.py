@@ -96,7 +96,7 @@ from parity.runs.dirs import (
 )
 from parity.runs.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
 from parity.runs.loggers import MetricLoggers, check_backends
-from parity.runs.model import load_model_and_task
+from parity.runs.model import ModelAndTask, load_model_and_task
 from parity.runs.sources import Rollouts
 from parity.runs.step_metrics import StepPart, json_safe, mean_dicts, step_metrics
 from parity.tasks import PromptSampler, Task
@@ -132,8 +132,8 @@ def _train(run: Run, resume: bool) -> Path:
     cfg, dist = run.cfg, run.dist
     with contextlib.ExitStack() as stack:
         stack.callback(run.rollouts.close)
-        if run.claim is not None:
-            stack.callback(run.claim.close)
+        if run.lock is not None:
+            stack.callback(run.lock.close)
         if dist.main:
             # Line-buffered: every finished step is on disk, whatever happens to the next one.
             # The other backends are rewound to the same step on resume, and closed however
@@ -438,29 +438,27 @@ class Run:
     first_step: int
     fsdp: bool
     backends: list[str] = field(default_factory=list)
-    claim: DirLock | None = None       # rank 0: the run directory, held for the run's life
+    lock: DirLock | None = None        # rank 0: the run directory, held for the run's life
 
 
 def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], None] | None,
               resume: bool) -> Run:
-    """Everything a run needs before its first step, on the rank's device (`dist.device`).
-    The order of construction is the order the random streams are drawn in: a resumed or
-    repeated run depends on it."""
+    """Everything a run needs before its first step, on the rank's device (`dist.device`): the
+    run planned and checked (`plan_run`), then made. The order of construction is the order
+    the random streams are drawn in: a resumed or repeated run depends on it."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.prompts_per_step % (cfg.minibatches * dist.world):
-        raise ParityError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by "
-                          f"minibatches x ranks = {cfg.minibatches} x {dist.world}: every rank "
-                          f"takes whole prompt groups of every minibatch")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    run_dir, restored, backends, (model, tok, model_dir, task), claim = _check_and_load(
-        cfg, dist, resume)
+    plan = plan_run(cfg, dist, resume)
+    run_dir, restored, lock = plan.run_dir, plan.restored, plan.lock
+    model, tok, model_dir, task = (plan.loaded.model, plan.loaded.tok, plan.loaded.model_dir,
+                                   plan.loaded.task)
     if cfg.lora_rank:
         model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge,
                           torch_dtype(cfg.base_dtype))
     if dist.main and not resume:
-        claim = _start_run_dir(cfg, run_dir, model_dir, task)
+        lock = _start_run_dir(cfg, run_dir, model_dir, task)
     model.to(dist.device)  # before the copies: the engine, shadow and reference are made from it
     obj = OBJECTIVES[cfg.objective]
     if cfg.lm_head_fp32:
@@ -468,9 +466,9 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     if on_model is not None:
         on_model(model)
     engine = _make_engine(cfg, model, model_dir, tok, task, dist.world)
-    value_head, ref_model, shadow = _model_copies(cfg, model, obj, engine, dist.device)
-    scaler, prompts, gen, opt_state = _loop_state(cfg, task, dist.device, restored, model,
-                                                  engine, value_head)
+    copies = _model_copies(cfg, model, obj, engine, dist.device)
+    state = _loop_state(cfg, task, dist.device, restored, model, engine, copies.value_head)
+    value_head = copies.value_head
     if dist.main and resume:
         _rewind_run_dir(run_dir, restored)
     # Forward passes with gradient go through DDP (or the FSDP-sharded model itself), which
@@ -481,57 +479,71 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     params = [p for p in model.parameters() if p.requires_grad]
     params += list(value_head.parameters()) if value_head is not None else []
     opt = make_optimizer(cfg, params)
-    if opt_state is not None:
-        _load_optimizer_state(opt, model, opt_state, fsdp, restored)
+    if state.opt_state is not None:
+        _load_optimizer_state(opt, model, state.opt_state, fsdp, restored)
     s = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     kl_rows = exact_kl_rows(cfg.prompts_per_step * cfg.samples_per_prompt, cfg.kl_exact_rows)
     first_step = restored.step + 1 if restored is not None else 1
-    rollouts = Rollouts(cfg, task, engine, dist, s, prompts, gen, kl_rows, first_step, restored)
+    rollouts = Rollouts(cfg, task, engine, dist, s, state.prompts, state.gen, kl_rows, first_step,
+                        restored)
     return Run(cfg=cfg, dist=dist, dir=run_dir, objective=obj, model=model,
                policy=model if fsdp else dist.wrap(model), tok=tok, task=task, engine=engine,
-               shadow=shadow, value_head=value_head, value=dist.wrap(value_head),
-               ref_model=ref_model, scaler=scaler, opt=opt, params=params, rollouts=rollouts,
-               sampling=s, device=dist.device, first_step=first_step, fsdp=fsdp,
-               backends=backends, claim=claim)
+               shadow=copies.shadow, value_head=value_head, value=dist.wrap(value_head),
+               ref_model=copies.ref_model, scaler=state.scaler, opt=opt, params=params,
+               rollouts=rollouts, sampling=s, device=dist.device, first_step=first_step, fsdp=fsdp,
+               backends=plan.backends, lock=lock)
 
 
-def _check_and_load(cfg: Config, dist: Dist, resume: bool) -> tuple:
+@dataclass(kw_only=True)
+class Plan:
+    """What a run is, checked before anything is written: its directory (held, when resumed),
+    the checkpoint it resumes from, its logging backends, and its model and task, loaded."""
+    run_dir: Path
+    restored: checkpoints.Restored | None
+    backends: list[str]
+    loaded: ModelAndTask
+    lock: DirLock | None          # rank 0, resuming: the run directory, held from here on
+
+
+def plan_run(cfg: Config, dist: Dist, resume: bool) -> Plan:
     """Rank 0 checks the run directory and builds the testbed's caches; the others follow, and
     a refusal on rank 0 stops every rank. Every check, the memory check included, comes before
-    a new run's directory exists; a resumed run's directory is held before it is read. Returns
-    (run dir, checkpoint to resume from or None, logging backends, (model, tokenizer, model
-    dir, task), the resumed directory's claim)."""
+    a new run's directory exists; a resumed run's directory is held before it is read."""
+    if cfg.prompts_per_step % (cfg.minibatches * dist.world):
+        raise ParityError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by "
+                          f"minibatches x ranks = {cfg.minibatches} x {dist.world}: every rank "
+                          f"takes whole prompt groups of every minibatch")
     run_dir = run_dir_for(cfg) if dist.main else Path()
     run_dir = Path(dist.gather(str(run_dir))[0])
-    error, restored, ctx, backends, claim = None, None, None, [], None
+    error, restored, loaded, backends, lock = None, None, None, [], None
     if dist.main:
         try:
-            claim = lock_run_dir(run_dir, new=False) if resume else None
+            lock = lock_run_dir(run_dir, new=False) if resume else None
             restored = checkpoints.latest_valid(run_dir) if resume else None
             if not resume:
                 check_run_dir(run_dir)
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
             check_engine(cfg.engine)   # before a model is loaded or built
-            ctx = load_model_and_task(cfg)
-            check_engine(cfg.engine, ctx[0].config, dataclasses.replace(
-                engine_needs(cfg), max_len=max(map(len, ctx[3].prompt_ids)) + cfg.max_new_tokens,
+            loaded = load_model_and_task(cfg)
+            check_engine(cfg.engine, loaded.model.config, dataclasses.replace(
+                engine_needs(cfg), max_len=loaded.longest_prompt() + cfg.max_new_tokens,
                 scores=cfg.shadow_kernels == "scored" and (cfg.diagnostics or _needs_shadow(cfg))))
-            if warning := memory.check(cfg, ctx[0], max(map(len, ctx[3].prompt_ids)),
-                                       dist.world, dist.device):
+            if warning := memory.check(cfg, loaded.model, loaded.longest_prompt(), dist.world,
+                                       dist.device):
                 print(f"parity: warning: {warning}", file=sys.stderr)
         except ParityError as e:
             error = str(e)
-            if claim is not None:
-                claim.close()
+            if lock is not None:
+                lock.close()
     dist.agree(error)
     restored = dist.gather(restored)[0]
-    if ctx is None:
-        ctx = load_model_and_task(cfg)
-    return run_dir, restored, backends, ctx, claim
+    if loaded is None:
+        loaded = load_model_and_task(cfg)
+    return Plan(run_dir=run_dir, restored=restored, backends=backends, loaded=loaded, lock=lock)
 
 
 def _start_run_dir(cfg: Config, run_dir: Path, model_dir: Path, task: Task) -> DirLock:
-    claim = lock_run_dir(run_dir, new=True)
+    lock = lock_run_dir(run_dir, new=True)
     try:
         dump_yaml(cfg, run_dir / "config.yaml")
         (run_dir / "task.json").write_text(json.dumps(
@@ -539,7 +551,7 @@ def _start_run_dir(cfg: Config, run_dir: Path, model_dir: Path, task: Task) -> D
             indent=1))
     except OSError as e:
         raise write_failure(e, run_dir, 1 << 16, "the run directory") from None
-    return claim
+    return lock
 
 
 def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any, task: Task,
@@ -552,9 +564,16 @@ def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any,
         cfg.vllm_gpu_memory))
 
 
+@dataclass
+class Copies:
+    """What is made beside the master model."""
+    value_head: ValueHead | None        # ppo-value
+    ref_model: torch.nn.Module | None   # online-dpo's frozen initial policy
+    shadow: Shadow | None               # the engine-precision forward on the trainer's weights
+
+
 def _model_copies(cfg: Config, model: torch.nn.Module, obj: Objective, engine: Engine,
-                  device: torch.device
-                  ) -> tuple[ValueHead | None, torch.nn.Module | None, Shadow | None]:
+                  device: torch.device) -> Copies:
     """The master model in training mode, and what is made beside it: the value head
     (ppo-value), the frozen initial policy (online-dpo) and the shadow."""
     model.train()
@@ -571,7 +590,7 @@ def _model_copies(cfg: Config, model: torch.nn.Module, obj: Objective, engine: E
         enable = (getattr(model, "activation_checkpointing_enable", None)
                   or model.gradient_checkpointing_enable)
         enable({"use_reentrant": False})
-    return value_head, ref_model, shadow
+    return Copies(value_head, ref_model, shadow)
 
 
 def _needs_shadow(cfg: Config) -> bool:
@@ -580,10 +599,18 @@ def _needs_shadow(cfg: Config) -> bool:
                                             and cfg.dpo_ref == "engine")
 
 
+@dataclass
+class LoopState:
+    """The loop's state, new or as a checkpoint left it."""
+    scaler: LossScaler
+    prompts: PromptSampler              # the data order
+    gen: torch.Generator                # the sampling stream
+    opt_state: dict | None              # to load once the optimizer exists; None: a new run
+
+
 def _loop_state(cfg: Config, task: Task, device: torch.device,
                 restored: checkpoints.Restored | None, model: torch.nn.Module, engine: Engine,
-                value_head: ValueHead | None
-                ) -> tuple[LossScaler, PromptSampler, torch.Generator, dict | None]:
+                value_head: ValueHead | None) -> LoopState:
     """The loss scaler, the data order and the sampling generator, new or as `restored` left
     them (its weights loaded into the model, the engine and the value head on the way); and the
     optimizer state to load once the optimizer exists (None for a new run)."""
@@ -592,12 +619,12 @@ def _loop_state(cfg: Config, task: Task, device: torch.device,
     prompts = PromptSampler(len(task.rows), cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)  # on the CPU on every device: devices.py
     if restored is None:
-        return scaler, prompts, gen, None
-    train_state = checkpoints.load_into(restored, model, engine.model, gen, value_head)
+        return LoopState(scaler, prompts, gen, None)
+    train_state = checkpoints.load_into(restored, model, engine, gen, value_head)
     scaler.load_state_dict(train_state["scaler"])
     prompts.load_state_dict(restored.state["prompts"])
     engine.version = restored.state["engine_version"]
-    return scaler, prompts, gen, train_state["optimizer"]
+    return LoopState(scaler, prompts, gen, train_state["optimizer"])
 
 
 def _rewind_run_dir(run_dir: Path, restored: checkpoints.Restored | None) -> None:
@@ -645,7 +672,7 @@ def save(run: Run, step: int) -> None:
             full_state_dict=True, cpu_offload=True))
     if not run.dist.main:
         return
-    checkpoints.save(run.dir, step, run.model, run.tok, run.engine.model, run.engine.version,
+    checkpoints.save(run.dir, step, run.model, run.tok, run.engine, run.engine.version,
                      run.opt, run.scaler.state_dict(), value_head=run.value_head,
                      keep=run.cfg.keep_checkpoints, model_state=model_state, opt_state=opt_state,
                      **run.rollouts.saved_states(step))

@@ -134,6 +134,19 @@ class NoCacheEngine:
     def score(self, master, r, s):
         raise NotImplementedError("no engine-scored shadow: score_processed=False")
 
+    # A checkpoint keeps the copy as parity's own engines keep theirs.
+    def save_weights(self, directory):
+        from parity.models.precision import save_copy
+        save_copy(self.model, directory)
+
+    def restore_weights(self, master, directory):
+        from parity.models.precision import restore_copy
+        restore_copy(master, self.model, directory)
+
+    def weight_bytes(self):
+        from parity.models.precision import copy_bytes
+        return copy_bytes(self.model)
+
     def replica(self):
         raise NotImplementedError("no asynchronous engine")
 

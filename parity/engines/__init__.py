@@ -18,6 +18,7 @@ the shared pieces (`Rollout`, `Sampling`, ...) come from parity/engines/rollout.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from parity.engines.abilities import EngineCan, EngineNeeds, refuse_what_it_cannot
@@ -51,7 +52,6 @@ class Engine(Protocol):
     (parity/engines/vllm.py) are interchangeable behind it."""
 
     dtype: str                  # engine precision: bf16, fp16 or fp32
-    model: torch.nn.Module      # the engine-precision copy of the weights it samples with
     version: int                # syncs so far (a checkpoint keeps it)
     pad_id: int
 
@@ -63,6 +63,15 @@ class Engine(Protocol):
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Take engine-precision weights pushed from another process."""
+
+    def save_weights(self, directory: Path) -> None:
+        """Its engine-precision weights, as last synced, into a checkpoint's directory."""
+
+    def restore_weights(self, master: torch.nn.Module, directory: Path) -> None:
+        """Its weights as `save_weights` left them (`master`: the run's restored weights)."""
+
+    def weight_bytes(self) -> int:
+        """What its engine-precision weights take on disk, at most."""
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                  generator: torch.Generator, record_rows: list[int] | None = None,

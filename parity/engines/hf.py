@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,14 @@ from parity.engines.rollout import (
 )
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import seen_in
-from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
+from parity.models.precision import (
+    cast_weights_into,
+    copy_bytes,
+    fp16_kernels,
+    low_precision_copy,
+    restore_copy,
+    save_copy,
+)
 
 
 class HFEngine:
@@ -97,6 +105,15 @@ class HFEngine:
 
     def close(self) -> None:
         self._scratch = None
+
+    def save_weights(self, directory: Path) -> None:
+        save_copy(self.model, directory)
+
+    def restore_weights(self, master: torch.nn.Module, directory: Path) -> None:
+        restore_copy(master, self.model, directory)
+
+    def weight_bytes(self) -> int:
+        return copy_bytes(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,

@@ -22,6 +22,7 @@ import copy
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -29,7 +30,14 @@ import torch
 from parity.engines.abilities import EngineNeeds
 from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
-from parity.models.precision import cast_weights_into, low_precision_copy, torch_dtype
+from parity.models.precision import (
+    cast_weights_into,
+    copy_bytes,
+    low_precision_copy,
+    restore_copy,
+    save_copy,
+    torch_dtype,
+)
 from parity.runs.memory import kv_cache_bytes
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -234,6 +242,16 @@ class VLLMEngine:
         """Engine-precision weights pushed by the trainer (the asynchronous engine process)."""
         self.model.load_state_dict(state)
         self._stale = True
+
+    def save_weights(self, directory: Path) -> None:
+        save_copy(self.model, directory)
+
+    def restore_weights(self, master: torch.nn.Module, directory: Path) -> None:
+        restore_copy(master, self.model, directory)
+        self._stale = True   # vLLM loads them before it next samples
+
+    def weight_bytes(self) -> int:
+        return copy_bytes(self.model)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                  generator: torch.Generator, record_rows: list[int] | None = None,

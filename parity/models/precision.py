@@ -12,12 +12,15 @@ import copy
 import functools
 import math
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_file, save_model
 from torch.overrides import TorchFunctionMode
 
 from parity.errors import ParityError
+from parity.files import check_safetensors, read_safetensors
 from parity.models import lora
 from parity.runs.distributed import full_tensor
 
@@ -269,3 +272,37 @@ def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool =
         for p in copy_.parameters():
             p.requires_grad_(False)
     return copy_
+
+
+# ---- an engine's copy in a checkpoint ----------------------------------------------------------
+
+COPY_WEIGHTS = "engine.safetensors"             # the engine's own low-precision copy
+COPY_ADAPTERS = "engine_adapters.safetensors"   # LoRA: the adapters it was last cast from
+
+
+def save_copy(copy_: torch.nn.Module, directory: Path) -> None:
+    """An engine's low-precision copy into a checkpoint's directory, as it was last cast (at the
+    step's start, so not a cast of the final weights). A LoRA copy keeps only the adapters it
+    was cast from: the base never changes. save_model, not save_file: a tied head (GPT-2) shares
+    its tensor with the embedding."""
+    synced = getattr(copy_, "parity_synced", None)
+    if synced is not None:
+        save_file(synced, str(directory / COPY_ADAPTERS))
+    else:
+        save_model(copy_, str(directory / COPY_WEIGHTS))
+
+
+def restore_copy(master: torch.nn.Module, copy_: torch.nn.Module, directory: Path) -> None:
+    """The copy as `save_copy` left it; a LoRA copy is cast again from `master`'s base with the
+    saved adapters."""
+    if lora.is_lora(master):
+        lora.restore_engine(master, copy_, read_safetensors(directory / COPY_ADAPTERS,
+                                                            "checkpoint file"))
+    else:
+        check_safetensors(directory / COPY_WEIGHTS, "checkpoint file")
+        load_model(copy_, str(directory / COPY_WEIGHTS))
+
+
+def copy_bytes(copy_: torch.nn.Module) -> int:
+    """What the copy's tensors take."""
+    return sum(t.numel() * t.element_size() for t in copy_.state_dict().values())

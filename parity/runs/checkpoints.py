@@ -27,15 +27,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import save_file
 
 from parity.errors import ParityError, one_line
 from parity.files import (
-    check_safetensors,
     free_bytes,
     is_disk_full,
     read_safetensors,
@@ -44,9 +43,11 @@ from parity.files import (
 )
 from parity.models import lora
 
+if TYPE_CHECKING:
+    from parity.engines import Engine
+
 MANIFEST = "manifest.json"
 ADAPTERS = "adapter_model.safetensors"          # a LoRA run's adapters (peft's own file name)
-ENGINE_ADAPTERS = "engine_adapters.safetensors"  # the adapters the engine was last cast from
 # What a resumed run reads from state.json; a checkpoint without one of them is not valid.
 STATE_KEYS = ("step", "engine_version", "prompts")
 
@@ -67,7 +68,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,
+def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine: Engine,
          engine_version: int, opt: torch.optim.Optimizer, scaler_state: dict, prompts_state: dict,
          gen: torch.Generator, value_head: torch.nn.Module | None, keep: int,
          async_state: dict[str, Any] | None = None,
@@ -75,7 +76,7 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
          model_state: dict[str, torch.Tensor] | None = None, opt_state: dict | None = None
          ) -> Path:
     try:
-        return _save(run, step, model, tok, engine_model, engine_version, opt, scaler_state,
+        return _save(run, step, model, tok, engine, engine_version, opt, scaler_state,
                      prompts_state, gen, value_head, keep, async_state, engine_versions,
                      model_state, opt_state)
     except (OSError, RuntimeError, SafetensorError) as e:
@@ -83,14 +84,14 @@ def save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: t
         # system's error in their own), ... The partial write goes, to free its space.
         tmp = run / "checkpoints" / f".tmp-step-{step}"
         shutil.rmtree(tmp, ignore_errors=True)
-        failure = _save_failure(e, run, step, model, engine_model)
+        failure = _save_failure(e, run, step, model, engine)
         if failure is None:
             raise
         raise failure from None
 
 
 def _save_failure(e: BaseException, run: Path, step: int, model: torch.nn.Module,
-                  engine_model: torch.nn.Module) -> ParityError | None:
+                  engine: Engine) -> ParityError | None:
     """One line: what could not be written, the space it needs (the newest checkpoint's size,
     or the tensors' where none is on disk yet), and that nothing written before is lost. None
     for a library error that is not the disk's (torch reports a full disk only as a stream
@@ -99,8 +100,8 @@ def _save_failure(e: BaseException, run: Path, step: int, model: torch.nn.Module
     done = steps_on_disk(run) if (run / "checkpoints").is_dir() else []
     done = [s for s in done if s != step]
     needed = _bytes_on_disk(run / "checkpoints" / f"step-{done[-1]}") if done else sum(
-        t.numel() * t.element_size() for sd in (model.state_dict(), engine_model.state_dict())
-        for t in sd.values()) + 3 * sum(p.numel() * 4 for p in model.parameters()
+        t.numel() * t.element_size() for t in model.state_dict().values()
+    ) + engine.weight_bytes() + 3 * sum(p.numel() * 4 for p in model.parameters()
                                         if p.requires_grad)  # gradients' moments and master
     kept = f"checkpoint step-{done[-1]} stays whole to resume from" if done else \
         "no checkpoint was written yet"
@@ -121,7 +122,7 @@ def _bytes_on_disk(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: torch.nn.Module,
+def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine: Engine,
           engine_version: int, opt: torch.optim.Optimizer, scaler_state: dict,
           prompts_state: dict, gen: torch.Generator, value_head: torch.nn.Module | None,
           keep: int, async_state: dict[str, Any] | None,
@@ -141,13 +142,7 @@ def _save(run: Path, step: int, model: torch.nn.Module, tok: Any, engine_model: 
     # takes part in); rank 0 writes them as a one-process run would.
     model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     tok.save_pretrained(tmp)
-    # The engine's copy is not a cast of the final weights (it was cast at the step's start).
-    # save_model, not save_file: a tied head (GPT-2) shares its tensor with the embedding. A LoRA
-    # run keeps the adapters the engine was cast from instead (parity/models/lora.py).
-    if lora.is_lora(model):
-        save_file(engine_model.parity_synced, str(tmp / ENGINE_ADAPTERS))
-    else:
-        save_model(engine_model, str(tmp / "engine.safetensors"))
+    engine.save_weights(tmp)   # as last synced: not a cast of the final weights
     if value_head is not None:
         save_file(value_head.state_dict(), str(tmp / "value_head.safetensors"))
     for v, weights in (engine_versions or {}).items():
@@ -245,12 +240,12 @@ def latest_valid(run: Path) -> Restored | None:
                       f"); nothing to resume from")
 
 
-def load_into(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
+def load_into(r: Restored, model: torch.nn.Module, engine: Engine,
               gen: torch.Generator, value_head: torch.nn.Module | None) -> dict:
     """Restore weights and RNGs in place; returns train.pt's {"optimizer", "scaler"} states,
     which the caller loads once its optimizer exists (under FSDP, on the shards)."""
     try:
-        _load_weights(r, model, engine_model, value_head)
+        _load_weights(r, model, engine, value_head)
     except RuntimeError as e:  # torch's "size mismatch for ...": another model than was saved
         first = next((x.strip() for x in str(e).splitlines() if "mismatch" in x), one_line(e))
         raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
@@ -271,13 +266,13 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     return read_safetensors(path, "checkpoint file")
 
 
-def _load_weights(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Module,
+def _load_weights(r: Restored, model: torch.nn.Module, engine: Engine,
                   value_head: torch.nn.Module | None) -> None:
     if lora.is_lora(model):
         if not (r.path / ADAPTERS).is_file():
             raise ParityError(f"{r.path} holds no LoRA adapters: it was written by a run "
                               f"without --lora-rank")
-        lora.restore_engine(model, engine_model, _read(r.path / ENGINE_ADAPTERS))
+        engine.restore_weights(model, r.path)  # cast from the base and its saved adapters
         lora.load_adapter_state(model, _read(r.path / ADAPTERS))
     else:
         weights = _read(r.path / "model.safetensors")
@@ -285,8 +280,7 @@ def _load_weights(r: Restored, model: torch.nn.Module, engine_model: torch.nn.Mo
         if unexpected or [k for k in missing if k not in _tied(model)]:
             raise ParityError(f"{r.path}: the checkpoint's weights do not fit the run's model "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        check_safetensors(r.path / "engine.safetensors", "checkpoint file")
-        load_model(engine_model, str(r.path / "engine.safetensors"))
+        engine.restore_weights(model, r.path)
     if value_head is not None:
         value_head.load_state_dict(_read(r.path / "value_head.safetensors"))
 

@@ -4,6 +4,7 @@ or built-in name, or a directory), loaded, and the task built for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,18 @@ if TYPE_CHECKING:
     from parity.config import Config
 
 
-def load_model_and_task(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
+@dataclass
+class ModelAndTask:
+    model: torch.nn.Module      # the policy's fp32 master weights
+    tok: Any                    # its tokenizer, with a pad token
+    model_dir: Path
+    task: Task                  # its prompts tokenized for this model
+
+    def longest_prompt(self) -> int:
+        return max(map(len, self.task.prompt_ids))
+
+
+def load_model_and_task(cfg: Config) -> ModelAndTask:
     """The run's policy (fp32), tokenizer, model directory and task, as `cfg` names them."""
     model_dir = testbed.resolve_model(cfg.model)
     model, tok = load_policy(model_dir)
@@ -25,4 +37,4 @@ def load_model_and_task(cfg: Config) -> tuple[torch.nn.Module, Any, Path, Task]:
                       max_positions(model), cfg.seed, cfg.temperature,
                       cfg.reward_weight_list(), cfg.chat_template,
                       solve_rates=testbed.solve_rates)
-    return model, tok, model_dir, task
+    return ModelAndTask(model, tok, model_dir, task)
