@@ -6,6 +6,8 @@ Errors the user can fix print one line `parity: error: ...` and exit with code 2
 
 from __future__ import annotations
 
+# Imports inside functions: a command's modules load when it runs, so that `parity --help` and
+# every refusal of a setting answer without importing torch (start-up time).
 import argparse
 import dataclasses
 import json

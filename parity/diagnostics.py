@@ -14,6 +14,7 @@ The same functions serve the trainer (every update) and `parity audit` (offline,
 
 from __future__ import annotations
 
+# Imports inside functions: pyarrow loads when a rollout dump is written (start-up time).
 import math
 import os
 from dataclasses import dataclass

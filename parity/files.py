@@ -9,6 +9,8 @@ directory is refused before anything is created (docs/errors.md, "Files", "Outpu
 
 from __future__ import annotations
 
+# Imports inside functions: each reader's library (pyarrow, safetensors, torch) loads when a file
+# of its kind is read: the command line reads YAML and JSON without them (start-up time).
 import contextlib
 import errno
 import importlib
@@ -16,6 +18,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -196,7 +199,6 @@ def read_safetensors(path: str | Path, what: str) -> dict[str, Any]:
 def read_torch(path: str | Path, what: str) -> Any:
     """A torch.save file, with `weights_only=True` (no code runs); one that is cut or damaged
     is one line naming it."""
-    import pickle
 
     import torch
     try:

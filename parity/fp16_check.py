@@ -26,11 +26,15 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
+from rich.table import Table
 
 from parity import devices, testbed, ui
+from parity.audit.inputs import read_prompts
 from parity.errors import ParityError
 from parity.models.loading import load_policy, max_positions
+from parity.models.precision import fp16_kernels, low_precision_copy
 from parity.runs.dirs import check_run_dir, free_dir
+from parity.tasks import prompt_token_ids
 from parity.tasks.data import text_prompts
 
 FP16_MAX = 65504.0
@@ -133,7 +137,6 @@ def default_out(model: str) -> Path:
 
 def _encode(tok, prompts: list, limit: int) -> list[torch.Tensor]:
     """Token ids as `parity audit` makes them: a conversation goes through the chat template."""
-    from parity.tasks import prompt_token_ids
     ids = [torch.tensor([prompt_token_ids(tok, p, False, f"prompt {i}")[:limit]],
                         device="cpu")
            for i, p in enumerate(prompts)]
@@ -147,7 +150,6 @@ def _fp16_forward(net: torch.nn.Module, ids: list[torch.Tensor]) -> dict[str, An
     """The prompts through a real fp16 copy, with tensor-core numerics, against fp32. The fp32
     logits are recomputed rather than kept from _scan: [T, V] per prompt is hundreds of MB for a
     real model's vocabulary, and a no-grad forward is cheap next to _scan's backward."""
-    from parity.models.precision import fp16_kernels, low_precision_copy
     half = low_precision_copy(net, "fp16")
     bad, max_diff, lp_sum, n = 0, 0.0, 0.0, 0
     # On CUDA the copy runs fp16's own kernels; on the CPU their emulation (precision.py).
@@ -212,7 +214,6 @@ def check(model: str, prompts_file: str | None = None, max_prompts: int = 8,
     """Run every check on `device` (a `device` setting: parity/devices.py); returns
     fp16_check.json's content (also written to `out`). Input is checked before anything is
     loaded or written."""
-    from parity.audit.inputs import read_prompts
     t0 = time.perf_counter()
     if max_prompts <= 0:
         raise ParityError("fp16-check: --max-prompts must be > 0")
@@ -359,7 +360,6 @@ def _pct(n: float, d: float) -> str:
 
 
 def _table(title: str, cols: tuple[str, ...], rows: list[tuple], caption: str):
-    from rich.table import Table
     t = Table(title=title, caption=caption)
     for i, col in enumerate(cols):
         t.add_column(col, justify="right" if i else "left")

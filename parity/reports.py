@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator
 from parity import metric_names as mn
 from parity.errors import ParityError
 from parity.files import ensure_writable
+from parity.runs.dirs import lock_dir, metrics_lines, unreadable
 
 __all__ = ["Heading", "Plot", "Table", "audit_report", "html_page", "load_metrics", "run_report",
            "scale_report", "sweep_report"]
@@ -156,7 +157,6 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
     """Rows of a run's metrics.jsonl, read as `parity train --resume` reads them (one reader,
     `runs.metrics_lines`): a line a killed run left cut, or one damaged, is named in a warning
     and left out, never a reason to refuse the steps that were recorded whole."""
-    from parity.runs.dirs import metrics_lines, unreadable
     path = Path(path)
     if not path.is_file():
         raise ParityError(f"{path}: metrics file not found (a run directory holds metrics.jsonl)")
@@ -323,7 +323,6 @@ def run_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None)
     for (lab, rows), d in zip(runs.items(), run_dirs):
         if _series(rows, mn.REWARD_MEAN) is None:
             raise ParityError(f"run {lab!r} ({d}): no '{mn.REWARD_MEAN}' in its metrics.jsonl")
-    from parity.runs.dirs import lock_dir
     with lock_dir(Path(out), "report --out"):   # two reports never write one page at once
         return _write_run_report(runs, run_dirs, names, Path(out))
 

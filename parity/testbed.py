@@ -8,6 +8,8 @@ either holds a finished build (marked by testbed.json, written last) or does not
 
 from __future__ import annotations
 
+# Imports inside functions: torch, transformers and tokenizers load when a model is built or
+# measured, so that listing the testbed and resolving a name stay cheap (start-up time).
 import json
 import math
 import random

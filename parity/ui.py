@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+# Imports inside functions: rich's table and progress load when first shown (start-up time).
 from contextlib import contextmanager
 from typing import Any, Iterator
 

@@ -203,3 +203,36 @@ def test_no_function_over_60_lines_without_a_stated_reason():
                 if n > MAX_LINES and not reason:
                     long.append(f"{p.name}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+MODULE_NOTE = "# Imports inside functions:"
+
+
+def function_imports(tree: ast.Module) -> list[ast.stmt]:
+    return [n for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_an_import_inside_a_function_says_why():
+    """An import belongs at the top, where the reader and this file's graph see it. One inside a
+    function is for an optional dependency or for start-up time, and says which: in a comment
+    on its line or the line above, or once for the module in a line starting MODULE_NOTE."""
+    silent = []
+    for p in sorted(PKG.rglob("*.py")):
+        lines = p.read_text().splitlines()
+        if any(line.startswith(MODULE_NOTE) for line in lines):
+            continue
+        for n in function_imports(ast.parse("\n".join(lines))):
+            here, above = lines[n.lineno - 1], lines[n.lineno - 2].strip()
+            if "#" not in here and not above.startswith("#") and not _in_block_with_reason(
+                    lines, n.lineno - 1):
+                silent.append(f"{p.relative_to(PKG.parent)}:{n.lineno} {here.strip()}")
+    assert not silent, silent
+
+
+def _in_block_with_reason(lines: list[str], i: int) -> bool:
+    """Line i follows other imports whose block starts under a comment."""
+    j = i
+    while j > 0 and lines[j - 1].strip().startswith(("import ", "from ")):
+        j -= 1
+    return j < i and lines[j - 1].strip().startswith("#") if j > 0 else False

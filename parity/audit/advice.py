@@ -15,6 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from parity import metric_names as mn
 from parity.config import Config
 from parity.errors import ParityError
@@ -254,7 +256,6 @@ def what_to_do(result: dict[str, Any]) -> dict[str, Any]:
 def print_advice(result: dict[str, Any], console: Any) -> None:
     """The advice under the audit's table: what to do, why, and the measured reference points
     (the published ones in a line each)."""
-    from rich.table import Table
     w = what_to_do(result)
     console.print(f"[bold]what to do:[/bold] {w['headline']}", highlight=False)
     for r in w["reasons"]:

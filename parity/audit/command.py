@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from rich.table import Table
 
 from parity import devices, testbed, ui
 from parity import metric_names as mn
+from parity.audit import server as server_audit
 from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.config import AuditSettings, engine_needs
@@ -49,13 +51,16 @@ from parity.engines import (
     make_engine,
     stop_token_ids,
 )
+from parity.engines.server import Server
 from parity.errors import ParityError
 from parity.models import lora
 from parity.models.forward import score_full
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import autocast, fp32_head
 from parity.objectives import grpo_advantages
+from parity.reports import audit_report, scale_report
 from parity.runs.dirs import check_run_dir, free_dir, lock_dir
+from parity.tasks import PromptSampler, build_task, prompt_token_ids
 from parity.ui import progress
 
 if TYPE_CHECKING:
@@ -142,7 +147,6 @@ class Measurement:
 def _prompts(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
              model_dir: Path) -> tuple[Task | None, list[Any], list[list[int]], str]:
     """(the task or None, each prompt as given, its token ids, where the prompts come from)."""
-    from parity.tasks import build_task, prompt_token_ids
     if a.prompts:
         texts = read_prompts(a.prompts)
         prompt_ids = [prompt_token_ids(tok, t, a.chat_template,
@@ -183,7 +187,6 @@ def _sample_with(a: AuditSettings, engine: Engine, prompt_ids: list[list[int]],
                  task: Task | None, source: str, model: torch.nn.Module,
                  tok: PreTrainedTokenizerBase, meas: Measurement, shadow: Shadow, s: Sampling,
                  bar: ui.Bar) -> str:
-    from parity.tasks import PromptSampler
     order = PromptSampler(len(prompt_ids), a.seed)
     gen = torch.Generator().manual_seed(a.seed)
     per_batch = max(1, a.batch_size // a.group)
@@ -212,8 +215,6 @@ def _serve(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBas
            model_dir: Path, s: Sampling, path: Path) -> tuple[dict[str, Any], str]:
     """Sample from the server into the rollouts file `path`; what was found about the server,
     and where the prompts came from."""
-    from parity.audit import server as server_audit
-    from parity.engines.server import Server
     server = Server(a.server, a.server_timeout_s)
     info = server_audit.served_model(server, a, model_dir)
     task, prompts, prompt_ids, source = _prompts(a, model, tok, model_dir)
@@ -360,7 +361,6 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
     write_dump(out / "tokens.parquet", meas.tables)
     (out / "audit.json").write_text(json.dumps(result, indent=1))
     if report:
-        from parity.reports import audit_report
         tokens, seqs = meas.arrays()
         summary = {k: v for k, v in result["metrics"].items() if "/" in k and
                    not k.startswith((mn.prefix(mn.BETA_BY_PROB), mn.prefix(mn.BETA_BY_POS)))}
@@ -382,7 +382,6 @@ def verdict(result: dict[str, Any]) -> str:
 
 
 def print_audit(result: dict[str, Any]) -> None:
-    from rich.table import Table
     m = result["metrics"]
     t = Table(title=f"{result['model']}: {result['engine_dtype']} engine vs "
                     f"{result['trainer_dtype']} trainer, {result['completions']} completions, "
@@ -540,13 +539,11 @@ def _claimed_scale(a: AuditSettings, out: Path, models: list[str],
               "samples": a.samples, "points": points, "fits": fits,
               "beta_abs_slope_by_axis": per_axis}
     (out / "scale.json").write_text(json.dumps(result, indent=1))
-    from parity.reports import scale_report
     scale_report(points, fits, out, phantom_eps)
     return result
 
 
 def print_scale(result: dict[str, Any]) -> None:
-    from rich.table import Table
     t = Table(title=f"mismatch against size: {result['engine_dtype']} engine vs "
                     f"{result['trainer_dtype']} trainer, {result['samples']} completions each")
     for col in ("model", "axis", "params", "|beta| mean", "KL k3", "KL exact",

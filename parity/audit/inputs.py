@@ -18,6 +18,7 @@ from parity.audit.responses import is_server_line, server_rows
 from parity.engines import Rollout, left_pad
 from parity.errors import ParityError
 from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
+from parity.tasks import load_rows
 from parity.tasks.rewards import REWARD_LIMIT
 
 REQUIRED = ("prompt_token_ids", "completion_token_ids", "engine_logprobs")
@@ -158,5 +159,4 @@ def read_prompts(path: str) -> list[str | list[dict]]:
         if not prompts:
             raise ParityError(f"prompts file {p} has no non-empty lines")
         return prompts
-    from parity.tasks import load_rows
     return [r["prompt"] for r in load_rows(str(p))]

@@ -19,6 +19,7 @@ line, the choice and the field.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from parity.errors import ParityError
@@ -57,7 +58,6 @@ def _numbers(v: list, at: str, field: str) -> list[float]:
 
 
 def json_text(v: Any) -> str:
-    import json
     text = json.dumps(v)
     return text if len(text) <= 40 else text[:37] + "..."
 

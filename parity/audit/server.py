@@ -37,6 +37,7 @@ from parity.errors import ParityError
 from parity.models.forward import score_full
 from parity.models.precision import autocast
 from parity.objectives import grpo_advantages
+from parity.tasks import PromptSampler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,7 +87,6 @@ def sample(server: Server, a: AuditSettings, info: dict[str, Any], model: torch.
            prompt_ids: list[list[int]], s: Sampling) -> list[dict[str, Any]]:
     """One saved line per request ({request, response[, reward, advantage]}): `group` choices
     of each prompt, drawn in the order `audit._sample` draws them."""
-    from parity.tasks import PromptSampler
     limit = info.get("max_model_len")
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     if isinstance(limit, int) and len(prompt_ids[longest]) + a.max_new_tokens > limit:

@@ -17,6 +17,8 @@ the shared pieces (`Rollout`, `Sampling`, ...) come from parity/engines/rollout.
 
 from __future__ import annotations
 
+# Imports inside functions: this registry imports without torch (start-up time); an engine's
+# module loads when the engine is built or checked.
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable

@@ -18,6 +18,8 @@ finished sequence as it sampled it (kernel gap 0 on the testbed, 1e-3 on SmolLM2
 
 from __future__ import annotations
 
+# Imports inside functions: vllm is optional (README.md's vLLM command); it loads when the
+# engine is checked or started.
 import copy
 import logging
 import os
@@ -30,6 +32,7 @@ import torch
 from parity.engines.abilities import EngineNeeds
 from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
 from parity.errors import ParityError, one_line
+from parity.models import lora
 from parity.models.precision import (
     cast_weights_into,
     copy_bytes,
@@ -333,7 +336,6 @@ class VLLMEngine:
 
 def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The master's weights under the engine copy's names (a LoRA master's merged)."""
-    from parity.models import lora
     if lora.is_lora(master):
         return lora.merged_state(master)
     src = master.state_dict()

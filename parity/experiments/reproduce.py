@@ -23,12 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow.parquet as pq
+from rich.table import Table
+
 from parity import metric_names as mn
 from parity import testbed, ui
+from parity.audit.command import audit, fit_loglog, scale
 from parity.config import TASK_DEFAULTS, AuditSettings, Config
 from parity.errors import ParityError
 from parity.experiments import claims as C
+from parity.experiments.sweep import SweepSpec, run_sweep
 from parity.files import ensure_writable, read_json
+from parity.objectives import OBJECTIVES
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
                 "seq-mis"]
@@ -153,7 +159,6 @@ KL_ROWS = 8
 def _audit(plan: ReproductionPlan, engine: str, out: Path, progress: bool,
            model: str | None = None, task: str = "neg-length", tokens: int | None = None,
            temperature: float = AuditSettings.temperature) -> dict[str, Any]:
-    from parity.audit.command import audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
     # neg-length at the length it trains with; a built-in task's own length otherwise
@@ -184,7 +189,6 @@ def calibrated_eps(audit: dict[str, Any]) -> tuple[float, bool]:
 
 def _scale(plan: ReproductionPlan, out: Path, progress: bool, done: dict[str, dict]
            ) -> dict[str, Any]:
-    from parity.audit.command import scale
     if (out / "scale.json").is_file():
         return read_json(out / "scale.json", "earlier scale audit")
     return scale(AuditSettings(model="ladder", task="neg-length", samples=plan.samples,
@@ -197,7 +201,6 @@ def _sweep(plan: ReproductionPlan, out: Path, recipes: list[str], seeds: list[in
            model: str, overrides: dict[str, Any], workers: int, progress: bool,
            per_recipe: dict[str, dict[str, Any]] | None = None,
            continue_from: Path | None = None) -> dict[str, Any]:
-    from parity.experiments.sweep import SweepSpec, run_sweep
     spec = SweepSpec(recipes=recipes, seeds=seeds, tasks=[task], models=[model],
                      overrides={**overrides, "device": plan.device, "engine": plan.engine},
                      per_recipe=per_recipe or {},
@@ -222,7 +225,6 @@ POSITION_BINS = [0, 8, 32, 96, 192]
 
 def beta_by_position(tokens: Path, bins: list[int]) -> list[dict[str, float]]:
     """Mean |β| = |ℓ_μ − ℓ_π| of an audit's tokens by completion position, in [lo, hi) bins."""
-    import pyarrow.parquet as pq
     t = pq.read_table(tokens, columns=["position", "engine_logprob", "trainer_logprob"])
     pos = t["position"].to_pylist()
     b = [abs(x - y) for x, y in zip(t["engine_logprob"].to_pylist(),
@@ -237,7 +239,6 @@ def beta_by_position(tokens: Path, bins: list[int]) -> list[dict[str, float]]:
 
 def extrapolate(xy: list[tuple[float, float]], target: float) -> dict[str, Any]:
     """|β| at `target` along the log-log fit of the measured (axis value, |β|) points."""
-    from parity.audit.command import fit_loglog
     fit = fit_loglog([x for x, _ in xy], [y for _, y in xy])
     at = None if fit is None else 10 ** (fit["intercept"] + fit["slope"] * math.log10(target))
     return {"points": [list(p) for p in xy], "target": target,
@@ -273,7 +274,6 @@ def _drivers(plan: ReproductionPlan, a16: dict, sc: dict, out: Path, progress: b
 def _token_clip(objective: str, eps: float) -> dict[str, float]:
     """The scaled ε for an objective that clips tokens; the others keep their own clip (GSPO's
     sequence range is already of the order of a sequence's mean β) or have none."""
-    from parity.objectives import OBJECTIVES
     return {"eps_low": eps, "eps_high": eps} if OBJECTIVES[objective].clip == "token" else {}
 
 
@@ -638,7 +638,6 @@ def sweep_table(summary: dict[str, Any]) -> str:
 
 
 def print_claims(result: dict[str, Any]) -> None:
-    from rich.table import Table
     cal = result.get("calibration") or {}
     eps = "".join(f", {task} ε = {c['eps']:g}" + ("" if c["calibrated"] else " (not calibrated)")
                   for task, c in cal.items())

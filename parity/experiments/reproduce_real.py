@@ -26,12 +26,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from parity import metric_names as mn
+from parity import testbed
+from parity.audit.command import AuditSettings, audit
 from parity.config import TASK_DEFAULTS, Config
 from parity.experiments import claims as C
 from parity.experiments import claims_real as CR
 from parity.experiments.reproduce import KL_ROWS
+from parity.experiments.sweep import SweepSpec, run_sweep
 from parity.files import ensure_writable, read_json
-from parity.reports import load_metrics
+from parity.models.loading import load_policy
+from parity.models.pretrained import _bf16_ties
+from parity.reports import load_metrics, sweep_report
 
 # Completions shorten from the first steps to the last: a run's `drop` is the mean length over
 # its first WINDOW steps minus over its last WINDOW steps.
@@ -92,7 +97,6 @@ AUDITS = {"bf16": ("bf16", False), "fp16": ("fp16", False), "bf16-fp32-head": ("
 
 
 def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -> dict[str, Any]:
-    from parity.audit.command import AuditSettings, audit
     if (out / "audit.json").is_file():
         return read_json(out / "audit.json", "earlier audit")
     return audit(AuditSettings(model=plan.model, engine=plan.engine, engine_dtype=engine,
@@ -105,7 +109,6 @@ def _audit(plan: RealPlan, engine: str, head: bool, out: Path, progress: bool) -
 
 def _sweep(plan: RealPlan, out: Path, recipes: list[str], seeds: list[int], model: str,
            lr: float, workers: int, progress: bool) -> dict[str, Any]:
-    from parity.experiments.sweep import SweepSpec, run_sweep
     # The seeds' ε is Config's default clip range, set on every run but no-clip's.
     common = {"steps": plan.steps, "lr": lr,
               "prompts_per_step": plan.prompts_per_step, "samples_per_prompt": plan.group,
@@ -178,7 +181,6 @@ class _Phases:
 
 def reproduce_real(plan: RealPlan, out: Path, workers: int = 0, progress: bool = True
                    ) -> dict[str, Any]:
-    from parity import testbed
     ensure_writable(out, "reproduce --out")
     out.mkdir(parents=True, exist_ok=True)
     for name in (plan.model, *([plan.control_model] if plan.control else [])):
@@ -312,9 +314,6 @@ def _ties_claim(ties: float | None, bf: list[dict], cb: list[dict]) -> C.Claim:
 
 def _ties(model: str) -> float:
     """Share of the model's weights exactly halfway between two bf16 values."""
-    from parity import testbed
-    from parity.models.loading import load_policy
-    from parity.models.pretrained import _bf16_ties
     return _bf16_ties(load_policy(testbed.resolve_model(model))[0])
 
 
@@ -326,7 +325,6 @@ PANELS = [(mn.LEN_MEAN, "completion length"),
 
 
 def _plots(runs: dict[str, list[Path]], control: dict[str, list[Path]], out: Path) -> None:
-    from parity.reports import sweep_report
     groups = dict(runs) | {f"{r} (bf16-rounded weights)": ps for r, ps in control.items()}
     sweep_report(groups, out / "plots", PANELS)
 

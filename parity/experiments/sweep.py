@@ -15,9 +15,11 @@ grid's `steps`. The copy leaves the earlier sweep as it was.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -27,11 +29,19 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
+import torch
+from rich.table import Table
+
 from parity import metric_names as mn
 from parity import ui
-from parity.config import Config
+from parity.config import Config, dump_yaml, make_config
 from parity.errors import ParityError
 from parity.files import ensure_writable
+from parity.reports import load_metrics, sweep_report
+from parity.runs import checkpoints
+from parity.runs.dirs import lock_dir, metrics_lines, refuse_other_output
+from parity.runs.model import load_model_and_task
+from parity.trainer import train
 
 # When a run counts as converged: (metric, "<=" or ">=", value), on a trailing mean over WINDOW
 # steps so a single lucky batch does not count.
@@ -70,7 +80,6 @@ class RunSpec:
 
 def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
     """Every run of the grid, with its config checked now: a bad grid fails before any run."""
-    from parity.config import make_config
     if not spec.recipes or not spec.seeds:
         raise ParityError("sweep: give at least one recipe and one seed")
     runs = []
@@ -98,8 +107,6 @@ def plan(spec: SweepSpec, out: Path) -> list[RunSpec]:
 
 def finished(run: RunSpec) -> bool:
     """A run is finished when its last step is logged and its final checkpoint is in place."""
-    from parity.config import make_config
-    from parity.runs.dirs import metrics_lines
     steps = make_config(dict(run.explicit)).steps
     metrics = run.path / "metrics.jsonl"
     if not (run.path / "checkpoints" / f"step-{steps}").is_dir() or not metrics.is_file():
@@ -125,8 +132,6 @@ def _set_aside(path: Path) -> Path:
 def _copy_earlier(run: RunSpec, earlier: Path) -> bool:
     """Start `run` as a copy of the same-named run of the sweep in `earlier`, to be resumed;
     False where that run has no checkpoint to go on from (the run then starts afresh)."""
-    from parity.config import dump_yaml, make_config
-    from parity.runs import checkpoints
     src = earlier / "runs" / run.name
     if not src.is_dir() or checkpoints.latest_valid(src) is None:
         return False
@@ -139,10 +144,7 @@ def _copy_earlier(run: RunSpec, earlier: Path) -> bool:
 def _run_one(explicit: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     """Worker: one training run (`resume`: continue the run already in its directory). Errors
     come back as text; the sweep goes on."""
-    import torch
 
-    from parity.config import make_config
-    from parity.trainer import train
     t0 = time.perf_counter()
     try:
         cfg = make_config(dict(explicit))
@@ -187,7 +189,6 @@ def _start_worker(parent: int) -> None:
     """A worker dies with the sweep (`_die_with_parent`), and at Ctrl-C it ends at once, as the
     sweep's own process stops: Python's KeyboardInterrupt would reach the pool's loop, which
     returns it as the run's result and starts the next queued run."""
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _die_with_parent(parent)
 
@@ -199,8 +200,6 @@ def _die_with_parent(parent: int) -> None:
     (prctl PR_SET_PDEATHSIG); the run they leave is set aside when the sweep runs again."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:   # the parent died before prctl took effect
         os._exit(1)
@@ -211,7 +210,6 @@ def _cost(run: RunSpec) -> float:
     on the CPU is emulated (parity/models/precision.py) and a step takes ~2.5× an fp32 or bf16
     one on SmolLM2-135M (docs/performance.md). With a pool of 2, a long run started last leaves one
     worker idle for most of its length."""
-    from parity.config import make_config
     cfg = make_config(dict(run.explicit))
     fp16 = "fp16" in (cfg.engine_dtype, cfg.trainer_dtype)
     return 2.5 if fp16 and cfg.device in ("auto", "cpu") and cfg.cpu_fp16 == "emulate" \
@@ -219,7 +217,6 @@ def _cost(run: RunSpec) -> float:
 
 
 def _cuda() -> bool:
-    import torch
     return torch.cuda.is_available()
 
 
@@ -233,7 +230,6 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
               ) -> dict[str, Any]:
     """Run the grid into `out`, held for the sweep's length (`runs.lock_dir`): a second sweep
     into it is refused before it sets aside, or starts, any run the first one is training."""
-    from parity.runs.dirs import lock_dir, refuse_other_output
     runs = plan(spec, out)
     for path in (out, out / "runs"):  # the directory given, then where the runs go
         ensure_writable(path, "sweep --out")
@@ -278,7 +274,6 @@ def _claimed_sweep(spec: SweepSpec, runs: list[RunSpec], out: Path, progress: bo
                         + (earlier.get("seconds") or 0.0 if len(todo) < len(runs) else 0.0))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if report:
-        from parity.reports import sweep_report
         groups: dict[str, list[Path]] = {}
         for r in runs:
             if status[r.name].get("ok"):
@@ -296,8 +291,6 @@ def _earlier_summary(out: Path) -> dict[str, Any]:
 
 
 def _prebuild(todo: list[RunSpec]) -> None:
-    from parity.config import make_config
-    from parity.runs.model import load_model_and_task
     seen = set()
     for r in todo:
         cfg = make_config(dict(r.explicit))
@@ -336,7 +329,6 @@ def peak_reward(rows: list[dict[str, Any]]) -> float | None:
 
 
 def run_summary(path: Path, task: str) -> dict[str, Any]:
-    from parity.reports import load_metrics
     rows = load_metrics(path / "metrics.jsonl")
 
     def mean(key: str, rs: list[dict]) -> float | None:
@@ -395,7 +387,6 @@ def summarize(runs: list[RunSpec], status: dict[str, dict], seconds: float) -> d
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    from rich.table import Table
     t = Table(title=f"sweep: {len(summary['runs'])} runs, {summary['seconds'] / 60:.1f} min")
     for col in ("group", "seeds", "reached", "median steps to threshold", "final reward",
                 "early phantom", "|beta|", "KL k3", "failed"):

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
+import datasets
 import torch
 
 from parity import metric_names as mn
@@ -238,7 +239,6 @@ class ParityGRPOTrainer(GRPOTrainer):
         tokenizes them, before any step: TRL itself would find out mid-training."""
         if self._positions is None:
             return
-        import datasets
         named = {"train_dataset": self.train_dataset}
         if isinstance(self.eval_dataset, dict):
             named.update({f"eval_dataset[{k!r}]": v for k, v in self.eval_dataset.items()})

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
 import torch
 
 from parity import metric_names as mn
@@ -292,7 +295,6 @@ def plain_response_template(tokenizer: Any) -> dict[str, Any]:
     with one and knows templates of a few model families only; set this one
     (`tokenizer.response_template = plain_response_template(tokenizer)`) for any other model
     that calls no tools."""
-    import re
     return {"defaults": {"role": "assistant"}, "start_anchor_pattern": r"",
             "fields": {"content": {"close_pattern": re.escape(tokenizer.eos_token) + r"\s*|$",
                                    "content": "text"}}}
@@ -327,7 +329,6 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
                               "set AsyncGRPOConfig(gradient_checkpointing=False)")
         self.own_transfer = weight_transfer is None
         if self.own_transfer:
-            import os
             weight_transfer = DirectoryWeightTransfer(
                 args.vllm_server_base_url,
                 p.weights_dir or os.path.join(args.output_dir, ".parity_weights"),
@@ -346,7 +347,6 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
     def _check_prompts_fit(self) -> None:
         """`parity train`'s check (`tasks.check_fits`) on every training prompt, before the
         rollout worker starts: TRL itself would find out mid-training."""
-        import datasets
         limit = max_positions(self.accelerator.unwrap_model(self.model))
         ds = self.train_dataset
         if limit is None or not isinstance(ds, datasets.Dataset) or \

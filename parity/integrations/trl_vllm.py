@@ -25,6 +25,7 @@ On CUDA both syncs stay TRL's.
 
 from __future__ import annotations
 
+# Imports inside functions: vllm is optional; it loads when TRL's vLLM is used.
 import contextlib
 import os
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ import torch
 from parity.engines import Sampling
 from parity.errors import ParityError
 from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
+from parity.models.precision import low_precision_copy
+from parity.runs.memory import kv_cache_bytes
 
 try:
     from trl.generation import vllm_generation as trl_vllm_generation
@@ -77,7 +80,6 @@ def _colocated_llm(engine_dtype: str, cpu: bool) -> Any:
     """vLLM's LLM as TRL starts it, in engine precision (module docstring)."""
     from vllm import LLM
 
-    from parity.runs.memory import kv_cache_bytes
 
     def build(*args: Any, **kw: Any) -> Any:
         kw.setdefault("dtype", FLAG[engine_dtype])
@@ -188,7 +190,6 @@ class ParityVLLMGeneration(VLLMGeneration):
         of the policy in the server's precision."""
         if self.transfer is None or self.transfer.reference is not None:
             return
-        from parity.models.precision import low_precision_copy
         ref = low_precision_copy(master, self.engine_dtype)
         ref.set_attn_implementation("sdpa")
         self.transfer.attach(ref, max(prompt_ids, key=len))

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from parity import metric_names as mn
 from parity.engines.server import field, request
@@ -243,8 +245,6 @@ class DirectoryWeightTransfer:
         return tensors, changed, total
 
     def _write(self, tensors: dict[str, torch.Tensor], n: int) -> Path:
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
         tmp, final = self.directory / f".v{n}.tmp", self.directory / f"v{n}"
         try:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -18,6 +18,7 @@ weights, and a resumed run rebuilds the engine from them.
 
 from __future__ import annotations
 
+# Imports inside functions: peft loads when a run uses LoRA (start-up time: about a second).
 import copy
 import warnings
 from pathlib import Path

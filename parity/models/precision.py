@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_file, save_model
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from parity.errors import ParityError
 from parity.files import check_safetensors, read_safetensors
@@ -97,7 +98,6 @@ def checkpoint_under_emulation(model: torch.nn.Module, kwargs: dict | None) -> N
     `Tensor.backward`), where torch has popped the mode: the recomputation would run native
     fp16 products, whose tensors do not match the forward's saved ones. Non-reentrant
     checkpointing only (`context_fn`); `kwargs` are the caller's other checkpoint options."""
-    from torch.utils.checkpoint import checkpoint
     fn = functools.partial(checkpoint, **{**(kwargs or {}), "use_reentrant": False,
                                           "context_fn": _recompute_emulated})
     for m in model.modules():

@@ -9,6 +9,8 @@ either holds a checked conversion (marked by pretrained.json, written last) or d
 
 from __future__ import annotations
 
+# Imports inside functions: torch and transformers load when a model is converted or checked,
+# so that listing the built-in models stays cheap (start-up time).
 import contextlib
 import hashlib
 import importlib.util

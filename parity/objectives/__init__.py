@@ -12,6 +12,8 @@ in docs/design.md's notation) are imported when one is first computed. Their hel
 
 from __future__ import annotations
 
+# Imports inside functions: this registry imports without torch (start-up time); the losses
+# load at their first use.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 

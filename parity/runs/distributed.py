@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as td
 
+from parity.devices import backend
 from parity.errors import ParityError, one_line
 
 T = TypeVar("T")
@@ -145,6 +146,7 @@ class Dist:
     def fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2: each transformer block (the model's `_no_split_modules`) and then the rest is
         one unit whose parameters, gradients and optimizer state are split over the ranks."""
+        # start-up: FSDP2 loads only when a run shards its model
         from torch.distributed.fsdp import fully_shard
         blocks = set(getattr(model, "_no_split_modules", None) or [])
         for m in model.modules():
@@ -189,7 +191,6 @@ def init(timeout_s: float, device: torch.device | None = None) -> Dist:
     """The launcher's rank and world size (RANK, WORLD_SIZE, MASTER_ADDR/PORT, as torchrun and
     accelerate launch set them), computing on `device` (the CPU when None); one process
     without them."""
-    from parity.devices import backend
     device = device or torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:

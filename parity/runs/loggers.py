@@ -42,7 +42,7 @@ def _import(name: str) -> Any:
             os.environ["XDG_CACHE_HOME"] = os.path.join(
                 home if home != "~" and os.access(home, os.W_OK) else tempfile.gettempdir(),
                 ".cache")
-        import wandb
+        import wandb  # optional: parity[logging]
         return wandb
     # torch's writer; it raises ImportError when the tensorboard package is missing.
     from torch.utils.tensorboard import SummaryWriter

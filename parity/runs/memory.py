@@ -9,7 +9,11 @@ SmolLM2-135M's unbatched 64 x 64 step but 39% under a 16 x 1024 step with checkp
 
 from __future__ import annotations
 
+# Imports inside functions: torch loads when a device's memory is asked for: the estimate itself
+# runs before any model is loaded (start-up time).
+import dataclasses
 import math
+import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +78,6 @@ def limits() -> dict[str, float]:
         if cap is not None and used is not None and cap < 2 ** 60:  # v1 writes "no limit" huge
             out["the cgroup's memory limit"] = max(0.0, cap - used)
             break
-    import resource
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     if soft != resource.RLIM_INFINITY:
         mapped = _read_number("/proc/self/status", "VmSize:") or 0.0
@@ -201,7 +204,6 @@ def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimat
     """The setting to lower, and the value that fits where one does."""
     fits = lambda total: total <= 0.9 * free
     if e.sampling:
-        import dataclasses
         ok = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < _decoding(cfg, world) and
               fits(estimate(dataclasses.replace(cfg, rollout_batch=n), model, longest_prompt,
                             world).total)]

@@ -154,7 +154,7 @@ def _json_rows(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
 def _saved_rows(p: Path) -> list[dict[str, Any]]:
     """Rows of a `datasets` save_to_disk directory (a DatasetDict's train split, else its
     first)."""
-    import datasets
+    import datasets  # start-up: about a second, for a saved `datasets` directory only
     for f in sorted(p.glob("*.json")) + sorted(p.glob("*/*.json")):  # datasets' own metadata:
         read_json(f, "dataset file")  # named here with its offset, not by a bare decode error
     try:
