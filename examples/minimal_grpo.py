@@ -6,11 +6,11 @@ DIR is any Hugging Face causal LM directory (parity's testbed models: `parity te
 text-xs`, then $PARITY_CACHE/models/text-xs, by default ~/.cache/parity/models/text-xs).
 prompts.jsonl holds one {"prompt": "..."} per line; the `neg-length` task's own prompts:
 
-    python -c "import json; from parity import testbed
-    print(*(json.dumps({'prompt': p}) for p in testbed.text_prompts(256)), sep='\\n')"
+    python -c "import json; from parity.tasks.data import text_prompts
+    print(*(json.dumps({'prompt': p}) for p in text_prompts(256)), sep='\\n')"
 
 The task is `neg-length`: reward = −(completion tokens), so the best policy ends at once. The
-defaults are `parity train`'s for it (parity/config.py); their 30 steps of text-xs take half a
+defaults are `parity train`'s for it (parity/config/run.py); their 30 steps of text-xs take half a
 minute with --threads 1 on a 2-core CPU. Each step prints one JSON object under `parity
 train`'s metric names (docs/design.md, "Metrics"), to diff against a run's metrics.jsonl:
 `parity train --model text-xs --eps-low 0.004 --eps-high 0.004 --device cpu` samples the same

@@ -45,7 +45,7 @@ from parity.integrations.trl_async import (
     ParityAsyncGRPOTrainer,
     plain_response_template,
 )
-from parity.tasks import chat_questions
+from parity.tasks.data import chat_questions
 
 LEARNING_RATE = next(f.default for f in dataclasses.fields(AsyncGRPOConfig)
                      if f.name == "learning_rate")

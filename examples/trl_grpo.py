@@ -23,6 +23,7 @@ from trl import GRPOConfig
 from parity import testbed
 from parity.config import TASK_DEFAULTS
 from parity.integrations.trl import ParityGRPOTrainer, ParityOptions
+from parity.tasks.data import text_prompts
 
 # The testbed's neg-length task, on its own model, lr and completion length.
 TASK = TASK_DEFAULTS["neg-length"]
@@ -62,7 +63,7 @@ def main() -> None:
     model_dir = testbed.resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    dataset = datasets.Dataset.from_list([{"prompt": p} for p in testbed.text_prompts(256)])
+    dataset = datasets.Dataset.from_list([{"prompt": p} for p in text_prompts(256)])
     fp16 = a.recipe == "fp16"
     args = GRPOConfig(output_dir=a.out, use_cpu=a.device == "cpu", max_steps=a.steps,
                       learning_rate=a.lr,

@@ -3,8 +3,8 @@
 The audit input schema (docs/design.md), JSONL or parquet, one row per completion:
 `prompt_token_ids`, `completion_token_ids`, `engine_logprobs` (one per completion token), optional
 `advantage` or `reward`. A JSONL file may instead hold a serving engine's saved responses, which
-`server_rollouts` turns into such rows. Every problem is refused with the file, row (and line),
-column and what is wrong.
+`parity.audit.responses` turns into such rows. Every problem is refused with the file, row (and
+line), column and what is wrong.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 def read_rollouts(path: str | Path, vocab_size: int, tok: Any = None) -> list[dict[str, Any]]:
     """Read and check an audit input file; every problem names its row and column. `tok`
-    tokenizes where a server's saved response gives text only (server_rollouts)."""
+    tokenizes where a server's saved response gives text only (audit.responses)."""
     p = Path(path)
     if p.suffix == ".parquet":
         table = read_parquet(p, "rollouts file")
