@@ -264,6 +264,9 @@ def readme_tables() -> dict[str, str]:
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:
+    if args.framework:
+        _recipes_for(args.framework, args.names)
+        return
     if args.markdown:
         print("\n".join(readme_tables().values()), end="")
         return
@@ -291,6 +294,24 @@ def cmd_recipes(args: argparse.Namespace) -> None:
     console.print("LoRA: add --lora-rank R to any recipe and objective; nothing else changes. "
                   "The engine and the shadow see the adapted weights in the recipe's engine "
                   "dtype (--lora-merge / --no-lora-merge), docs/lora.md.")
+
+
+def _recipes_for(framework: str, names: list[str]) -> None:
+    """Each recipe as the framework's own settings, ready to paste on its command line."""
+    from parity.config import RECIPES, quoted
+    from parity.integrations.verl import VERL_VERSIONS, recipe_overrides
+    for name in names:
+        if name not in RECIPES:
+            raise ParityError(f"unknown recipe {quoted(name)}; known recipes: "
+                              f"{', '.join(RECIPES)}")
+    for name in names or list(RECIPES):
+        overrides, missing = recipe_overrides(RECIPES[name].settings)
+        print(f"# parity recipe {name} as {framework} {VERL_VERSIONS[-1]} settings "
+              f"(docs/verl.md)")
+        print(" \\\n".join(overrides))
+        for line in missing:
+            print(f"# {framework} has no equivalent: {line}")
+        print()
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
@@ -480,6 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "objectives.")
     rc.add_argument("--markdown", action="store_true", help="the tables as README.md shows "
                     "them (Markdown)")
+    rc.add_argument("--for", dest="framework", choices=("verl",), default=None,
+                    help="each recipe as that framework's settings (docs/verl.md)")
+    rc.add_argument("names", nargs="*", metavar="NAME", help="with --for: these recipes "
+                    "(default: all)")
     rc.set_defaults(func=cmd_recipes)
     _add_audit_parser(sub)
     _add_fp16_check_parser(sub)

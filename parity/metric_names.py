@@ -264,3 +264,53 @@ def metrics_table() -> str:
         lines.append(f"| {names} | {row.meaning} | {_cell(row.metrics, 'unit', '')} | "
                      f"{_cell(row.metrics, 'absent', 'never')} |")
     return "\n".join(lines) + "\n"
+
+
+# ---- the same figures under other frameworks' names ---------------------------------------------
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """One of parity's figures and the other frameworks' name for the very same quantity; "—"
+    where a framework logs none. docs/diagnostics.md's table is rendered from ELSEWHERE."""
+    name: str
+    quantity: str
+    trl: str = "—"
+    verl: str = "—"
+    slime: str = "—"
+    prime_rl: str = "—"
+    nemo_rl: str = "—"
+
+
+FRAMEWORKS = (("TRL", "trl"), ("verl", "verl"), ("slime", "slime"), ("prime-rl", "prime_rl"),
+              ("NeMo-RL", "nemo_rl"))
+ELSEWHERE: tuple[Elsewhere, ...] = (
+    Elsewhere(LOG_RATIO_ABS_MEAN, "mean \\|Δ\\|", trl="sampling/sampling_logp_difference/mean",
+              slime="train/train_rollout_logprob_abs_diff"),
+    Elsewhere(LOG_RATIO_ABS_MAX, "max \\|Δ\\|", trl="sampling/sampling_logp_difference/max"),
+    Elsewhere(PROB_DIFF_ABS_MEAN, "mean \\|exp ℓ_π − exp ℓ_μ\\|",
+              verl="training/rollout_probs_diff_mean"),
+    Elsewhere(KL_K1, "mean of ℓ_μ − ℓ_π", verl="rollout_corr/kl", slime="train/mis_kl"),
+    Elsewhere(KL_K3, "mean of exp(Δ) − Δ − 1", verl="rollout_corr/k3_kl",
+              slime="train/mis_k3_kl", prime_rl="mismatch_kl",
+              nemo_rl="train/gen_kl_error (its default k3)"),
+    Elsewhere(CLIP_FRAC, "share of tokens on PPO's clipped branch, C(log r, A)",
+              trl="clip_ratio/region_mean", verl="actor/pg_clipfrac"),
+    Elsewhere(IS_WEIGHT_MEAN_RAW, "mean of ρ_t = exp(ℓ_old − ℓ_μ) before any cap",
+              nemo_rl="train/sampling_importance_ratio"),
+    Elsewhere(IS_FRAC_CHANGED, "share of tokens a masking correction zeroes (IcePop: outside "
+              "its bounds)", verl="rollout_corr/rollout_is_oob_ratio",
+              prime_rl="is_masked_* (one per mask)"),
+)
+
+
+def elsewhere_table() -> str:
+    """docs/diagnostics.md's "The same metrics elsewhere" table, as Markdown."""
+    head = ["parity", "quantity", *(label for label, _ in FRAMEWORKS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in ELSEWHERE:
+        cells = [f"`{e.name}`", e.quantity] + [
+            v if v == "—" else f"`{v.split(' (')[0]}`" + (f" ({v.split(' (', 1)[1]}"
+                                                       if " (" in v else "")
+            for v in (getattr(e, attr) for _, attr in FRAMEWORKS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -252,7 +252,7 @@ def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
             prep.old = sc.logp
             prep.weights, prep.metrics = behaviour_weights(prep.old, r.engine_logprobs, mask,
                                                            cfg.correction, cfg.is_cap,
-                                                           cfg.geo_cap)
+                                                           cfg.geo_cap, cfg.is_cap_low)
             if cfg.correction == "none":
                 prep.weights = None
         if value_head is not None:

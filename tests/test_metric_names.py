@@ -104,3 +104,21 @@ def test_every_key_a_run_and_an_audit_write_is_registered(tmp_path, text_model):
                 tmp_path / "audit", report=False)
     assert mn.LOG_RATIO_ABS_MEAN in res["metrics"]
     assert not _unregistered(res["metrics"]), _unregistered(res["metrics"])
+
+
+def test_the_other_frameworks_table_is_the_rendered_one():
+    doc = (ROOT / "docs" / "diagnostics.md").read_text()
+    assert table_in(doc, "parity") == mn.elsewhere_table(), (
+        "docs/diagnostics.md's table of other frameworks' names is not what "
+        f"metric_names.elsewhere_table() renders:\n{mn.elsewhere_table()}")
+    assert all(mn.entry(e.name) is not None for e in mn.ELSEWHERE)
+
+
+def test_the_verl_docs_name_verls_own_metric_beside_parity_s():
+    """docs/verl.md's table of the plugin's figures gives verl's name for each quantity the
+    registry says verl logs too."""
+    rows = [line for line in (ROOT / "docs" / "verl.md").read_text().splitlines()
+            if line.startswith("| `parity/")]
+    for e in mn.ELSEWHERE:
+        if e.verl != "—" and e.name != mn.CLIP_FRAC and not e.name.startswith("is/"):
+            assert any(e.name.rsplit("/", 1)[-1] in r and e.verl in r for r in rows), e

@@ -163,8 +163,9 @@ def test_log_ratio_value_and_gradient(source):
 
 # ---- 3. behaviour weights ------------------------------------------------------------------
 
-CORRECTIONS = ["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-rs"]
-CAP = {"token-tis": 1.2, "token-mis": 1.2, "seq-tis": 1.5, "seq-mis": 1.5}
+CORRECTIONS = ["none", "token-tis", "token-mis", "token-icepop", "seq-tis", "seq-mis", "geo-rs"]
+CAP = {"token-tis": 1.2, "token-mis": 1.2, "token-icepop": 1.2, "seq-tis": 1.5, "seq-mis": 1.5}
+CAP_LOW = 0.8   # token-icepop's lower bound: ρ in [0.4, 2.5] here, so both tails are masked
 GEO_CAP = 1.15
 
 
@@ -179,7 +180,12 @@ def _ref_weights(old, mu, corr):
         for i, n in enumerate(LENS):
             for t in range(n):
                 p = raw[i][t]
-                w[i][t] = min(p, cap) if corr == "token-tis" else (p if p <= cap else 0.0)
+                if corr == "token-tis":
+                    w[i][t] = min(p, cap)
+                elif corr == "token-icepop":
+                    w[i][t] = p if CAP_LOW <= p <= cap else 0.0
+                else:
+                    w[i][t] = p if p <= cap else 0.0
         raw_l = [p for row in raw for p in row]
         w_l = [w[i][t] for i, n in enumerate(LENS) for t in range(n)]
     else:
@@ -207,7 +213,7 @@ def test_behaviour_weights_match_reference(corr):
     old = _rand(g, std=0.3, mean=-2.0, pad=1e3)
     mu = _rand(g, std=0.3, mean=-2.0, pad=-1e3)
     mu = mu + torch.tensor([0.0, 0.1, -0.3, 0.2, 0.0], dtype=F64)[:, None] * _mask()
-    w, stats = behaviour_weights(old, mu, _mask(), corr, CAP.get(corr, 2.0), GEO_CAP)
+    w, stats = behaviour_weights(old, mu, _mask(), corr, CAP.get(corr, 2.0), GEO_CAP, CAP_LOW)
     ref_w, ref_stats, n_changed = _ref_weights(old.tolist(), mu.tolist(), corr)
     valid = _mask() > 0
     _check(w[valid], torch.tensor(ref_w, dtype=F64)[valid], F32)   # weights come back as float32

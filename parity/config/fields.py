@@ -21,7 +21,8 @@ from parity.errors import ParityError
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 RatioSource = Literal["engine", "shadow", "recompute"]
-Correction = Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-rs"]
+Correction = Literal["none", "token-tis", "token-mis", "token-icepop", "seq-tis", "seq-mis",
+                     "geo-rs"]
 LossAgg = Literal["seq-mean", "token-mean", "token-sum"]
 DpoRef = Literal["initial", "engine"]
 OptimizerName = Literal["adamw", "adam", "sgd"]

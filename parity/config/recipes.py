@@ -53,6 +53,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("tis", "recompute, times the token weight exp(l_old - l_mu) truncated at is_cap "
            "(truncated importance sampling).",
            _mismatch(ratio_source="recompute", correction="token-tis")),
+    Recipe("icepop", "recompute, times the token weight exp(l_old - l_mu) where it lies in "
+           "[is_cap_low, is_cap], 0 outside (IcePop, at verl's bounds 0.5 and 5).",
+           _mismatch(ratio_source="recompute", correction="token-icepop", is_cap=5.0,
+                     is_cap_low=0.5)),
     Recipe("seq-mis", "recompute, times the sequence weight, sequences beyond is_cap masked "
            "(masked importance sampling).",
            _mismatch(ratio_source="recompute", correction="seq-mis")),

@@ -82,10 +82,13 @@ class Config:
                                    "the trainer before the first update).")
     correction: Correction = _f("none", "Behaviour weights w = exp(l_old - l_mu) with "
                                 "`recompute`: none, token-tis|token-mis (per token, truncate|mask "
-                                "at is_cap), seq-tis|seq-mis (per sequence), geo-rs (reject "
+                                "at is_cap), token-icepop (per token, mask outside [is_cap_low, "
+                                "is_cap]: IcePop), seq-tis|seq-mis (per sequence), geo-rs (reject "
                                 "sequences whose geometric-mean weight is beyond geo_cap).")
     is_cap: float = _f(2.0, "C of TIS/MIS: weights above it are truncated or masked; also the "
                        "truncation of pg-is's sequence weight.", ge=1)
+    is_cap_low: float = _f(0.5, "token-icepop: weights below it are masked too (IcePop's lower "
+                           "bound; is_cap is its upper).", gt=0, le=1)
     geo_cap: float = _f(1.01, "geo-rs: reject a sequence when exp(|mean_t log w|) exceeds this.",
                         ge=1)
     eps_low: float | None = _f(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for "

@@ -110,6 +110,25 @@ logger = logging.getLogger(__name__)
 CLIPPING_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
+# TRL's own correction on vLLM's samples, per parity correction: the same weights
+# (objectives/losses.py); geo-rs has none.
+TRL_CORRECTION = {"token-tis": "token_truncate", "token-mis": "token_mask",
+                  "token-icepop": "token_mask", "seq-tis": "sequence_truncate",
+                  "seq-mis": "sequence_mask"}
+
+
+def _trl_correction(st: dict[str, Any]) -> str:
+    """The GRPOConfig settings that apply a recipe's correction, as text for a refusal."""
+    mode = TRL_CORRECTION.get(st["correction"])
+    if mode is None:
+        return f"no correction: TRL has none like {st['correction']}"
+    low = (f", vllm_importance_sampling_clip_min={st['is_cap_low']}"
+           if st["correction"] == "token-icepop" else "")
+    return (f"GRPOConfig(use_vllm=True, vllm_importance_sampling_mode={mode!r}, "
+            f"vllm_importance_sampling_clip_max={st.get('is_cap', FIELDS['is_cap'].default)}"
+            f"{low})")
+
+
 # Config's fields, so the choices, defaults and help of `parity train` hold here too. Only
 # `trainer_dtype` differs: GRPOConfig's flags set the trainer's precision, and None accepts them.
 @dataclass(kw_only=True)
@@ -141,13 +160,9 @@ class ParityOptions:
                               f"{', '.join(RECIPES)}")
         st = RECIPES[name].settings
         if st["correction"] != "none":
-            # TRL's own correction on vLLM's samples: the same weights (objectives/losses.py).
-            mode = {"token-tis": "token_truncate", "seq-mis": "sequence_mask"}[st["correction"]]
             raise ParityError(f"recipe {name!r} reweights by exp(l_old - l_mu), which TRL's "
                               f"GRPOTrainer applies only to vLLM samples: use "
-                              f"from_recipe('recompute') with GRPOConfig(use_vllm=True, "
-                              f"vllm_importance_sampling_mode={mode!r}, "
-                              f"vllm_importance_sampling_clip_max={FIELDS['is_cap'].default})")
+                              f"from_recipe('recompute') with {_trl_correction(st)}")
         # GRPOConfig's epsilon sets the clip range: a recipe may only keep Config's own.
         if (st["eps_low"], st["eps_high"]) != (FIELDS["eps_low"].default,
                                                FIELDS["eps_high"].default):

@@ -197,6 +197,7 @@ class AsyncParityOptions:
     correction: Correction = shared("correction")
     is_cap: float = shared("is_cap")
     geo_cap: float = shared("geo_cap")
+    is_cap_low: float = shared("is_cap_low")
     diagnostics: bool = shared("diagnostics", help="Shadow forward on every loss call: alpha/beta "
                                "per token and each clip attributed. Off: none of parity's loss "
                                "metrics.")
@@ -479,7 +480,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             if p.correction != "none":
                 o, m = rows(old.double(), seg)
                 w, stats = behaviour_weights(o, rows(mu.double(), seg)[0], m, p.correction,
-                                             p.is_cap, p.geo_cap)
+                                             p.is_cap, p.geo_cap, p.is_cap_low)
                 inputs["advantages"] = inputs["advantages"].clone()
                 inputs["advantages"][sel] = (adv * flat(w, m)).to(inputs["advantages"].dtype)
         self._loss_call = call

@@ -84,11 +84,12 @@ def log_ratio(source: str, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
 
 
 def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor,
-                      correction: str, cap: float, geo_cap: float
+                      correction: str, cap: float, geo_cap: float, cap_low: float = 0.0
                       ) -> tuple[torch.Tensor, dict[str, float]]:
     """Importance weights w for the engine-vs-trainer mismatch of decoupled PPO, [B, T]:
-        token-tis  w_t = min(ρ_t, C)             ρ_t = exp(ℓ_old − ℓ_μ)
-        token-mis  w_t = ρ_t · 1[ρ_t ≤ C]
+        token-tis     w_t = min(ρ_t, C)             ρ_t = exp(ℓ_old − ℓ_μ)
+        token-mis     w_t = ρ_t · 1[ρ_t ≤ C]
+        token-icepop  w_t = ρ_t · 1[C_low ≤ ρ_t ≤ C]   (IcePop: both tails masked)
         seq-tis    w_i = min(ρ_i, C)             ρ_i = exp(Σ_t (ℓ_old − ℓ_μ))
         seq-mis    w_i = ρ_i · 1[ρ_i ≤ C]
         geo-rs     w_i = 1[exp(|mean_t (ℓ_old − ℓ_μ)|) ≤ C_geo]   (reject, do not reweight)
@@ -100,7 +101,12 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
         return mask.to(logp_old.dtype), {}
     if correction.startswith("token"):
         raw = d.exp()
-        w = raw.clamp(max=cap) if correction == "token-tis" else raw * (raw <= cap)
+        if correction == "token-tis":
+            w = raw.clamp(max=cap)
+        elif correction == "token-icepop":
+            w = raw * ((raw >= cap_low) & (raw <= cap))
+        else:
+            w = raw * (raw <= cap)
         sel = valid
         raw_sel, w_sel = raw[sel], w[sel]
     else:
