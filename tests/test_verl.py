@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from parity.config import RECIPES
-from parity.integrations.verl import RunSettings, install, recipe_overrides, step_figures
+from parity.integrations.verl import (
+    RunSettings,
+    install,
+    recipe_overrides,
+    settings_of,
+    step_figures,
+)
 from parity.objectives import behaviour_weights
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
@@ -79,6 +85,11 @@ def test_every_recipes_verl_settings_compose_with_verls_own_config(name):
         assert (actor.clip_ratio_low, actor.clip_ratio_high) == (st["eps_low"], st["eps_high"])
     assert (correction.rollout_is is None) == (
         st["correction"] in ("none", "geo-rs"))
+    # what the plugin reads from the run's config when its trainer starts
+    assert settings_of(cfg) == RunSettings(
+        eps_low=1.0 if st["eps_low"] is None else st["eps_low"],
+        eps_high=1e9 if st["eps_high"] is None else st["eps_high"], clip="token",
+        bypass=st["ratio_source"] == "engine")
 
 
 def _verl_setting(overrides: list[str], key: str) -> str:
@@ -263,3 +274,17 @@ def test_docs_show_what_the_command_prints():
     assert p.returncode == 0, p.stderr[-2000:]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "verl.md").read_text()
     assert p.stdout.strip() in doc
+
+
+@needs_verl
+@pytest.mark.parametrize("loss_mode,clip", [("gspo", "sequence"), ("vanilla", "token"),
+                                            ("cispo", None)])
+def test_the_plugin_judges_clips_as_the_runs_loss_does(loss_mode, clip):
+    import verl
+    from hydra import compose, initialize_config_dir
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    assert settings_of(cfg) == RunSettings(eps_low=0.2, eps_high=0.28, clip=clip, bypass=False)

@@ -304,5 +304,7 @@ def restore_copy(master: torch.nn.Module, copy_: torch.nn.Module, directory: Pat
 
 
 def copy_bytes(copy_: torch.nn.Module) -> int:
-    """What the copy's tensors take."""
-    return sum(t.numel() * t.element_size() for t in copy_.state_dict().values())
+    """What the copy's tensors take, a tied head's shared tensor once (as save_copy writes it)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in copy_.state_dict().values()}
+    return sum(seen.values())
