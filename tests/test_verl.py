@@ -146,10 +146,13 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.utils.debug.metrics import calculate_debug_metrics
 import verl.trainer.ppo.ray_trainer as ray_trainer
 batch = _batch(seed=2)
+before = {k: v.clone() for k, v in batch.batch.items()}
 out = {"debug": calculate_debug_metrics(batch),
        "data": metric_utils.compute_data_metrics(batch, use_critic=False),
        "trainer_data": ray_trainer.compute_data_metrics(batch, use_critic=False),
        "plugin": "parity.integrations.verl_plugin" in sys.modules}
+out["batch_untouched"] = (set(before) == set(batch.batch.keys())
+                          and all(torch.equal(before[k], batch.batch[k]) for k in before))
 corrected, m = compute_rollout_correction_and_add_to_batch(
     batch, RolloutCorrectionConfig.decoupled_token_icepop())
 out["correction"] = m
@@ -174,6 +177,7 @@ def test_import_verl_loads_the_plugin_and_verls_own_results_stay_the_same():
     plugin loaded as without it, and its trainer's metrics gain parity's figures only."""
     without, with_ = _in_verl("none"), _in_verl("auto")
     assert not without["plugin"] and with_["plugin"]
+    assert with_["batch_untouched"] and without["batch_untouched"]   # bit for bit
     for key in ("debug", "data", "correction", "weights"):
         assert with_[key] == without[key], key
     assert without["trainer_data"] == without["data"]
