@@ -16,6 +16,7 @@ import torch
 
 from parity.config import RECIPES
 from parity.integrations.verl import (
+    VERL_NAMES,
     RunSettings,
     install,
     recipe_overrides,
@@ -89,7 +90,7 @@ def test_every_recipes_verl_settings_compose_with_verls_own_config(name):
     assert settings_of(cfg) == RunSettings(
         eps_low=1.0 if st["eps_low"] is None else st["eps_low"],
         eps_high=1e9 if st["eps_high"] is None else st["eps_high"], clip="token",
-        bypass=st["ratio_source"] == "engine")
+        bypass=st["ratio_source"] == "engine", verl_corrects=st["correction"] != "none")
 
 
 def _verl_setting(overrides: list[str], key: str) -> str:
@@ -130,6 +131,11 @@ def test_the_figures_are_parity_measure_on_verls_batch():
     assert f["parity/clip/phantom_frac"] == f["parity/clip/frac"] > 0
     assert not {"parity/mismatch/alpha_abs_mean", "parity/clip/hidden_frac",
                 "parity/mismatch/kernel_gap_abs_mean"} & set(f)
+    # verl's own names for the same KLs, where verl's rollout correction does not log them
+    assert (f["rollout_corr/kl"], f["rollout_corr/k3_kl"]) == (f["parity/mismatch/kl_k1"],
+                                                              f["parity/mismatch/kl_k3"])
+    assert not {"rollout_corr/kl", "rollout_corr/k3_kl"} & set(
+        step_figures(batch, RunSettings(verl_corrects=True)))
     assert step_figures(batch, RunSettings(bypass=True)) == {}
     unclipped = step_figures(batch, RunSettings(clip=None))
     assert "parity/clip/frac" not in unclipped and "parity/mismatch/beta_abs_mean" in unclipped
@@ -183,9 +189,10 @@ def test_import_verl_loads_the_plugin_and_verls_own_results_stay_the_same():
     assert without["trainer_data"] == without["data"]
     added = {k: v for k, v in with_["trainer_data"].items() if k not in with_["data"]}
     assert {k: with_["trainer_data"][k] for k in with_["data"]} == with_["data"]
-    assert added and all(k.startswith("parity/") for k in added)
-    assert added["parity/mismatch/kl_k3"] == pytest.approx(with_["correction"][
-        "rollout_corr/k3_kl"], rel=1e-5)
+    assert added and all(k.startswith("parity/") or k in VERL_NAMES.values() for k in added)
+    # verl's own k3 estimate of the same batch, computed by its rollout correction
+    assert added["parity/mismatch/kl_k3"] == added["rollout_corr/k3_kl"] == pytest.approx(
+        with_["correction"]["rollout_corr/k3_kl"], rel=1e-5)
 
 
 # parity's figure in the plugin, and the audit's name for the same quantity: with ℓ_s = ℓ_μ the
@@ -291,4 +298,4 @@ def test_the_plugin_judges_clips_as_the_runs_loss_does(loss_mode, clip):
         cfg = compose(config_name="ppo_trainer", overrides=[
             f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
             "actor_rollout_ref.actor.clip_ratio_high=0.28"])
-    assert settings_of(cfg) == RunSettings(eps_low=0.2, eps_high=0.28, clip=clip, bypass=False)
+    assert settings_of(cfg) == RunSettings(eps_low=0.2, eps_high=0.28, clip=clip)

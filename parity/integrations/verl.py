@@ -4,7 +4,8 @@
 
 puts `parity.integrations.verl_plugin` in the entry-point group `verl.plugins`, which `import
 verl` loads in every process. A verl run then logs, on its driver, parity's figures under
-`parity/` beside verl's own metrics; nothing else changes (docs/verl.md).
+`parity/` beside verl's own metrics, and under verl's own names (`rollout_corr/kl`, `k3_kl`)
+where verl's rollout correction, which logs them, is off; nothing else changes (docs/verl.md).
 
 Decoupled mode (verl's default: the actor recomputes ℓ_old at θ_old before it updates): after
 `compute_advantage` the batch holds ℓ_old (`old_log_probs`), the engine's ℓ_μ
@@ -55,6 +56,12 @@ CLIP_OF_LOSS = {"vanilla": "token", "gspo": "sequence"}
 logger = logging.getLogger(__name__)
 
 
+# parity's figures verl itself logs under its own names when its rollout correction runs
+# (metric_names.ELSEWHERE): without one configured, the plugin logs them under verl's names too.
+VERL_NAMES = {e.name: e.verl for e in mn.ELSEWHERE if e.verl.startswith("rollout_corr/")
+              and e.name in (mn.KL_K1, mn.KL_K3)}
+
+
 @dataclass
 class RunSettings:
     """What the figures need of the run's config, read when its trainer starts."""
@@ -62,6 +69,7 @@ class RunSettings:
     eps_high: float | None = 0.2
     clip: str | None = "token"       # CLIP_OF_LOSS's value; None: the loss does not clip
     bypass: bool = False
+    verl_corrects: bool = False      # verl's rollout correction runs, logging rollout_corr/*
 
 
 RUN = RunSettings()
@@ -82,7 +90,9 @@ def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
     figures = diag.metrics()
     for name in NOT_MEASURED if run.clip else NOT_MEASURED + CLIP_FRACTIONS:
         figures.pop(name, None)
-    return {PREFIX + k: v for k, v in figures.items()}
+    beside = {} if run.verl_corrects else {verl: figures[ours] for ours, verl in
+                                           VERL_NAMES.items() if ours in figures}
+    return {**{PREFIX + k: v for k, v in figures.items()}, **beside}
 
 
 def _setting(config: Any, path: str, default: Any) -> Any:
@@ -103,7 +113,9 @@ def settings_of(config: Any) -> RunSettings:
         eps_low=_setting(actor, "clip_ratio_low", _setting(actor, "clip_ratio", 0.2)),
         eps_high=_setting(actor, "clip_ratio_high", _setting(actor, "clip_ratio", 0.2)),
         clip=CLIP_OF_LOSS.get(loss_mode),
-        bypass=bool(_setting(config, "algorithm.rollout_correction.bypass_mode", False)))
+        bypass=bool(_setting(config, "algorithm.rollout_correction.bypass_mode", False)),
+        verl_corrects=any(_setting(config, f"algorithm.rollout_correction.{k}", None)
+                          is not None for k in ("rollout_is", "rollout_rs")))
 
 
 def _fit_reading_settings(fit: Callable[..., Any]) -> Callable[..., Any]:
