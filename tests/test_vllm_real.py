@@ -35,7 +35,8 @@ def test_both_engines_implement_the_engine_protocol(master, engine):
     hf = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id)
     for eng in (hf, engine):
         assert isinstance(eng, Engine)
-        for name in ("sync", "load_state", "generate", "score", "replica", "close"):
+        for name in ("sync", "load_state", "save_weights", "restore_weights", "weight_bytes",
+                     "generate", "score", "replica", "close"):
             want = inspect.signature(getattr(Engine, name)).parameters
             got = inspect.signature(getattr(type(eng), name)).parameters
             assert list(got)[:len(want)] == list(want), (type(eng).__name__, name)
