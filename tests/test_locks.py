@@ -47,6 +47,7 @@ def test_a_report_into_a_held_directory_is_refused_and_writes_nothing(tmp_path):
     assert (out / "report.html").is_file()
 
 
+@pytest.mark.e2e   # runs parity in other processes
 def test_a_reproduction_into_a_held_or_foreign_directory_is_refused(tmp_path):
     out = tmp_path / "repro"
     with lock_dir(out, "reproduce --out"):
