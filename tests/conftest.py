@@ -29,6 +29,18 @@ def unmarked_e2e(items) -> list[str]:
             and item.get_closest_marker("e2e") is None]
 
 
+def pytest_ignore_collect(collection_path, config):
+    """The fast tier (`-m "not e2e"`) does not even import a test module marked e2e as a whole
+    (`pytestmark = ...e2e...`): none of its tests would run, and importing TRL, vLLM or verl for
+    them costs the tier more time than its own tests take."""
+    if (config.getoption("markexpr", "") == "not e2e" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and any(line.startswith("pytestmark") and "e2e" in line
+                    for line in collection_path.read_text().splitlines())):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     missing = unmarked_e2e(items)
     if missing:
