@@ -63,7 +63,8 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     model_dir = testbed.ensure(a.model, progress=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    task = build_task(a.task, None, model_dir, model, tok, a.max_new_tokens, None, a.seed, 1.0)
+    task = build_task(a.task, None, model_dir, model, tok, a.max_new_tokens, None, a.seed, 1.0,
+                      solve_rates=testbed.solve_rates)
     ds = datasets.Dataset.from_list(task.rows)
     reward = task.reward_fns[0].fn  # the very function parity calls, TRL's signature
     stamps: list[float] = []

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from parity import metric_names as mn
+from parity.config import FIELDS
 from parity.diagnostics import StepDiagnostics, measure
+from parity.models.precision import torch_dtype
 
 VERL_VERSIONS = ("0.9.1",)
 TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
@@ -189,7 +191,6 @@ def install(version: str) -> bool:
 
 # ---- the recipes as verl settings (`parity recipes --for verl NAME`) ---------------------------
 
-VERL_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Past any ratio a run reaches: verl has no switch that turns clipping off.
 NO_CLIP = 1e9
 # A lower bound below every weight: verl's masks take [lower, upper] with lower > 0, and its
@@ -201,7 +202,8 @@ def recipe_overrides(st: dict[str, Any]) -> tuple[list[str], list[str]]:
     """verl 0.9.1 config overrides (Hydra syntax, ppo_trainer.yaml's keys) that implement a
     recipe's settings `st`, and what verl has no equivalent of, one line each. Read from verl's
     source (docs/verl.md says which file holds each key)."""
-    out = [f"actor_rollout_ref.rollout.dtype={VERL_DTYPE[st['engine_dtype']]}",
+    rollout_dtype = str(torch_dtype(st["engine_dtype"])).removeprefix("torch.")
+    out = [f"actor_rollout_ref.rollout.dtype={rollout_dtype}",
            # verl's FSDP engine autocasts in param_dtype and adds ShardedGradScaler for fp16
            f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype="
            f"{st['trainer_dtype']}",
@@ -223,14 +225,19 @@ def recipe_overrides(st: dict[str, Any]) -> tuple[list[str], list[str]]:
     return out, missing
 
 
+def _value(st: dict[str, Any], name: str) -> Any:
+    """A recipe's setting, or Config's default where the recipe leaves it."""
+    return st.get(name, FIELDS[name].default)
+
+
 def _correction(st: dict[str, Any], missing: list[str]) -> list[str]:
     """verl's rollout_correction for parity's `correction` (objectives/losses.py's weights)."""
-    kind, cap = st["correction"], st.get("is_cap", 2.0)
+    kind, cap = st["correction"], _value(st, "is_cap")
     key = "algorithm.rollout_correction."
     if kind == "none":
         return [f"{key}rollout_is=null", f"{key}rollout_rs=null"]
     if kind == "geo-rs":
-        geo = st.get("geo_cap", 1.01)
+        geo = _value(st, "geo_cap")
         return [f"{key}rollout_is=null", f"{key}rollout_rs=seq_mean_k1",
                 f"{key}rollout_rs_threshold={1 / geo:.6g}_{geo}"]
     if kind in ("token-tis", "seq-tis"):
@@ -238,7 +245,7 @@ def _correction(st: dict[str, Any], missing: list[str]) -> list[str]:
         return [f"{key}rollout_is={level}", f"{key}rollout_is_threshold={cap}",
                 f"{key}rollout_rs=null"]
     if kind in ("token-mis", "token-icepop"):
-        low = st.get("is_cap_low", 0.5) if kind == "token-icepop" else NO_LOWER
+        low = _value(st, "is_cap_low") if kind == "token-icepop" else NO_LOWER
         return [f"{key}rollout_is=token", f"{key}rollout_is_threshold={low}_{cap}",
                 f"{key}rollout_rs=null"]
     missing.append("correction=seq-mis exactly: verl rejects the sequences (rollout_rs) and "
