@@ -395,7 +395,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
                   **({"steps": args.steps} if args.steps else {})}
         plan, default_out = real_plan_for(args.engine, **fields)
         out = Path(args.out or default_out)
-        with _claim_reproduction(out):
+        with _lock_reproduction(out):
             result = reproduce_real(plan, out, workers=args.workers, progress=args.progress)
         print_claims({**result, "plan": args.model})
         print(f"wrote {out}/claims.md and {out}/claims.json")
@@ -405,13 +405,13 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
     base, default_out = plan_for(args.engine, args.quick)
     plan = dataclasses.replace(base, device=args.device)
     out = Path(args.out or default_out)
-    with _claim_reproduction(out):
+    with _lock_reproduction(out):
         result = reproduce(plan, out, workers=args.workers, progress=args.progress)
     print_claims(result)
     print(f"wrote {out}/claims.md and {out}/claims.json")
 
 
-def _claim_reproduction(out: Path) -> Any:
+def _lock_reproduction(out: Path) -> Any:
     """`out` held for the reproduction's length (`runs.lock_dir`): a second one into it is
     refused before it reuses, or redoes, a part the first one is still writing."""
     from parity.runs.dirs import lock_dir, refuse_other_output

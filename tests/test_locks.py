@@ -63,7 +63,7 @@ def test_a_reproduction_into_a_held_or_foreign_directory_is_refused(tmp_path):
     assert _listing(run) == before
 
 
-def test_a_claim_refused_leaves_no_directory_it_made(tmp_path):
+def test_a_lock_refused_leaves_no_directory_it_made(tmp_path):
     out = tmp_path / "new"
     with pytest.raises(RuntimeError):
         with lock_dir(out, "audit --out", empty=True):
@@ -74,7 +74,7 @@ def test_a_claim_refused_leaves_no_directory_it_made(tmp_path):
         with lock_dir(kept, "audit --out", empty=True):
             (kept / "audit.json").write_text("{}")
             raise RuntimeError("the command failed after writing")
-    assert (kept / "audit.json").is_file()   # work written is never removed by the claim
+    assert (kept / "audit.json").is_file()   # work written is never removed by the lock
 
 
 @pytest.mark.e2e

@@ -106,8 +106,8 @@ def test_two_runs_started_together_on_one_out_never_share_it(tmp_path, text_mode
 
 
 def test_a_crashed_run_leaves_its_directory_free_to_resume(tmp_path, text_model):
-    """The claim is a lock the kernel drops with the process: while the run lives a --resume is
-    refused, once it is killed the --resume goes on."""
+    """The run directory's lock is one the kernel drops with the process: while the run lives
+    a --resume is refused, once it is killed the --resume goes on."""
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "parity", "train", *RUN, "--steps", "400",
                              "--save-every", "1", "--out", str(run)],

@@ -271,10 +271,10 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     t0 = time.perf_counter()
     device, out = _refuse_early(a, out)
     with lock_dir(out, "audit --out", empty=True):
-        return _claimed_audit(a, out, report, device, t0)
+        return _locked_audit(a, out, report, device, t0)
 
 
-def _claimed_audit(a: AuditSettings, out: Path, report: bool, device: torch.device, t0: float
+def _locked_audit(a: AuditSettings, out: Path, report: bool, device: torch.device, t0: float
                    ) -> dict[str, Any]:
     model_dir, model, tok = _policy(a, device)
     torch.manual_seed(a.seed)
@@ -502,11 +502,11 @@ def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
     for name in models:  # a mistyped path is refused before the first model's minutes
         if name not in testbed.SPECS:
             testbed.resolve_model(name)
-    with lock_dir(out, "audit --out", empty=True) as claim:
-        return _claimed_scale(a, out, models, done, claim.created)
+    with lock_dir(out, "audit --out", empty=True) as lock:
+        return _locked_scale(a, out, models, done, lock.created)
 
 
-def _claimed_scale(a: AuditSettings, out: Path, models: list[str],
+def _locked_scale(a: AuditSettings, out: Path, models: list[str],
                    done: dict[str, dict[str, Any]] | None, created: bool) -> dict[str, Any]:
     try:
         points = _ladder_points(a, out, models, done)

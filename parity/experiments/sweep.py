@@ -236,10 +236,10 @@ def run_sweep(spec: SweepSpec, out: Path, progress: bool = True, report: bool = 
     refuse_other_output(out, "a sweep", "sweep --out")
     with lock_dir(out, "sweep --out"):
         refuse_other_output(out, "a sweep", "sweep --out")  # written before it was held
-        return _claimed_sweep(spec, runs, out, progress, report)
+        return _locked_sweep(spec, runs, out, progress, report)
 
 
-def _claimed_sweep(spec: SweepSpec, runs: list[RunSpec], out: Path, progress: bool,
+def _locked_sweep(spec: SweepSpec, runs: list[RunSpec], out: Path, progress: bool,
                    report: bool) -> dict[str, Any]:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     # A run finished by an earlier invocation keeps the figures that one recorded (its time).

@@ -54,7 +54,7 @@ class DirLock:
     lock on the directory itself (flock), so a second parity command writing it is refused, and
     one that crashes or is killed leaves nothing stuck (the kernel drops the lock with the
     process). Nothing is written into the directory to hold it. Used as a context manager, a
-    directory the claim created and the command left empty is removed when the command fails:
+    directory the lock created and the command left empty is removed when the command fails:
     a refused command leaves nothing behind (docs/errors.md)."""
 
     def __init__(self, fd: int, path: Path | None = None, created: bool = False) -> None:
@@ -99,11 +99,11 @@ def lock_dir(path: Path, what: str, *, create: bool = True, empty: bool = False)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:
             raise ParityError(f"{what} {path}: {e.strerror or one_line(e)}") from None
-        claim = DirLock(fd, path, created)
+        lock = DirLock(fd, path, created)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            claim.close()
+            lock.close()
             raise ParityError(f"{what} {path} is in use by another parity run still writing "
                               f"it; choose another --out, or wait for that run to end") from None
         except OSError:
@@ -115,16 +115,16 @@ def lock_dir(path: Path, what: str, *, create: bool = True, empty: bool = False)
         except OSError:
             same = False
         if not same:
-            claim.close()
+            lock.close()
             if create:
                 continue
             raise ParityError(f"{what} {path}: no such directory")
         if empty and any(path.iterdir()):
-            claim.close()
+            lock.close()
             raise ParityError(f"{what} {path} already exists and is not empty; choose "
                               f"another --out")
-        return claim
-    raise ParityError(f"{what} {path} keeps being removed while parity claims it; choose "
+        return lock
+    raise ParityError(f"{what} {path} keeps being removed while parity locks it; choose "
                       f"another --out")
 
 
