@@ -117,7 +117,9 @@ def _sweep(out: Path, *args: str) -> subprocess.Popen:
 def test_a_second_sweep_into_a_running_sweep_is_refused_before_touching_it(tmp_path,
                                                                            text_model):
     out = tmp_path / "sw"
-    first = _sweep(out, "--recipes", "fp32", "--steps", "400", "--workers", "1")
+    # Steps it never reaches before it is killed below: a first sweep that finished would write
+    # its own summary.json, which a slow machine can let happen while the second one starts.
+    first = _sweep(out, "--recipes", "fp32", "--steps", "100000", "--workers", "1")
     try:
         run = out / "runs" / "neg-length-text-xs-fp32-s0"
         _wait_for(lambda: (run / "metrics.jsonl").is_file(), first, "a run training")
