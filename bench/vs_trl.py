@@ -7,6 +7,8 @@
     python -m bench.vs_trl --model smollm2-135m --task neg-length --prompts 8 --max-new-tokens 64 \
         --lr 1e-6 --steps 4 --repeats 1 --micro-batch 8
     python -m bench.vs_trl --device cuda --model smollm2-135m --task neg-length --max-new-tokens 128
+    python -m bench.vs_trl --vllm --device cuda --model qwen3-0.6b-shape --task neg-length \
+        --max-new-tokens 256 --steps 3 --repeats 1 --micro-batch 16 --trainer-dtype bf16
 
 Both sides train the same testbed model on the same task rows with the same reward function
 (`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with
@@ -27,6 +29,19 @@ learning. The update alone is each side's step minus its generation (TRL: the ti
 `time/train_s`). The last line bounds what any engine could achieve: parity's update alone
 (forward with grad, backward, AdamW over the same tokens, which TRL must do too) against TRL's
 step.
+
+`--vllm`: both sides sample with vLLM, as users run them on a GPU. TRL uses its colocated vLLM
+(`use_vllm=True, vllm_mode="colocate"`) with its other defaults: vLLM in bf16 (vLLM's choice for
+an fp32 checkpoint), compiled with CUDA graphs, and its importance-sampling correction, which
+recomputes the old log-probs with a trainer forward. parity uses `--engine vllm` with its
+diagnostics on; `--parity` names its runs (`bf16-shadow`: the shadow forward in the trainer,
+`bf16-shadow:scored`: vLLM scores it, `:graphs`: decode from CUDA graphs). `--trainer-dtype
+bf16` trains under bf16 autocast on both sides (TRL `bf16=True`, parity's `bf16` recipe). On a
+GPU the table adds each side's peak GPU memory without vLLM's KV cache (TRL's cache is its share
+of the GPU, `vllm_gpu_memory_utilization`; parity's is sized to the batch) and the update's MFU:
+6 FLOPs per matrix-product weight per completion token over the update's seconds (each side's
+step minus its sampling), against the trainer dtype's matrix-product rate measured in the same
+process (bench/mfu.py).
 """
 
 from __future__ import annotations
@@ -43,13 +58,63 @@ from pathlib import Path
 
 from bench.report import Table, json_option, publish
 
+GIB = 2 ** 30
+
 
 def _peak_gb(device: str) -> float:
     """The process's peak memory on the side's device: the GPU's allocator, or resident RAM."""
     if device == "cuda":
         import torch
-        return torch.cuda.max_memory_allocated() / 2 ** 30
+        return torch.cuda.max_memory_allocated() / GIB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def _tensor_bytes(x) -> int:
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(y) for y in x.values())
+    return 0
+
+
+def _worker_kv_bytes(worker) -> int:
+    return _tensor_bytes(getattr(worker.model_runner, "kv_caches", []))
+
+
+def _vllm_kv_gb(llm) -> float | None:
+    """The KV cache vLLM allocated in this process, read from its worker; None where this vLLM
+    keeps it elsewhere."""
+    try:
+        return sum(llm.collective_rpc(_worker_kv_bytes)) / GIB or None
+    except Exception:   # a vLLM without callable RPCs or kv_caches: reported as missing
+        return None
+
+
+def _matmul_tflops(dtype: str, device: str) -> float | None:
+    """The trainer dtype's matrix-product rate on this GPU, measured now (bench/mfu.py)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    from bench.mfu import matmul_rate
+    rate = matmul_rate({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], 8192,
+                       device=torch.device("cuda")) / 1e12
+    torch.cuda.empty_cache()  # the workers' vLLM asks for a share of the GPU's free memory
+    return rate
+
+
+def _matmul_params(model_dir) -> int:
+    """Weights multiplied per token (bench/mfu.py's count), from a model on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.mfu import matmul_params
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return matmul_params(AutoModelForCausalLM.from_config(config))
 
 
 def trl_worker(a: argparse.Namespace, out: Path) -> dict:
@@ -76,16 +141,18 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
             stamps.append(time.perf_counter())
             gen_at_step.append(gen[0])
 
+    vllm = dict(use_vllm=True, vllm_mode="colocate",
+                vllm_gpu_memory_utilization=a.vllm_gpu_memory) if a.vllm else {}
     args = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=a.device == "cpu", bf16=False, fp16=False,
-        gradient_checkpointing=False, max_steps=a.steps, learning_rate=a.lr,
+        output_dir=str(out / "trl"), use_cpu=a.device == "cpu", bf16=a.trainer_dtype == "bf16",
+        fp16=False, gradient_checkpointing=False, max_steps=a.steps, learning_rate=a.lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         per_device_train_batch_size=a.micro_batch or a.prompts * a.group,
         gradient_accumulation_steps=(a.prompts * a.group) // (a.micro_batch or a.prompts * a.group),
         num_generations=a.group,
         max_completion_length=a.max_new_tokens, temperature=1.0, epsilon=0.2, beta=0.0,
         loss_type="grpo", scale_rewards="group", logging_steps=1, save_strategy="no",
-        report_to=[], seed=a.seed, disable_tqdm=True, dataloader_num_workers=0)
+        report_to=[], seed=a.seed, disable_tqdm=True, dataloader_num_workers=0, **vllm)
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=reward,
                           args=args, train_dataset=ds, callbacks=[Clock()])
     # TRL's update alone: the step minus its generation (sampling, rewards, advantages, and
@@ -104,53 +171,93 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     steps = [h for h in trainer.state.log_history if "reward" in h]
     times = [b - a_ for a_, b in zip([start] + stamps[:-1], stamps)]
     gens = [b - a_ for a_, b in zip([0.0] + gen_at_step[:-1], gen_at_step)]
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     return {"step_s": times, "update_s": [t - g for t, g in zip(times, gens)],
             "reward": [h["reward"] for h in steps],
             "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps],
-            "peak_gb": _peak_gb(a.device)}
+            "peak_gb": _peak_gb(a.device), "kv_gb": _vllm_kv_gb(llm) if llm else None}
 
 
 def parity_worker(a: argparse.Namespace, out: Path) -> dict:
+    from parity import testbed
     from parity.config import make_config
     from parity.reports import load_metrics
     from parity.trainer import train
-    cfg = make_config({"task": a.task, "recipe": "fp32", "model": a.model, "steps": a.steps,
+    recipe, *flags = a.variant.split(":")
+    cfg = make_config({"task": a.task, "recipe": recipe, "model": a.model, "steps": a.steps,
                        "lr": a.lr, "prompts_per_step": a.prompts, "samples_per_prompt": a.group,
                        "max_new_tokens": a.max_new_tokens, "seed": a.seed, "optimizer": "adamw",
                        "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
                        "out": str(out / "parity"), "progress": False, "save_every": 0,
                        "report_to": "none", "micro_batch": a.micro_batch,
-                       "device": a.device, "engine": a.engine})
+                       "device": a.device, "engine": a.engine,
+                       "vllm_gpu_memory": a.vllm_gpu_memory,
+                       **({"shadow_kernels": "scored"} if "scored" in flags else {}),
+                       **({"vllm_cuda_graphs": True} if "graphs" in flags else {})})
     rows = load_metrics(train(cfg) / "metrics.jsonl")
+    kv = None
+    if a.engine == "vllm":
+        from transformers import AutoConfig, AutoTokenizer
+
+        from parity.runs.memory import kv_cache_bytes
+        from parity.tasks import build_task
+        model_dir = testbed.ensure(a.model, progress=False)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        task = build_task(a.task, None, model_dir, None, tok, a.max_new_tokens, None, a.seed,
+                          1.0, solve_rates=testbed.solve_rates)
+        longest = max(map(len, task.prompt_ids)) + a.max_new_tokens + 1
+        # what parity asks vLLM to reserve (parity/engines/vllm.py), not a reading
+        kv = kv_cache_bytes(AutoConfig.from_pretrained(model_dir), cfg.engine_dtype,
+                            a.prompts * a.group, longest) / GIB
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
             "update_s": [m["time/train_s"] for m in rows],
-            "peak_gb": _peak_gb(a.device)}
+            "peak_gb": _peak_gb(a.device), "kv_gb": kv}
 
 
 def run_worker(side: str, a: argparse.Namespace) -> dict:
-    """`side`: trl, or parity-ENGINE."""
-    who, _, engine = side.partition("-")
+    """`side`: trl, or parity-ENGINE VARIANT. A side whose process fails is reported as such."""
+    who, _, rest = side.partition("-")
+    engine, _, variant = rest.partition(" ")
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--worker", who, "--result", str(res),
-               f"--engine={engine or 'hf'}",
+        cmd = [sys.executable, "-m", "bench.vs_trl", "--worker", who, "--result", str(res),
+               f"--engine={engine or 'hf'}", f"--variant={variant or 'fp32'}",
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                 if k not in ("worker", "result", "repeats", "engines", "engine"))]
-        subprocess.run(cmd, check=True)
+                 if k not in ("worker", "result", "repeats", "engines", "engine", "parity",
+                              "variant", "vllm")),
+               *(["--vllm"] if a.vllm else [])]
+        t = time.perf_counter()
+        rc = subprocess.run(cmd).returncode
+        if rc != 0 or not res.exists():
+            return {"error": f"exit {rc} after {time.perf_counter() - t:.0f} s"}
         return json.loads(res.read_text())
 
 
-def summarize(r: dict, a: argparse.Namespace) -> dict:
-    warm = r["step_s"][2:] or r["step_s"]
+def summarize(r: dict, a: argparse.Namespace, params: int | None,
+              tflops: float | None) -> dict:
+    if "error" in r:
+        return r
+    warm = r["step_s"][2:] or r["step_s"][1:] or r["step_s"]
     step = statistics.median(warm)
-    tok = statistics.median(r["tokens"][2:] or r["tokens"])
+    tok = statistics.median(r["tokens"][2:] or r["tokens"][1:] or r["tokens"])
     out = {"step_s": step, "completions_s": a.prompts * a.group / step, "tokens_s": tok / step,
            "reward_first5": statistics.mean(r["reward"][:5]),
-           "reward_last5": statistics.mean(r["reward"][-5:]), "peak_gb": r["peak_gb"]}
-    if "update_s" in r:
-        out["update_s"] = statistics.median(r["update_s"][2:] or r["update_s"])
+           "reward_last5": statistics.mean(r["reward"][-5:]), "peak_gb": r["peak_gb"],
+           "kv_gb": r.get("kv_gb")}
+    out["update_s"] = statistics.median(r["update_s"][2:] or r["update_s"][1:] or r["update_s"])
+    if params and tflops:
+        # forward and backward over the completion tokens: 6 FLOPs per weight per token
+        out["mfu"] = 6 * params * tok / out["update_s"] / (tflops * 1e12)
     return out
+
+
+def _parity_variants(a: argparse.Namespace) -> list[str]:
+    if a.parity:
+        return a.parity.split(",")
+    if not a.vllm:
+        return ["fp32" if a.trainer_dtype == "fp32" else "bf16"]
+    return ["bf16-shadow", "bf16-shadow:scored"] if a.trainer_dtype == "fp32" else ["bf16"]
 
 
 def main() -> None:
@@ -168,10 +275,23 @@ def main() -> None:
                     "parity: micro_batch); 0: the whole step at once")
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides on the "
-                    "CPU, or both on the GPU (TRL: use_cpu=False, its own generation, no vLLM)")
-    ap.add_argument("--engines", default="hf", help="parity's engines, comma-separated: one "
-                    "parity side each (hf, vllm), all against the same TRL runs")
+                    "CPU, or both on the GPU")
+    ap.add_argument("--vllm", action="store_true", help="both sides sample with vLLM: TRL's "
+                    "colocated vLLM, parity's --engine vllm (default: TRL's own generation)")
+    ap.add_argument("--trainer-dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="the trainer's arithmetic on both sides: fp32, or bf16 autocast over "
+                    "fp32 weights (TRL bf16=True, parity's bf16 recipe)")
+    ap.add_argument("--parity", default="", help="parity's runs, comma-separated, a row each: "
+                    "RECIPE[:scored][:graphs] (default: fp32 or bf16 without --vllm; with it "
+                    "bf16-shadow,bf16-shadow:scored for an fp32 trainer, bf16 for bf16)")
+    ap.add_argument("--vllm-gpu-memory", type=float, default=0.3, help="with --vllm on a GPU: "
+                    "TRL's vllm_gpu_memory_utilization and parity's vllm_gpu_memory (both "
+                    "default to 0.3)")
+    ap.add_argument("--engines", default="", help="parity's engines, comma-separated: one "
+                    "parity side each (hf, vllm; default: vllm with --vllm, else hf), all "
+                    "against the same TRL runs")
     ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = json_option(ap, "vs_trl").parse_args()
@@ -182,39 +302,69 @@ def main() -> None:
         return
 
     from parity import testbed
-    testbed.ensure(a.model)  # built once, before any timed run
-    sides = ["trl"] + [f"parity-{e}" for e in a.engines.split(",")]
+    model_dir = testbed.ensure(a.model)  # built once, before any timed run
+    engines = (a.engines or ("vllm" if a.vllm else "hf")).split(",")
+    sides = ["trl"] + [f"parity-{e} {v}" for e in engines for v in _parity_variants(a)]
+    params = _matmul_params(model_dir)
+    tflops = _matmul_tflops(a.trainer_dtype, a.device)
     results: dict[str, list[dict]] = {w: [] for w in sides}
     for i in range(a.repeats):
         for who in (sides if i % 2 == 0 else sides[::-1]):
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
-            results[who].append(summarize(run_worker(who, a), a))
+            results[who].append(summarize(run_worker(who, a), a, params, tflops))
+            # written after every run: a bench stopped at a time limit keeps the runs it made
+            publish("vs_trl", [table(results, a, params, tflops)], a)
 
+
+def table(results: dict[str, list[dict]], a: argparse.Namespace, params: int,
+          tflops: float | None) -> Table:
     cols = ("step_s", "completions_s", "tokens_s", "reward_first5", "reward_last5", "peak_gb")
-    med = {w: {c: statistics.median(r[c] for r in rs) for c in cols} for w, rs in results.items()}
-    # The update (forward with grad, backward, AdamW over the same tokens) is work TRL must do
-    # too: even a free engine cannot make parity faster than TRL's step over it.
-    upd = {w: statistics.median(r["update_s"] for r in rs) for w, rs in results.items()}
+
+    def med(w: str, c: str) -> float | None:
+        v = [r[c] for r in results[w] if r.get(c) is not None]
+        return statistics.median(v) if v else None
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return x / y if x is not None and y else None
+
+    gpu = a.device == "cuda"
     t = Table("vs_trl", f"workload: {a.model} on {a.task} ({a.device}), {a.prompts} prompts x "
                         f"{a.group} completions, <= {a.max_new_tokens} tokens, {a.steps} steps, "
-                        f"fp32, one process each, "
+                        f"{a.trainer_dtype} trainer, "
+                        f"{'vLLM on both sides, ' if a.vllm else ''}one process each, "
                         f"{f'micro-batches of {a.micro_batch}, ' if a.micro_batch else ''}"
                         f"{a.repeats} alternating runs per side (medians over runs)",
               [("side", None)] + [(c, "{:.4g}") for c in cols]
+              + ([("KV cache GiB", "{:.3g}"), ("peak without KV GiB", "{:.4g}")] if gpu else [])
               + [("update alone s", "{:.4g}"), ("update alone ÷ TRL", "{:.2f}"),
                  ("completions/s ÷ TRL", "{:.2f}x"),
-                 ("tokens/s ÷ TRL", "{:.2f}x"), ("TRL step ÷ update alone", "{:.2f}x")])
-    for w in sides:
+                 ("tokens/s ÷ TRL", "{:.2f}x"), ("TRL step ÷ update alone", "{:.2f}x")]
+              + ([("update MFU", "{:.1%}")] if tflops else []))
+    for w in results:
         trl = w == "trl"
-        t.add(w, *(med[w][c] for c in cols), upd[w], None if trl else upd[w] / upd["trl"],
-              None if trl else med[w]["completions_s"] / med["trl"]["completions_s"],
-              None if trl else med[w]["tokens_s"] / med["trl"]["tokens_s"],
-              None if trl else med["trl"]["step_s"] / upd[w])
-    t.notes += [f"{w} runs: " + ", ".join(f"{r['step_s']:.3f} s/step" for r in rs)
+        kv, peak = med(w, "kv_gb"), med(w, "peak_gb")
+        t.add(w, *(med(w, c) for c in cols),
+              *([kv, peak - kv if peak is not None and kv is not None else None] if gpu else []),
+              med(w, "update_s"),
+              None if trl else ratio(med(w, "update_s"), med("trl", "update_s")),
+              None if trl else ratio(med(w, "completions_s"), med("trl", "completions_s")),
+              None if trl else ratio(med(w, "tokens_s"), med("trl", "tokens_s")),
+              None if trl else ratio(med("trl", "step_s"), med(w, "update_s")),
+              *([med(w, "mfu")] if tflops else []))
+    t.notes += [f"{w} runs: " + (", ".join(f"{r['step_s']:.3f} s/step" if "step_s" in r
+                                           else f"failed ({r['error']})" for r in rs)
+                                 or "not run")
                 for w, rs in results.items()]
     t.notes.append("update alone: the step minus the generation; TRL's step ÷ parity's update "
                    "alone is the most any engine could give against TRL's step")
-    publish("vs_trl", [t], a)
+    if tflops:
+        t.notes.append(f"MFU against {tflops:.0f} TFLOP/s ({a.trainer_dtype} 8192^3 products "
+                       f"measured in this run), {params / 1e6:.0f}M matrix-product weights")
+    if gpu:
+        t.notes.append("peak: torch's peak GPU allocation in the side's process; KV cache: "
+                       "read from TRL's vLLM worker, parity's the size it asks vLLM for")
+    return t
+
 
 if __name__ == "__main__":
     main()

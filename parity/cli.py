@@ -181,7 +181,7 @@ def cmd_testbed(args: argparse.Namespace) -> None:
     cache = cache_dir() if args.cache is None else Path(args.cache)
     if args.action == "list":
         rows = [{"name": name, "kind": s.kind, "arch": s.arch, "layers": s.n_layer,
-                 "width": s.d_model, "vocab": s.vocab_size if s.kind == "text" else "chars",
+                 "width": s.d_model, "vocab": s.vocab_size if s.kind != "arith" else "chars",
                  "built": (cache / "models" / name / "config.json").is_file(),
                  "about": s.description} for name, s in testbed.SPECS.items()]
         rows += [{"name": name, "kind": "pretrained", "arch": "", "layers": None, "width": None,

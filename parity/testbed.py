@@ -29,10 +29,12 @@ class ModelSpec:
     """Recipe for one testbed model; the same spec and seed give the same weights.
 
     name: key in SPECS and the directory name under cache/models.
-    kind: "arith" (SFT on `a+b=` problems, char tokenizer) or "text" (LM on stdlib paragraphs).
-    arch: transformers architecture, "llama", "qwen2" or "gpt2".
+    kind: "arith" (SFT on `a+b=` problems, char tokenizer), "text" (LM on stdlib paragraphs) or
+        "shape" (a real model's shape with random weights, untrained: for speed benches only).
+    arch: transformers architecture, "llama", "qwen2", "qwen3" or "gpt2".
     n_layer, d_model, n_head: depth, width and attention heads.
-    vocab_size: byte-level BPE vocab size for text models; ignored for arith (fixed char vocab).
+    vocab_size: byte-level BPE vocab size for text models (a shape model's is padded to it with
+        tokens no text encodes to); ignored for arith (fixed char vocab).
     seq_len: training sequence length in tokens (max_position_embeddings is at least 256).
     train_steps, batch_size, lr: optimiser steps, sequences per step, peak AdamW learning rate.
     seed: seeds data order, initialisation and corpus shuffle.
@@ -84,6 +86,11 @@ _ALL = [
     _text("ladder-w512", "qwen2", 4, 512, 4096, 200, lr=1e-3, desc="ladder: width 512"),
     _text("ladder-v1024", "qwen2", 4, 256, 1024, 200, desc="ladder: vocab 1024"),
     _text("ladder-v16384", "qwen2", 4, 256, 16384, 200, desc="ladder: vocab 16384"),
+    # Speed does not depend on the weights' values: this model costs what Qwen3-0.6B costs (28
+    # layers, width 1024, 16 query and 8 key-value heads of 128, MLP 3072, vocab 151,936, tied
+    # head), so speed and memory benches run at a real model's size (docs/performance.md).
+    ModelSpec("qwen3-0.6b-shape", "shape", "qwen3", 28, 1024, 16, 151_936, 256, 0, 0, 0.0, 0,
+              "Qwen3-0.6B's shape with random weights (speed benches only)"),
 ]
 SPECS: dict[str, ModelSpec] = {s.name: s for s in _ALL}
 
@@ -136,6 +143,29 @@ def _arith_tokenizer():
                                    unk_token="<unk>", clean_up_tokenization_spaces=False)
 
 
+def _padded_tokenizer(spec: ModelSpec, corpus: list[str]):
+    """A text tokenizer whose vocabulary has exactly `spec.vocab_size` entries: BPE trained up to
+    what the corpus supports, then filler tokens no text encodes to (a random model samples
+    them; they decode to their own names)."""
+    import dataclasses
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    trained = _text_tokenizer(dataclasses.replace(spec, vocab_size=min(spec.vocab_size, 16384)),
+                              corpus)
+    data = json.loads(trained._tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in data["added_tokens"]}
+    taken = set(vocab.values()) | set(added.values())
+    free = (i for i in range(spec.vocab_size) if i not in taken)
+    for i in free:
+        vocab[f"filler{i}"] = i
+    tok = Tokenizer.from_str(json.dumps(data))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=_EOS_TEXT, pad_token=_PAD_TEXT,
+                                   clean_up_tokenization_spaces=False)
+
+
 def _text_tokenizer(spec: ModelSpec, corpus: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -169,6 +199,14 @@ def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
     if spec.arch == "gpt2":
         cfg = tf.GPT2Config(n_layer=spec.n_layer, n_embd=spec.d_model, n_head=spec.n_head,
                             n_positions=_MAX_POS, **ids)
+    elif spec.arch == "qwen3":
+        # Qwen3's proportions (its 0.6B release): head size 128 whatever the width, half as many
+        # key-value heads as query heads, MLP 3x the width, a tied head.
+        cfg = tf.Qwen3Config(num_hidden_layers=spec.n_layer, hidden_size=spec.d_model,
+                             num_attention_heads=spec.n_head,
+                             num_key_value_heads=spec.n_head // 2, head_dim=128,
+                             intermediate_size=3 * spec.d_model,
+                             max_position_embeddings=4096, tie_word_embeddings=True, **ids)
     elif spec.arch in ("llama", "qwen2"):
         cls = tf.LlamaConfig if spec.arch == "llama" else tf.Qwen2Config
         # Untied head: the head's precision behaviour is one of the things parity studies.
@@ -178,7 +216,8 @@ def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
                   max_position_embeddings=max(_MAX_POS, spec.seq_len), tie_word_embeddings=False,
                   **ids)
     else:
-        raise ParityError(f"unknown testbed arch {spec.arch!r}; expected llama, qwen2 or gpt2")
+        raise ParityError(f"unknown testbed arch {spec.arch!r}; expected llama, qwen2, qwen3 "
+                          f"or gpt2")
     model = tf.AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
@@ -300,10 +339,12 @@ def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
         corpus = text_corpus(spec.seed)
         tok = _text_tokenizer(spec, corpus)
         batches = _text_batches(spec, tok, corpus)
+    elif spec.kind == "shape":
+        tok, batches = _padded_tokenizer(spec, text_corpus(spec.seed)), None
     else:
         raise ParityError(f"unknown testbed kind {spec.kind!r}")
     model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
-    loss = _train(model, batches, spec, progress)
+    loss = _train(model, batches, spec, progress) if batches is not None else None
     info = {"spec": asdict(spec), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "final_train_loss": loss,

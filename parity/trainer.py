@@ -561,7 +561,7 @@ def _make_engine(cfg: Config, model: torch.nn.Module, model_dir: Path, tok: Any,
         model, str(model_dir), cfg.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
         cfg.seed, max(map(len, task.prompt_ids)) + cfg.max_new_tokens,
         min(rows, cfg.rollout_batch or rows), cfg.cpu_fp16, cfg.lm_head_fp32,
-        cfg.vllm_gpu_memory))
+        cfg.vllm_gpu_memory, cfg.vllm_cuda_graphs))
 
 
 @dataclass

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parity.config import RECIPES
-from parity.engines import Sampling
+from parity.engines import EngineSpec, Sampling, make_engine
 from parity.engines.hf import HFEngine
 from parity.models.loading import load_policy
 from vllm_helpers import moved_copy, prompts_of, resume, train, vllm_engine
@@ -58,18 +58,22 @@ def test_vllm_on_the_gpu_draws_the_same_rows_in_any_piece(master, engine):
     assert a.completions()[:8] != a.completions()[8:]
 
 
+def after_a_sync(engine, model, tok) -> tuple[float, float]:
+    """Sync `engine` to moved weights, sample, and say how far its ℓ_μ is from the new weights'
+    bf16 scores and from the old ones'."""
+    moved, s = moved_copy(model), Sampling()
+    assert 0.1 < engine.sync(moved) <= 1.0
+    after = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(3))
+    new = HFEngine(moved, "bf16", tok.eos_token_id, tok.pad_token_id).score(moved, after, s)
+    old = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id).score(model, after, s)
+    return (mean_gap(new, after.engine_logprobs, after.completion_mask),
+            mean_gap(old, after.engine_logprobs, after.completion_mask))
+
+
 def test_sync_on_the_gpu_changes_what_vllm_samples_from(master, engine):
     model, tok = master
-    moved = moved_copy(model)
-    s = Sampling()
     try:
-        assert 0.1 < engine.sync(moved) <= 1.0
-        after = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(3))
-        mask = after.completion_mask
-        new = HFEngine(moved, "bf16", tok.eos_token_id, tok.pad_token_id).score(moved, after, s)
-        old = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id).score(model, after, s)
-        to_new, to_old = (mean_gap(new, after.engine_logprobs, mask),
-                          mean_gap(old, after.engine_logprobs, mask))
+        to_new, to_old = after_a_sync(engine, model, tok)
         print(f"cuda: after a sync, vLLM is {to_new:.2e} from the new weights, "
               f"{to_old:.2e} from the old")
         assert to_new < 0.05 and to_old > 4 * to_new
@@ -94,6 +98,29 @@ def test_the_engine_scored_shadow_on_the_gpu(master, engine):
     assert scored_gap < trainer_gap
     again = engine.generate(prompts_of(tok), 16, Sampling(), torch.Generator().manual_seed(4))
     assert again.completions() == r.completions()
+
+
+def test_cuda_graphs_sample_as_eager_and_see_every_sync(master, engine, text_model):
+    """`vllm_cuda_graphs`: decode steps replay graphs captured at start. They draw the rows eager
+    vLLM draws, at its log-probs, and a weight sync reaches them (vLLM copies new weights into
+    the captured tensors): after one, they sample from the new weights, not the old."""
+    model, tok = master
+    graphs = make_engine("vllm", EngineSpec(model, str(text_model), "bf16", [tok.eos_token_id],
+                                            tok.pad_token_id, 0, 64, 16, cuda_graphs=True))
+    try:
+        graphs.sync(model)
+        s = Sampling()
+        eager = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(7))
+        replay = graphs.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(7))
+        same = sum(a == b for a, b in zip(eager.completions(), replay.completions()))
+        print(f"cuda graphs: {same} of {len(eager.completions())} rows as eager vLLM drew them")
+        assert same >= len(eager.completions()) // 2
+        to_new, to_old = after_a_sync(graphs, model, tok)
+        print(f"cuda graphs: after a sync, {to_new:.2e} from the new weights, {to_old:.2e} "
+              f"from the old")
+        assert to_new < 0.05 and to_old > 4 * to_new
+    finally:
+        graphs.close()
 
 
 ARGS = ["--model", "text-xs", "--engine", "vllm", "--device", "cuda", "--prompts-per-step", "2",

@@ -226,3 +226,29 @@ def test_ensure_rebuilds_a_model_whose_spec_changed(tmp_path, monkeypatch):
     assert tb.ensure(tb.TEST_ARITH, tmp_path, progress=False) == path
     assert json.loads((path / "testbed.json").read_text())["spec"]["train_steps"] == 6
     assert not all(torch.equal(first[k], v) for k, v in _weights(path).items())
+
+
+@pytest.mark.e2e
+def test_a_shape_model_has_its_real_models_size_and_a_tokenizer_of_its_vocab(tmp_path):
+    """`qwen3-0.6b-shape` costs what Qwen3-0.6B costs: its parameter count, a tokenizer of its
+    vocabulary's size that round-trips text, and filler tokens a random model may sample that
+    still decode. Built here at a small size: the same code, in seconds."""
+    spec = dataclasses.replace(tb.SPECS["qwen3-0.6b-shape"], name="shape-xs", n_layer=2,
+                               d_model=128, n_head=4, vocab_size=20_000)
+    tb._build_into(tmp_path, spec, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    cfg = model.config
+    assert cfg.model_type == "qwen3" and cfg.tie_word_embeddings and cfg.head_dim == 128
+    assert cfg.num_key_value_heads == 2 and cfg.intermediate_size == 3 * 128
+    assert len(tok) == cfg.vocab_size == 20_000
+    s = "def f(x):\n    return x  # ünïcode ✓\n"
+    assert tok.decode(tok(s)["input_ids"]) == s
+    assert tok.decode([19_999]) == "filler19999"
+    # Qwen3-0.6B's own count (its model card: 0.6B, 0.44B without embeddings), tied head once
+    real = tb.SPECS["qwen3-0.6b-shape"]
+    d, f, kv = real.d_model, 3 * real.d_model, real.n_head // 2 * 128
+    per_layer = d * real.n_head * 128 * 2 + d * kv * 2 + 3 * d * f + 2 * d + 2 * 128
+    assert real.n_layer * per_layer + real.vocab_size * d + d == 596_049_920
+    info = json.loads((tmp_path / "testbed.json").read_text())
+    assert info["final_train_loss"] is None

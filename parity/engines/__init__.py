@@ -107,6 +107,7 @@ class EngineSpec:
     cpu_fp16: str = "emulate"
     lm_head_fp32: bool = False
     gpu_memory: float = 0.3
+    cuda_graphs: bool = False   # vLLM on a GPU: replay captured decode graphs
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def _hf(spec: EngineSpec) -> Engine:
 def _vllm(spec: EngineSpec) -> Engine:
     from parity.engines.vllm import VLLMEngine
     return VLLMEngine(spec.master, spec.model_dir, spec.dtype, spec.eos_ids, spec.pad_id,
-                      spec.seed, spec.max_len, spec.rows, spec.gpu_memory)
+                      spec.seed, spec.max_len, spec.rows, spec.gpu_memory, spec.cuda_graphs)
 
 
 def _vllm_check(config: Any, needs: EngineNeeds) -> None:

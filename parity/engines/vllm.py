@@ -197,7 +197,7 @@ class VLLMEngine:
 
     def __init__(self, master: torch.nn.Module, model_dir: str, dtype: str,
                  eos_ids: list[int], pad_id: int, seed: int, max_len: int, rows: int,
-                 gpu_memory: float = 0.3):
+                 gpu_memory: float = 0.3, cuda_graphs: bool = False):
         # Checked before a run starts (check_engine); again here for an engine built directly.
         check(master.config, EngineNeeds(max_len=max_len))
         self.dtype, self.eos_ids, self.pad_id, self.version = dtype, list(eos_ids), pad_id, 0
@@ -205,7 +205,7 @@ class VLLMEngine:
         # The engine-precision copy: what vLLM is given at each sync, kept for changed_frac.
         self.model = low_precision_copy(master, dtype)
         self._spec = dict(model_dir=model_dir, dtype=dtype, seed=seed, max_len=max_len,
-                          rows=rows, gpu_memory=gpu_memory)
+                          rows=rows, gpu_memory=gpu_memory, cuda_graphs=cuda_graphs)
         self._llm, self._stale = None, True
 
     @property
@@ -343,10 +343,13 @@ def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, t
 
 
 def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, rows: int,
-              gpu_memory: float, device: torch.device) -> Any:
+              gpu_memory: float, device: torch.device, cuda_graphs: bool = False) -> Any:
     """vLLM's offline engine in this process. In-process (no engine-core process) and eager
     (no graph compilation): on the CPU it starts in seconds, not tens of seconds (docs/vllm.md),
-    and the worker is reachable for weight reloads."""
+    and the worker is reachable for weight reloads. On a GPU `cuda_graphs` captures the decode
+    steps as whole CUDA graphs, still without torch.compile: a decode step is then one graph
+    launch rather than hundreds of kernel launches, for a few seconds of capture at start.
+    Weight reloads copy into the captured tensors, so the graphs see every sync."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     check_available()
     from vllm import LLM
@@ -357,6 +360,11 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
         kw["distributed_executor_backend"] = "external_launcher"
     if device.type == "cuda":
         kw["gpu_memory_utilization"] = gpu_memory
+    graphs = cuda_graphs and device.type == "cuda"
+    if graphs:
+        # Capture only the batch sizes this engine decodes: at most `rows` sequences at once.
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                    "max_cudagraph_capture_size": max(rows, 1)}
     # Scoring a finished sequence (`score`) asks for one token beyond it.
     limit = getattr(config, "max_position_embeddings", None) or max_len + 1
     max_len = min(max_len + 1, limit)
@@ -364,7 +372,7 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
     # trainer in this process keeps its own `threads` setting, so the original comes back.
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
-        return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=True,
+        return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=not graphs,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,
                    use_tqdm_on_load=False,
                    max_logprobs=-1, max_model_len=max_len,
