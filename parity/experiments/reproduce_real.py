@@ -132,14 +132,15 @@ def _runs(summaries: list[dict[str, Any]]) -> dict[str, list[Path]]:
     return out
 
 
-def run_stats(path: Path) -> dict[str, Any]:
-    """What the claims read from one run's metrics.jsonl."""
-    rows = load_metrics(path / "metrics.jsonl")
+def run_stats(path: Path, window: int = WINDOW, steps: int | None = None) -> dict[str, Any]:
+    """What the claims read from one run's metrics.jsonl: its first `steps` steps (all of them
+    by default), `window` steps averaged at each end."""
+    rows = load_metrics(path / "metrics.jsonl")[:steps]
 
     def mean(key: str, rs: list[dict]) -> float | None:
         v = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
         return statistics.fmean(v) if v else None
-    first, last = rows[:WINDOW], rows[-WINDOW:]
+    first, last = rows[:window], rows[-window:]
     len0, len1 = mean(mn.LEN_MEAN, first), mean(mn.LEN_MEAN, last)
     changed = [r.get(mn.SYNC_CHANGED_FRAC) for r in rows]
     return {"steps": len(rows), "len_first": len0, "len_last": len1,

