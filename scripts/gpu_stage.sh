@@ -9,8 +9,9 @@
 # device tool's own notes; vLLM 0.24.0 is the release built for that torch. What is left out,
 # to fit: flash-attention 2's kernels (Hopper runs flash-attention 3), the MoE kernels, the
 # kernel packages a dense model in bf16, fp16 or fp32 never imports (flashinfer, tilelang,
-# CUTLASS DSL, ...), xgrammar's static library and the C++ headers of vLLM's third-party
-# kernels. Without flashinfer vLLM's sampler must be told not to look for it
+# CUTLASS DSL, ...; not apache-tvm-ffi: xgrammar imports it, and vLLM's engine and TRL's
+# GRPOTrainer import xgrammar), xgrammar's static library and the C++ headers of vLLM's
+# third-party kernels. Without flashinfer vLLM's sampler must be told not to look for it
 # (VLLM_USE_FLASHINFER_SAMPLER=0, docs/vllm.md). Out: WORK/parts/p1..p5, 50 MB each at most.
 set -eu
 W=${1:-/tmp/stage}
@@ -51,7 +52,7 @@ tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokeniz
 torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt
 xarray xxhash yarl zipp"
-LEAVE="apache-tvm-ffi cuda-tile fastsafetensors flashinfer-cubin flashinfer-python
+LEAVE="cuda-tile fastsafetensors flashinfer-cubin flashinfer-python
 humming-kernels nvidia-cuda-cccl nvidia-cuda-crt nvidia-cuda-nvcc nvidia-cuda-tileiras
 nvidia-cudnn-frontend nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13
 nvidia-nvvm quack-kernels tilelang tokenspeed-mla tokenspeed-triton torch-c-dlpack-ext z3-solver
