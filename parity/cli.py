@@ -270,6 +270,7 @@ def cmd_recipes(args: argparse.Namespace) -> None:
     if args.markdown:
         print("\n".join(readme_tables().values()), end="")
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from parity import ui
@@ -283,13 +284,14 @@ def cmd_recipes(args: argparse.Namespace) -> None:
         for col in head:
             t.add_column(col)
         for row in rows:
-            t.add_row(*row)
+            # a summary's "[is_cap_low, is_cap]" is text, not one of rich's style tags
+            t.add_row(*map(escape, row))
         console.print(t)
     f = Table(title="what the recipes and objectives set")
     f.add_column("field")
     f.add_column("choices and meaning")
     for name in ("ratio_source", "correction", "loss_agg"):
-        f.add_row(name, FIELDS[name].metadata["help"])
+        f.add_row(name, escape(FIELDS[name].metadata["help"]))
     console.print(f)
     console.print("LoRA: add --lora-rank R to any recipe and objective; nothing else changes. "
                   "The engine and the shadow see the adapted weights in the recipe's engine "

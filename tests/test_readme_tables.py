@@ -53,3 +53,5 @@ def test_parity_recipes_prints_them(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in [*RECIPES, *OBJECTIVES])
+    # square brackets in a summary are text: icepop's bounds are printed, not taken for a style
+    assert "[is_cap_low," in " ".join(out.replace("│", " ").split())
