@@ -238,14 +238,16 @@ def summarize(r: dict, a: argparse.Namespace, params: int | None,
               tflops: float | None) -> dict:
     if "error" in r:
         return r
-    warm = r["step_s"][2:] or r["step_s"][1:] or r["step_s"]
-    step = statistics.median(warm)
-    tok = statistics.median(r["tokens"][2:] or r["tokens"][1:] or r["tokens"])
+
+    def warm(xs: list[float]) -> float:
+        """The median after two warm-up steps, or after one in a run too short for two."""
+        return statistics.median(xs[2:] or xs[1:] or xs)
+    step, tok = warm(r["step_s"]), warm(r["tokens"])
     out = {"step_s": step, "completions_s": a.prompts * a.group / step, "tokens_s": tok / step,
            "reward_first5": statistics.mean(r["reward"][:5]),
            "reward_last5": statistics.mean(r["reward"][-5:]), "peak_gb": r["peak_gb"],
            "kv_gb": r.get("kv_gb")}
-    out["update_s"] = statistics.median(r["update_s"][2:] or r["update_s"][1:] or r["update_s"])
+    out["update_s"] = warm(r["update_s"])
     if params and tflops:
         # forward and backward over the completion tokens: 6 FLOPs per weight per token
         out["mfu"] = 6 * params * tok / out["update_s"] / (tflops * 1e12)

@@ -22,7 +22,7 @@ machine is lent for.
 
 The judge truncates every run to the fewest steps any run of at least `--window` steps reached
 (the others are dropped, and said so; by default a tenth of the steps the longest run reached,
-at least 3), and writes `runs.json`, `claims.md` and `length.png`.
+at least 3), and writes `runs.json`, `claims.md` and `plots/`.
 Each run's checkpoint is removed once it ends: the judge reads metrics.jsonl only, and `--out`
 stays small enough to bring back from the machine.
 
@@ -55,8 +55,8 @@ from parity.cli import markdown_table
 from parity.errors import ParityError
 from parity.experiments import claims as C
 from parity.experiments import claims_real as CR
-from parity.experiments.reproduce_real import run_stats
-from parity.reports import load_metrics
+from parity.experiments.reproduce_real import PANELS, run_stats
+from parity.reports import load_metrics, sweep_report
 
 # The plan's names for what each run trains; another name is passed as `--recipe NAME`.
 RECIPES = {"fp32": ["--recipe", "fp32"], "bf16-engine": ["--recipe", "bf16-engine"],
@@ -335,7 +335,7 @@ def spread(drops: dict[str, list[float]]) -> dict[str, Any]:
 
 def judge(out: Path, window: int | None = None, judged_by: list[str] | None = None
           ) -> dict[str, Any]:
-    """Judges the runs `launch` left in `out`: runs.json, claims.md and length.png there."""
+    """Judges the runs `launch` left in `out`: runs.json, claims.md and plots/ there."""
     f = out / "launch.json"
     if not f.is_file():
         raise SystemExit(f"gpu_sanity: {f} not found: --judge-only reads a directory this "
@@ -373,7 +373,7 @@ def judge(out: Path, window: int | None = None, judged_by: list[str] | None = No
               "runs": runs, "spread": spread(drops_of(runs)),
               "claims": [c.to_dict() for c in claims]}
     (out / "runs.json").write_text(json.dumps(result, indent=1, default=str))
-    plotted = plot_lengths(out, runs, common)
+    plotted = plot(out, runs)
     (out / "claims.md").write_text(markdown(result, claims, plotted))
     return result
 
@@ -430,34 +430,21 @@ def markdown(result: dict[str, Any], claims: list[C.Claim], plotted: bool) -> st
     if dropped:
         md += "\nDropped: " + "; ".join(dropped) + ".\n"
     if plotted:
-        md += "\n![completion length per step, one line per run](length.png)\n"
+        md += ("\n![each panel a metric against step, a line per recipe over its seeds]"
+               "(plots/sweep.png)\n")
     return md
 
 
-def plot_lengths(out: Path, runs: list[dict], common: int | None) -> bool:
-    """length.png: mean completion length per step, one line per run: a colour per recipe, a
-    line style per seed."""
-    judged = [r for r in runs if r.get("stats")]
-    if not judged:
-        return False
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    colours = {rec: f"C{i}" for i, rec in enumerate(dict.fromkeys(r["recipe"] for r in judged))}
-    styles = {seed: ("-", "--", ":", "-.")[i % 4]
-              for i, seed in enumerate(sorted({r["seed"] for r in judged}))}
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in judged:
-        rows = load_metrics(out / f"{r['recipe']}-s{r['seed']}" / "metrics.jsonl")[:common]
-        ax.plot([x[mn.STEP] for x in rows], [x.get(mn.LEN_MEAN) for x in rows], lw=1,
-                color=colours[r["recipe"]], linestyle=styles[r["seed"]],
-                label=f"{r['recipe']} seed {r['seed']}")
-    ax.set(xlabel="step", ylabel=mn.LEN_MEAN, title="Mean completion length per step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.savefig(out / "length.png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return True
+def plot(out: Path, runs: list[dict]) -> bool:
+    """plots/sweep.png and plots/report.html: the reproduction's panels (completion length,
+    EOS, |β|, KL, phantom clipping, weights changed at sync), a line per recipe over its seeds."""
+    groups: dict[str, list[Path]] = {}
+    for r in runs:
+        if r.get("stats"):
+            groups.setdefault(r["recipe"], []).append(out / f"{r['recipe']}-s{r['seed']}")
+    if groups:
+        sweep_report(groups, out / "plots", PANELS)
+    return bool(groups)
 
 
 def main(argv: list[str] | None = None) -> int:

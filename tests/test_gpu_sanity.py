@@ -93,7 +93,7 @@ def test_a_lagging_bf16_engine_and_a_scored_shadow_like_fp32_hold(tmp_path):
     assert "| R5s | bf16-shadow with the engine-scored shadow trains like fp32 |" in md
     assert "| fp32 | 0 | 0 | 30 | 40.0 | 30.0 | +10.0 |" in md
     assert "is smaller than the fp32 − bf16-engine difference" in md
-    assert (tmp_path / "length.png").is_file()
+    assert (tmp_path / "plots" / "sweep.png").is_file()
 
 
 def test_a_difference_within_the_seed_spread_is_not_measurable(tmp_path):
