@@ -35,7 +35,8 @@ step.
 an fp32 checkpoint), compiled with CUDA graphs, and its importance-sampling correction, which
 recomputes the old log-probs with a trainer forward. parity uses `--engine vllm` with its
 diagnostics on; `--parity` names its runs (`bf16-shadow`: the shadow forward in the trainer,
-`bf16-shadow:scored`: vLLM scores it, `:graphs`: decode from CUDA graphs). `--trainer-dtype
+`bf16-shadow:scored`: vLLM scores it, `:eager`: decode eagerly rather than from CUDA graphs,
+parity's default on a GPU as TRL's). `--trainer-dtype
 bf16` trains under bf16 autocast on both sides (TRL `bf16=True`, parity's `bf16` recipe). On a
 GPU the table adds each side's peak GPU memory without vLLM's KV cache (TRL's cache is its share
 of the GPU, `vllm_gpu_memory_utilization`; parity's is sized to the batch) and the update's MFU:
@@ -117,6 +118,19 @@ def _matmul_params(model_dir) -> int:
         return matmul_params(AutoModelForCausalLM.from_config(config))
 
 
+def _memory_start(a: argparse.Namespace) -> None:
+    if a.memory_sites and a.device == "cuda":
+        from bench.memory_sites import record
+        record()
+
+
+def _memory_sites(a: argparse.Namespace) -> dict | None:
+    if not (a.memory_sites and a.device == "cuda"):
+        return None
+    from bench.memory_sites import at_peak
+    return at_peak(a.memory_sites)
+
+
 def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     import datasets
     import torch
@@ -126,6 +140,7 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     from parity import testbed
     from parity.tasks import build_task
     model_dir = testbed.ensure(a.model, progress=False)
+    _memory_start(a)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     task = build_task(a.task, None, model_dir, model, tok, a.max_new_tokens, None, a.seed, 1.0,
@@ -175,7 +190,8 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     return {"step_s": times, "update_s": [t - g for t, g in zip(times, gens)],
             "reward": [h["reward"] for h in steps],
             "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps],
-            "peak_gb": _peak_gb(a.device), "kv_gb": _vllm_kv_gb(llm) if llm else None}
+            "peak_gb": _peak_gb(a.device), "kv_gb": _vllm_kv_gb(llm) if llm else None,
+            "memory_sites": _memory_sites(a)}
 
 
 def parity_worker(a: argparse.Namespace, out: Path) -> dict:
@@ -184,6 +200,7 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
     from parity.reports import load_metrics
     from parity.trainer import train
     recipe, *flags = a.variant.split(":")
+    _memory_start(a)
     cfg = make_config({"task": a.task, "recipe": recipe, "model": a.model, "steps": a.steps,
                        "lr": a.lr, "prompts_per_step": a.prompts, "samples_per_prompt": a.group,
                        "max_new_tokens": a.max_new_tokens, "seed": a.seed, "optimizer": "adamw",
@@ -193,7 +210,7 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
                        "device": a.device, "engine": a.engine,
                        "vllm_gpu_memory": a.vllm_gpu_memory,
                        **({"shadow_kernels": "scored"} if "scored" in flags else {}),
-                       **({"vllm_cuda_graphs": True} if "graphs" in flags else {})})
+                       "vllm_cuda_graphs": "eager" not in flags})
     rows = load_metrics(train(cfg) / "metrics.jsonl")
     kv = None
     if a.engine == "vllm":
@@ -212,7 +229,7 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
             "update_s": [m["time/train_s"] for m in rows],
-            "peak_gb": _peak_gb(a.device), "kv_gb": kv}
+            "peak_gb": _peak_gb(a.device), "kv_gb": kv, "memory_sites": _memory_sites(a)}
 
 
 def run_worker(side: str, a: argparse.Namespace) -> dict:
@@ -246,7 +263,7 @@ def summarize(r: dict, a: argparse.Namespace, params: int | None,
     out = {"step_s": step, "completions_s": a.prompts * a.group / step, "tokens_s": tok / step,
            "reward_first5": statistics.mean(r["reward"][:5]),
            "reward_last5": statistics.mean(r["reward"][-5:]), "peak_gb": r["peak_gb"],
-           "kv_gb": r.get("kv_gb")}
+           "kv_gb": r.get("kv_gb"), "memory_sites": r.get("memory_sites")}
     out["update_s"] = warm(r["update_s"])
     if params and tflops:
         # forward and backward over the completion tokens: 6 FLOPs per weight per token
@@ -284,7 +301,7 @@ def main() -> None:
                     help="the trainer's arithmetic on both sides: fp32, or bf16 autocast over "
                     "fp32 weights (TRL bf16=True, parity's bf16 recipe)")
     ap.add_argument("--parity", default="", help="parity's runs, comma-separated, a row each: "
-                    "RECIPE[:scored][:graphs] (default: fp32 or bf16 without --vllm; with it "
+                    "RECIPE[:scored][:eager] (default: fp32 or bf16 without --vllm; with it "
                     "bf16-shadow,bf16-shadow:scored for an fp32 trainer, bf16 for bf16)")
     ap.add_argument("--vllm-gpu-memory", type=float, default=0.3, help="with --vllm on a GPU: "
                     "TRL's vllm_gpu_memory_utilization and parity's vllm_gpu_memory (both "
@@ -292,6 +309,10 @@ def main() -> None:
     ap.add_argument("--engines", default="", help="parity's engines, comma-separated: one "
                     "parity side each (hf, vllm; default: vllm with --vllm, else hf), all "
                     "against the same TRL runs")
+    ap.add_argument("--memory-sites", type=int, default=0, metavar="N", help="on a GPU: "
+                    "record every allocation's stack (slower: a run for memory, not for time) "
+                    "and add a table per side of the N largest allocation sites at its peak "
+                    "(bench/memory_sites.py)")
     ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
@@ -315,7 +336,25 @@ def main() -> None:
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a, params, tflops))
             # written after every run: a bench stopped at a time limit keeps the runs it made
-            publish("vs_trl", [table(results, a, params, tflops)], a)
+            publish("vs_trl", [table(results, a, params, tflops), *site_tables(results)], a)
+
+
+def site_tables(results: dict[str, list[dict]]) -> list[Table]:
+    """Each side's GPU memory at its peak by allocation site (`--memory-sites`), first run."""
+    out = []
+    for side, runs in results.items():
+        sites = next((r["memory_sites"] for r in runs if r.get("memory_sites")), None)
+        if sites is None:
+            continue
+        t = Table(f"memory_sites_{side.replace(' ', '_')}",
+                  f"{side}: GPU memory at its peak ({sites['peak_gib']:.2f} GiB) by allocation "
+                  f"site", [("site", None), ("via", None), ("GiB", "{:.3f}"),
+                            ("blocks", "{:.0f}")])
+        for row in sites["rows"]:
+            t.add(row["site"], row["via"], row["gib"], row["blocks"])
+        t.add("(every other site)", "", sites["rest_gib"], None)
+        out.append(t)
+    return out
 
 
 def table(results: dict[str, list[dict]], a: argparse.Namespace, params: int,

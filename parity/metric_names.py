@@ -159,10 +159,10 @@ ROWS: tuple[Row, ...] = (
          (LOG_RATIO_ABS_MEAN, TOKENS_NATS, AUDIT_ONLY),
          (LOG_RATIO_ABS_MAX, TOKENS_NATS, AUDIT_ONLY)),
     _row("KL(μ‖π) over the whole vocabulary at each position of `kl_exact_rows` completions (the "
-         "engine keeps their distributions; the trainer's come from its own forward); the "
-         "number of positions",
-         (KL_EXACT, "nats per position", "`kl_exact_rows: 0`"),
-         (KL_EXACT_POSITIONS, "count", "`kl_exact_rows: 0`")),
+         "engine keeps the distribution it sampled from as a tensor, vLLM's read from its "
+         "sampler; the trainer's come from its own forward); the number of positions",
+         (KL_EXACT, "nats per position", "`kl_exact_rows: 0`; vLLM's Model Runner V2"),
+         (KL_EXACT_POSITIONS, "count", "`kl_exact_rows: 0`; vLLM's Model Runner V2")),
     _row("`Σ_t (ℓ_π − ℓ_μ)` per completion; its least-squares slope against length",
          (SEQ_LOG_RATIO_MEAN, "nats per completion"),
          (SEQ_LOG_RATIO_SLOPE, "nats per token of length", "completions all of one length")),

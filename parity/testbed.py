@@ -91,6 +91,11 @@ _ALL = [
     # head), so speed and memory benches run at a real model's size (docs/performance.md).
     ModelSpec("qwen3-0.6b-shape", "shape", "qwen3", 28, 1024, 16, 151_936, 256, 0, 0, 0.0, 0,
               "Qwen3-0.6B's shape with random weights (speed benches only)"),
+    # What a real vocabulary costs, priced on a CPU: Qwen3's 151,936 tokens and head size on a
+    # narrow 2-layer body, so per-vocabulary work (sampling, log-probs, the exact KL) is a real
+    # model's while the layers cost little (bench/vocab_step.py).
+    ModelSpec("qwen3-narrow-shape", "shape", "qwen3", 2, 256, 2, 151_936, 512, 0, 0, 0.0, 0,
+              "Qwen3's vocabulary on a narrow 2-layer body, random weights (speed benches)"),
 ]
 SPECS: dict[str, ModelSpec] = {s.name: s for s in _ALL}
 

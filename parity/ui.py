@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 # Imports inside functions: rich's table and progress load when first shown (start-up time).
+import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+# The bar on screen, if any: long work below it (a rollout) reports through its description,
+# since a second live display cannot open beside it.
+_shown: list["Bar"] = []
 
 
 def console(width: int = 140) -> Any:
@@ -29,6 +35,10 @@ class Bar:
         if self.progress is not None:
             self.progress.update(self.task, completed=n)
 
+    def describe(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=text)
+
 
 @contextmanager
 def progress(label: str, total: int | None, enabled: bool = True, completed: int = 0,
@@ -49,4 +59,36 @@ def progress(label: str, total: int | None, enabled: bool = True, completed: int
     if eta:
         cols.append(TimeRemainingColumn())
     with Progress(*cols, TextColumn("{task.description}"), transient=transient) as p:
-        yield Bar(p, p.add_task("", total=total, completed=completed))
+        bar = Bar(p, p.add_task("", total=total, completed=completed))
+        _shown.append(bar)
+        try:
+            yield bar
+        finally:
+            _shown.remove(bar)
+
+
+def say(text: str) -> None:
+    """One line on stderr when long work starts (building a model, starting an engine)."""
+    print(f"parity: {text}", file=sys.stderr, flush=True)
+
+
+class Ticker:
+    """Progress of one piece of work that is usually quick (a rollout) and sometimes is not: silent
+    for its first `after_s`, then `label done/total unit` at most once a second, in the
+    description of the bar on screen or, without one, as a line on stderr every 10 s."""
+
+    def __init__(self, label: str, total: int, unit: str, after_s: float = 30.0):
+        self.label, self.total, self.unit, self.after_s = label, total, unit, after_s
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        bar = _shown[-1] if _shown else None
+        if now - self.t0 < self.after_s or now - self.last < (1.0 if bar else 10.0):
+            return
+        self.last = now
+        text = f"{self.label}: {done}/{self.total} {self.unit}, {now - self.t0:.0f} s"
+        if bar is not None:
+            bar.describe(text)
+        else:
+            say(text)

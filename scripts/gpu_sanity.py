@@ -86,8 +86,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-gpu-memory", type=float, default=0.05)
     ap.add_argument("--micro-batch", type=int, default=8,
                     help="completions per forward (0: the whole step's at once)")
-    ap.add_argument("--vllm-cuda-graphs", action="store_true",
-                    help="vLLM decodes by replaying CUDA graphs (parity's --vllm-cuda-graphs)")
+    ap.add_argument("--vllm-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="vLLM decodes by replaying CUDA graphs, parity's default on a GPU "
+                    "(--no-vllm-cuda-graphs: eager)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads per run (0: the cores shared out among the runs)")
     ap.add_argument("--out", default="gpu-sanity")
@@ -138,7 +139,7 @@ def command(a: argparse.Namespace, run: Run, threads: int) -> list[str]:
             "--vllm-gpu-memory", str(a.vllm_gpu_memory), "--micro-batch", str(a.micro_batch),
             "--threads", str(threads), "--out", str(run.dir), "--no-progress",
             "--save-every", "0", "--report-to", "none",
-            *(["--vllm-cuda-graphs"] if a.vllm_cuda_graphs else [])]
+            "--vllm-cuda-graphs" if a.vllm_cuda_graphs else "--no-vllm-cuda-graphs"]
 
 
 def _child() -> None:

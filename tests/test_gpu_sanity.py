@@ -65,12 +65,12 @@ def test_each_run_gets_flags_parity_train_has():
         assert (c.prompts_per_step, c.samples_per_prompt, c.max_new_tokens) == (16, 8, 64)
         assert (c.vllm_gpu_memory, c.save_every, c.micro_batch) == (0.05, 0, 8)
         assert (c.progress, c.report_to) == (False, "none")
-        assert c.vllm_cuda_graphs is False
+        assert c.vllm_cuda_graphs is True
     scored = S.command(a, S.Run("bf16-shadow-scored", 0, Path("/tmp/x")), threads=1)
     c = config_from_args(build_parser().parse_args(scored[3:]))
     assert (c.recipe, c.shadow_kernels, c.ratio_source) == ("bf16-shadow", "scored", "shadow")
-    graphs = S.command(S.parse(["--vllm-cuda-graphs"]), S.Run("fp32", 0, Path("/tmp/x")), 1)
-    assert config_from_args(build_parser().parse_args(graphs[3:])).vllm_cuda_graphs is True
+    eager = S.command(S.parse(["--no-vllm-cuda-graphs"]), S.Run("fp32", 0, Path("/tmp/x")), 1)
+    assert config_from_args(build_parser().parse_args(eager[3:])).vllm_cuda_graphs is False
 
 
 def test_a_lagging_bf16_engine_and_a_scored_shadow_like_fp32_hold(tmp_path):

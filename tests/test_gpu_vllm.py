@@ -13,7 +13,15 @@ from parity.config import RECIPES
 from parity.engines import EngineSpec, Sampling, make_engine
 from parity.engines.hf import HFEngine
 from parity.models.loading import load_policy
-from vllm_helpers import moved_copy, prompts_of, resume, train, vllm_engine
+from vllm_helpers import (
+    moved_copy,
+    prompts_of,
+    resume,
+    row_seed,
+    train,
+    vllm_engine,
+    whole_distribution,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
@@ -103,7 +111,8 @@ def test_the_engine_scored_shadow_on_the_gpu(master, engine):
 def test_cuda_graphs_sample_as_eager_and_see_every_sync(master, engine, text_model):
     """`vllm_cuda_graphs`: decode steps replay graphs captured at start. They draw the rows eager
     vLLM draws, at its log-probs, and a weight sync reaches them (vLLM copies new weights into
-    the captured tensors): after one, they sample from the new weights, not the old."""
+    the captured tensors): after one, they sample from the new weights, not the old. Eager or
+    replayed, the exact KL's rows are vLLM's own distribution, bit for bit."""
     model, tok = master
     graphs = make_engine("vllm", EngineSpec(model, str(text_model), "bf16", [tok.eos_token_id],
                                             tok.pad_token_id, 0, 64, 16, cuda_graphs=True))
@@ -119,6 +128,16 @@ def test_cuda_graphs_sample_as_eager_and_see_every_sync(master, engine, text_mod
         print(f"cuda graphs: after a sync, {to_new:.2e} from the new weights, {to_old:.2e} "
               f"from the old")
         assert to_new < 0.05 and to_old > 4 * to_new
+        graphs.sync(model)
+        # the exact KL's rows, read from the sampler, as vLLM returns them as Python objects
+        for eng in (engine, graphs):
+            r = eng.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(8),
+                             record_rows=[2])
+            tokens, ref = whole_distribution(eng, prompts_of(tok)[2], s, row_seed(8, 2, 8), 16,
+                                             tok.eos_token_id)
+            n = int(r.completion_mask[2].sum())
+            assert tokens == r.completions()[2]
+            assert torch.equal(r.dists[0, :n].cpu(), ref)
     finally:
         graphs.close()
 

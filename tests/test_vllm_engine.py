@@ -25,6 +25,10 @@ def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob_with_parity_settings
     assert sampling_kwargs(Sampling(1.0, 1.0, 20), 8, [2], 0)["top_k"] == 20
     kw = sampling_kwargs(Sampling(1.0, min_p=0.05, repetition_penalty=1.3), 8, [2], 0)
     assert kw["min_p"] == 0.05 and kw["repetition_penalty"] == 1.3
+    assert kw["extra_args"] is None
+    # a recorded row still asks for one log-prob; its whole distribution is read as a tensor
+    kw = sampling_kwargs(Sampling(), 8, [2], 0, record="3")
+    assert kw["logprobs"] == 0 and kw["extra_args"] == {"parity_record": "3"}
 
 
 @pytest.mark.e2e
@@ -90,17 +94,6 @@ def test_kv_cache_is_every_row_at_its_longest_in_whole_blocks():
     assert kv_cache_bytes(cfg, "bf16", rows=4, max_len=70) == int(4 * 96 * 384 * 1.25) + (16 << 20)
     bf16 = kv_cache_bytes(cfg, "bf16", 4, 70) - (16 << 20)
     assert kv_cache_bytes(cfg, "fp32", 4, 70) - (16 << 20) == 2 * bf16
-
-
-def test_whole_distributions_fill_returned_tokens_and_leave_the_rest_impossible():
-    from types import SimpleNamespace
-
-    from parity.engines.vllm import whole_distributions
-    lp = lambda x: SimpleNamespace(logprob=x)
-    d = whole_distributions([{0: lp(-0.5), 2: lp(-1.0)}, {1: lp(-0.1)}], T=3, vocab=4)
-    assert d.shape == (3, 4)
-    assert d[0, 0] == -0.5 and d[0, 2] == -1.0 and d[1, 1] == -0.1
-    assert torch.isinf(d[0, 1]) and torch.isinf(d[2]).all()
 
 
 def test_every_engine_is_a_choice_with_what_it_can_do():

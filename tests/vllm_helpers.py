@@ -56,3 +56,28 @@ def resume(run, steps_to: int) -> list[dict]:
 
 def prompts_of(tok, n: int = 8) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in TEXTS[:n]]
+
+
+def row_seed(generator_seed: int, row: int, rows: int) -> int:
+    """The vLLM seed the engine gives `row` of a batch of `rows` sampled from a generator
+    seeded `generator_seed` (parity/engines/vllm.py)."""
+    from parity.engines.vllm import row_seeds
+    base = int(torch.randint(0, 2**31 - 1, (1,),
+                             generator=torch.Generator().manual_seed(generator_seed)))
+    return row_seeds(base, list(range(rows)))[row]
+
+
+def whole_distribution(engine, prompt: list[int], s, seed: int, max_new_tokens: int,
+                       eos: int) -> tuple[list[int], torch.Tensor]:
+    """One row sampled by the engine's vLLM asking for every token's log-prob (`logprobs=-1`,
+    vLLM's Python objects): its tokens and [n, V] log-probs, -inf where vLLM gave none."""
+    from vllm import SamplingParams
+
+    from parity.engines.vllm import sampling_kwargs
+    kw = dict(sampling_kwargs(s, max_new_tokens, [eos], seed), logprobs=-1)
+    out = engine.llm.generate([{"prompt_token_ids": prompt}], [SamplingParams(**kw)],
+                              use_tqdm=False)[0].outputs[0]
+    ref = torch.full((len(out.logprobs), engine.vocab), float("-inf"))
+    for t, step in enumerate(out.logprobs):
+        ref[t, list(step)] = torch.tensor([v.logprob for v in step.values()])
+    return list(out.token_ids), ref

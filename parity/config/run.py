@@ -221,9 +221,10 @@ class Config:
     vllm_gpu_memory: float = _f(0.3, "engine=vllm on a GPU: share of the GPU's memory vLLM may "
                                 "take (its KV cache is sized to the batch on every device).",
                                 gt=0, le=1)
-    vllm_cuda_graphs: bool = _f(False, "engine=vllm on a GPU: decode steps replay CUDA graphs "
-                                "captured at start (without torch.compile) instead of running "
-                                "eagerly; on the CPU vLLM always runs eager (docs/vllm.md).")
+    vllm_cuda_graphs: bool = _f(True, "engine=vllm on a GPU: decode steps replay CUDA graphs "
+                                "captured at start (without torch.compile), as TRL's vLLM "
+                                "decodes; off: eager decoding. On the CPU vLLM always runs "
+                                "eager (docs/vllm.md).")
     parallel: Parallel = _f("ddp", "Multi-process runs (torchrun / accelerate launch): `ddp` "
                             "(every rank holds the model) or `fsdp` (parameters, gradients and "
                             "optimizer state sharded with FSDP2's fully_shard).")

@@ -33,6 +33,7 @@ from parity.models.precision import (
     restore_copy,
     save_copy,
 )
+from parity.ui import Ticker
 
 
 class HFEngine:
@@ -202,7 +203,9 @@ class HFEngine:
         attn, last_pos = mask, pos[:, -1:]
         recorded = []
         seen = _prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
+        tick = Ticker("rollout", max_new_tokens, "positions")
         for t in range(max_new_tokens):
+            tick(t)
             x = processed_logits(out.logits[:, -1], s, seen=seen)
             logp = torch.log_softmax(x, dim=-1)
             if keep is not None:

