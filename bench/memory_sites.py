@@ -7,8 +7,10 @@ history (`torch.cuda.memory._record_memory_history`).
 
 The history is replayed event by event to the moment the allocated total was highest; the
 blocks alive then are grouped by their site: the innermost frame outside torch's own package
-(the model's layer, the optimizer, vLLM's cache, ...), with the outermost frame of parity, TRL
-or vLLM above it (`via`). Blocks allocated before `record` have no stack and count as one row.
+(the model's layer, the optimizer, vLLM's cache, ...), with the innermost frame of parity, TRL
+or vLLM above it (`via`). Blocks allocated before `record` have no stack and count as one row,
+and so do those allocated by the autograd engine's own threads, which have no Python stack
+("torch internals": gradients and the backward's buffers).
 The summary is computed where the GPU is: a snapshot of a training run is hundreds of MB.
 """
 
@@ -35,8 +37,9 @@ def _where(frames: list[dict]) -> tuple[str, str]:
         return f"{path}:{f['line']} {f['name']}"
     site = next((f for f in frames if "/torch/" not in f["filename"]
                  and not f["filename"].startswith("<")), None)
-    own = [f for f in frames if any(k in f["filename"] for k in _OWN)]
-    return (name(site) if site else "torch internals", name(own[-1]) if own else "")
+    # the innermost frame of parity, TRL or vLLM above the site: what asked for the work
+    own = [f for f in frames if any(k in f["filename"] for k in _OWN) and f is not site]
+    return (name(site) if site else "torch internals", name(own[0]) if own else "")
 
 
 def at_peak(top: int = 15) -> dict[str, Any]:

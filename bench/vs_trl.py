@@ -340,7 +340,14 @@ def main() -> None:
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a, params, tflops))
             # written after every run: a bench stopped at a time limit keeps the runs it made
-            publish("vs_trl", [table(results, a, params, tflops), *site_tables(results)], a)
+            publish("vs_trl", [table(results, a, params, tflops), *site_tables(results)], a,
+                    device=_device(a))
+
+
+def _device(a: argparse.Namespace):
+    """The bench's device, so that its JSON names the GPU."""
+    import torch
+    return torch.device(a.device)
 
 
 def site_tables(results: dict[str, list[dict]]) -> list[Table]:
