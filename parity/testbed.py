@@ -22,6 +22,7 @@ from typing import Callable
 from parity.errors import ParityError
 from parity.files import cache_dir, ensure_writable, exists, publish_dir
 from parity.tasks.data import arith_correct, arith_problem, text_corpus
+from parity.ui import say
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,8 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
         return final
     ensure_writable(final.parent, "testbed cache")  # before minutes of training, not after
     final.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        say(f"building testbed model {name} ({spec.description}), once: {final}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
     publish_dir(lambda: _build_into(tmp, spec, progress), tmp, final,
                 lambda p: _is_built(p, spec))

@@ -24,6 +24,7 @@ from typing import Iterator
 
 from parity.errors import ParityError, one_line
 from parity.files import check_gguf, ensure_writable, publish_dir, quiet_libraries
+from parity.ui import say
 
 _DONE = "pretrained.json"
 
@@ -208,6 +209,8 @@ def build(name: str, cache: Path, force: bool = False, progress: bool = True) ->
     gguf = gguf_path(src)
     ensure_writable(final.parent, "model cache")
     final.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        say(f"converting {name} from its package to a Hugging Face directory, once: {final}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
     publish_dir(lambda: convert_gguf(gguf, tmp, progress, src.round_to), tmp, final, is_converted)
     return final
