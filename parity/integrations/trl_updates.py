@@ -11,6 +11,7 @@ as accelerate's own skip does.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -48,6 +49,7 @@ class UpdateGuard(TrainerCallback):
             return
         original = optimizer.step
 
+        @functools.wraps(original)   # keeps the marks torch's lr scheduler put on it
         def step(*a: Any, **kw: Any) -> Any:
             return self._step(optimizer, original, *a, **kw)
         optimizer.step = step
