@@ -32,6 +32,10 @@ advantages, the loss itself, logging, checkpoints) to TRL:
       shadow     log r = ℓ_s − ℓ_μ, gradient via ℓ_π    (β out of the ratio)
       recompute  TRL's own ratio, ℓ_π − ℓ_old            (ℓ_old recomputed by the trainer)
 
+Around them: GRPOConfig's sampling arguments are checked and its defaults adapted to the recipe,
+one line per change (trl_config.py), and an update from a non-finite gradient is skipped,
+counted and, too many in a row, stopped (trl_updates.py).
+
 With `GRPOConfig(use_vllm=True)` TRL's own vLLM samples instead, colocated or a server
 (parity/integrations/trl_vllm.py): parity keeps TRL's sampling and its ℓ_μ, and checks that
 vLLM returns processed log-probs in the recipe's engine precision.
