@@ -68,7 +68,6 @@ from parity.config import (
     ShadowKernels,
     check_fields,
     engine_needs,
-    own,
     quoted,
     shared,
 )
@@ -154,8 +153,9 @@ class ParityOptions:
     cpu_fp16: CpuFp16 = shared("cpu_fp16")
     shadow_kernels: ShadowKernels = shared("shadow_kernels")
     max_consecutive_skips: int = shared("max_consecutive_skips")
-    recipe: str | None = own(None, "The recipe these options come from (from_recipe sets it), "
-                             "named where parity changes a GRPOConfig setting for it.")
+    recipe: str | None = shared("recipe", default=None, help="The recipe these options come "
+                                "from (from_recipe sets it), named where parity changes a "
+                                "GRPOConfig setting for it.")
 
     def validate(self) -> ParityOptions:
         check_fields(self)

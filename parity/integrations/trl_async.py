@@ -212,8 +212,9 @@ class AsyncParityOptions:
     eps_high: float | None = shared("eps_high", default=None,
                                     help="Upper clip range; None: AsyncGRPOConfig's.")
     no_clip: bool = own(False, "No clipping at all (the no-clip recipe).")
-    recipe: str | None = own(None, "The recipe these options come from (from_recipe sets it), "
-                             "named where parity changes an AsyncGRPOConfig setting for it.")
+    recipe: str | None = shared("recipe", default=None, help="The recipe these options come "
+                                "from (from_recipe sets it), named where parity changes an "
+                                "AsyncGRPOConfig setting for it.")
     weights_dir: str | None = own(None, "Directory the weight sync writes to, readable by the "
                                   "server. None: <output_dir>/.parity_weights.")
     keep_tokens: bool = own(False, "Keep every update's sequences and log-probs (l_mu, l_pi, l_s "
