@@ -149,7 +149,8 @@ class ParityOptions:
     trainer_dtype: Dtype | None = shared(
         "trainer_dtype", default=None,
         help="The trainer precision these options expect (recipes set it); GRPOConfig's bf16/fp16 "
-             "flags must agree. None: whatever GRPOConfig says.")
+             "flags are set to it, one line saying which changed. None: whatever GRPOConfig "
+             "says.")
     cpu_fp16: CpuFp16 = shared("cpu_fp16")
     shadow_kernels: ShadowKernels = shared("shadow_kernels")
     max_consecutive_skips: int = shared("max_consecutive_skips")

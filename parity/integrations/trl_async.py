@@ -195,7 +195,8 @@ class AsyncParityOptions:
     trainer_dtype: Dtype | None = shared(
         "trainer_dtype", default=None,
         help="The trainer precision these options expect (recipes set it); AsyncGRPOConfig's "
-             "bf16/fp16 flags must agree. None: whatever AsyncGRPOConfig says.")
+             "bf16/fp16 flags are set to it, one line saying which changed. None: whatever "
+             "AsyncGRPOConfig says.")
     ratio_source: RatioSource = shared("ratio_source")
     correction: Correction = shared("correction")
     is_cap: float = shared("is_cap")
