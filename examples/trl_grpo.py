@@ -64,17 +64,15 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = datasets.Dataset.from_list([{"prompt": p} for p in text_prompts(256)])
-    fp16 = a.recipe == "fp16"
+    # TRL's precision and importance-correction defaults stay: parity sets them to the recipe's
+    # and prints one line for each it changed (docs/trl.md)
     args = GRPOConfig(output_dir=a.out, use_cpu=a.device == "cpu", max_steps=a.steps,
                       learning_rate=a.lr,
                       per_device_train_batch_size=a.batch, num_generations=a.group,
                       max_completion_length=a.max_tokens, num_iterations=a.iterations,
-                      epsilon=a.eps, logging_steps=1,
-                      bf16=a.recipe == "bf16", fp16=fp16, gradient_checkpointing=not fp16,
+                      epsilon=a.eps, logging_steps=1, gradient_checkpointing=a.recipe != "fp16",
                       save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
-                      # the recipe's ratio without TRL's importance weights on top (docs/trl.md)
-                      use_vllm=a.use_vllm, vllm_mode="colocate",
-                      vllm_importance_sampling_correction=False)
+                      use_vllm=a.use_vllm, vllm_mode="colocate")
     trainer = ParityGRPOTrainer(model=model, processing_class=tok, reward_funcs=neg_length,
                                 args=args, train_dataset=dataset,
                                 parity=ParityOptions.from_recipe(a.recipe,

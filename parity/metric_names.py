@@ -52,6 +52,7 @@ KL_EXACT = "mismatch/kl_exact"
 KL_EXACT_POSITIONS = "mismatch/kl_exact_positions"
 SEQ_LOG_RATIO_MEAN = "mismatch/seq_log_ratio_mean"
 SEQ_LOG_RATIO_SLOPE = "mismatch/seq_log_ratio_slope"
+NON_FINITE_TOKENS = "mismatch/non_finite_tokens"
 
 SYNC_CHANGED_FRAC = "sync/changed_frac"
 LOSS_POLICY = "loss/policy"
@@ -166,6 +167,9 @@ ROWS: tuple[Row, ...] = (
     _row("`Σ_t (ℓ_π − ℓ_μ)` per completion; its least-squares slope against length",
          (SEQ_LOG_RATIO_MEAN, "nats per completion"),
          (SEQ_LOG_RATIO_SLOPE, "nats per token of length", "completions all of one length")),
+    _row("token log-probs (ℓ_μ, ℓ_π, ℓ_s or ℓ_old) that were NaN or inf, left out of every "
+         "figure above",
+         (NON_FINITE_TOKENS, "count", "every log-prob finite")),
     _row("share of engine-precision weights changed at this step's sync",
          (SYNC_CHANGED_FRAC, "share of weights")),
     _row("the policy objective's loss alone, mean over the step's updates",

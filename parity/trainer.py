@@ -95,6 +95,7 @@ from parity.runs.dirs import (
     truncate_metrics,
 )
 from parity.runs.distributed import Dist, RankFailure, failure_message, full_tensor, is_comm_failure
+from parity.runs.finite import Skips, first_non_finite
 from parity.runs.loggers import MetricLoggers, check_backends
 from parity.runs.model import ModelAndTask, load_model_and_task
 from parity.runs.sources import Rollouts
@@ -331,10 +332,27 @@ def update(run: Run, data: StepData, epoch: int, start: int, u: Updates) -> None
         u.dump.append(dump_table(data.step, len(u.policy_losses), epoch, sample_ids[idx],
                                  prompt_ids[idx], mb, adv, logp_pi, logp_s, att, eps_low,
                                  eps_high))
-    _, norm = run.scaler.step(run.opt, run.params, cfg.max_grad_norm)
+    applied, norm = run.scaler.step(run.opt, run.params, cfg.max_grad_norm)
+    if applied:
+        run.skips.applied(data.step)
+    else:
+        run.skips.skipped(data.step, _non_finite(run, batch, loss), _warning if run.dist.main
+                          else lambda _: None)
     u.policy_losses.append(loss.policy)
     u.grad_norms.append(norm)
     u.metrics.append(loss.metrics)
+
+
+def _non_finite(run: Run, batch: Minibatch, loss: Loss) -> str:
+    """The first quantity of a skipped update that was NaN or inf, in the order computed."""
+    i = run.scaler.bad_grad
+    logp_pi = batch.logp_pi.detach().where(batch.mask > 0, 0.0)
+    return first_non_finite([("l_pi", logp_pi), ("the loss", loss.total)]) or (
+        f"the gradient of {run.param_names[i]}" if i is not None else "the gradient")
+
+
+def _warning(message: str) -> None:
+    print(f"parity: warning: {message}", file=sys.stderr)
 
 
 def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: bool
@@ -432,6 +450,8 @@ class Run:
     scaler: LossScaler
     opt: torch.optim.Optimizer
     params: list[torch.nn.Parameter]
+    param_names: list[str]              # of `params`, for a message
+    skips: Skips
     rollouts: Rollouts
     sampling: Sampling
     device: torch.device
@@ -476,8 +496,10 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
     fsdp = dist.on and cfg.parallel == "fsdp"
     if fsdp:
         dist.fully_shard(model)  # before the optimizer: its state lives on the shards
-    params = [p for p in model.parameters() if p.requires_grad]
-    params += list(value_head.parameters()) if value_head is not None else []
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()] \
+        if value_head is not None else []
+    params = [p for _, p in named]
     opt = make_optimizer(cfg, params)
     if state.opt_state is not None:
         _load_optimizer_state(opt, model, state.opt_state, fsdp, restored)
@@ -490,6 +512,8 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
                policy=model if fsdp else dist.wrap(model), tok=tok, task=task, engine=engine,
                shadow=copies.shadow, value_head=value_head, value=dist.wrap(value_head),
                ref_model=copies.ref_model, scaler=state.scaler, opt=opt, params=params,
+               param_names=[n for n, _ in named],
+               skips=Skips(cfg.max_consecutive_skips, last_applied=first_step - 1),
                rollouts=rollouts, sampling=s, device=dist.device, first_step=first_step, fsdp=fsdp,
                backends=plan.backends, lock=lock)
 

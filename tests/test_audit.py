@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -128,9 +129,6 @@ def _bad(**change):
 
 BAD_FILES = [
     ("lengths", _bad(engine_logprobs=[-0.5, -1.0]), ["row 1", "engine_logprobs", "2 values for 3"]),
-    ("nan", _bad(engine_logprobs=[-0.5, float("nan"), -0.1]), ["row 1", "engine_logprobs",
-                                                                "non-finite", "token 1"]),
-    ("inf", _bad(engine_logprobs=[-0.5, float("-inf"), -0.1]), ["row 1", "non-finite"]),
     ("positive", _bad(engine_logprobs=[-0.5, 2.0, -0.1]), ["row 1", "positive"]),
     ("vocab", _bad(completion_token_ids=[8, 99999, 1]), ["row 1", "completion_token_ids",
                                                          "99999", "vocabulary"]),
@@ -142,9 +140,9 @@ BAD_FILES = [
     ("reward", _bad(reward="high"), ["row 1", "reward", "finite number"]),
     ("not ids", _bad(prompt_token_ids="hello"), ["row 1", "prompt_token_ids", "integer"]),
     ("huge reward", _bad(reward=1e39), ["row 1", "'reward'", "within +-1e+30, got 1e+39"]),
-    ("beyond float32", _bad(engine_logprobs=[-0.5, -1e39, -0.1]), ["row 1", "engine_logprobs",
-                                                                 "non-finite value -1e+39",
-                                                                 "token 1"]),
+    ("no float", _bad(engine_logprobs=[-0.5, -10**400, -0.1]), ["row 1", "engine_logprobs",
+                                                                "integer of 1329 bits",
+                                                                "is not a log-probability"]),
 ]
 
 
@@ -152,7 +150,7 @@ BAD_FILES = [
 # table takes its columns from the first row, which has no reward.
 CASES = [(b, "jsonl") for b in BAD_FILES] + [(b, "parquet") for b in BAD_FILES
                                             if b[0] not in ("reward", "not ids", "missing",
-                                                            "huge reward")]
+                                                            "huge reward", "no float")]
 
 
 def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
@@ -181,6 +179,32 @@ def test_bad_audit_files(tmp_path, text_model, capsys, case, fmt):
     for w in words:
         assert w in line, (w, line)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_non_finite_log_probs_are_left_out_and_counted_with_one_warning(tmp_path, text_model,
+                                                                       capsys, fmt):
+    """A NaN, a -inf and a log-prob beyond float32 (-inf there): the audit measures the other
+    tokens, counts the three in mismatch/non_finite_tokens and says so once."""
+    rows = [GOOD, {**GOOD, "engine_logprobs": [-0.5, float("nan"), -0.1]},
+            {**GOOD, "engine_logprobs": [float("-inf"), -1.0, -1e39]}]
+    path = tmp_path / f"r.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    code, _, err = cli_in_process(capsys, "audit", "--rollouts", str(path), "--model",
+                                  str(text_model), "--out", str(tmp_path / "out"),
+                                  "--no-progress")
+    assert code == 0, err
+    said = [x for x in err.splitlines() if "NaN or inf" in x]
+    assert said == ["parity: warning: 3 token log-probs from the engine (l_mu) or the trainer's "
+                    "forwards are NaN or inf and are left out of every figure (counted in "
+                    "mismatch/non_finite_tokens)"]
+    m = json.loads((tmp_path / "out" / "audit.json").read_text())["metrics"]
+    assert m["mismatch/non_finite_tokens"] == 3
+    assert all(v is None or math.isfinite(v) for v in m.values() if isinstance(v, float))
+    assert m["mismatch/kl_k1"] is not None and math.isfinite(m["mismatch/kl_k1"])
 
 
 def test_parquet_missing_column_and_unreadable_files(tmp_path, text_model, capsys):

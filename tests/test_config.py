@@ -51,7 +51,7 @@ def test_recipes_are_valid_configs():
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("top_p", 0.0, "top_p"), ("temperature", 0, "temperature"), ("minibatches", 3, "divisible"),
+    ("top_p", -0.1, "top_p"), ("temperature", 0, "temperature"), ("minibatches", 3, "divisible"),
     ("ratio_source", "old", "ratio_source"), ("optimizer", "lion", "optimizer"),
     ("eps_low", 1.0, "eps_low"), ("lr", float("nan"), "lr"),
 ])

@@ -173,7 +173,7 @@ def test_parity_options_come_from_config():
     for name, sp in field_specs(ParityOptions).items():
         csp = field_specs(Config)[name]
         assert (sp.kind, sp.choices) == (csp.kind, csp.choices), name
-        if name != "trainer_dtype":  # None: whatever GRPOConfig says
+        if name not in ("trainer_dtype", "recipe"):  # None: GRPOConfig's; no recipe named
             assert getattr(o, name) == getattr(Config(), name), name
     assert field_specs(ParityOptions)["trainer_dtype"].optional
     for name in ("engine_dtype", "ratio_source", "cpu_fp16", "trainer_dtype"):
@@ -186,8 +186,9 @@ def test_parity_options_come_from_config():
 DELIBERATE = {
     "AuditSettings": {"task": {"default", "help"}, "max_new_tokens": {"help"},
                       "kl_exact_rows": {"help"}},
-    "ParityOptions": {"diagnostics": {"help"}, "trainer_dtype": {"default", "help"}},
-    "AsyncParityOptions": {"engine_dtype": {"default", "help"},
+    "ParityOptions": {"diagnostics": {"help"}, "trainer_dtype": {"default", "help"},
+                      "recipe": {"default", "help"}},
+    "AsyncParityOptions": {"engine_dtype": {"default", "help"}, "recipe": {"default", "help"},
                            "trainer_dtype": {"default", "help"}, "diagnostics": {"help"},
                            "eps_low": {"default", "help"}, "eps_high": {"default", "help"}},
 }

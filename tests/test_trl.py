@@ -220,11 +220,75 @@ def test_bad_setups_are_refused(text_model, tmp_path):
         ParityOptions.from_recipe("wide-eps")
     with pytest.raises(ParityError, match="engine_dtype"):
         ParityOptions(engine_dtype="fp8").validate()
-    with pytest.raises(ParityError, match=r"set GRPOConfig\(fp16=True\)"):
-        _trainer(text_model, tmp_path, recipe="fp16")
     with pytest.raises(ParityError, match="min_p before top_p"):
         _trainer(text_model, tmp_path, min_p=0.1, top_p=0.9,
                  parity=ParityOptions.from_recipe("bf16-engine", engine="vllm"))
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("min_p", 1.5, "GRPOConfig.min_p=1.5 must be <= 1"),
+    ("repetition_penalty", 0.0, "GRPOConfig.repetition_penalty=0.0 must be a finite number > 0"),
+    ("repetition_penalty", -1.0, "GRPOConfig.repetition_penalty=-1.0 must be a finite number"),
+    ("temperature", 0.0, "GRPOConfig.temperature=0 is greedy decoding: it draws no token"),
+    ("min_p", math.nan, "GRPOConfig.min_p=nan must be a finite number >= 0 and <= 1"),
+])
+def test_sampling_arguments_transformers_refuses_are_refused_at_construction(
+        field, value, said, text_model, tmp_path):
+    """Each value TRL's own GRPOTrainer refuses through transformers, before any step (each
+    trained with NaN weights, or stopped in a ZeroDivisionError, before)."""
+    with pytest.raises(ParityError) as e:
+        _trainer(text_model, tmp_path, **{field: value})
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
+
+
+def test_top_p_0_samples_the_likeliest_token_and_trains_with_finite_weights(text_model,
+                                                                           tmp_path):
+    """transformers keeps the likeliest token at top_p=0 (min_tokens_to_keep=1); parity's
+    engine samples it with probability 1 (ℓ_μ = 0 for every token), and the step is finite."""
+    t = _trainer(text_model, tmp_path, steps=1, top_p=0.0)
+    mus = []
+    generate = t.engine.generate
+    t.engine.generate = lambda *a, **k: mus.append(r := generate(*a, **k)) or r
+    t.train()
+    h = [x for x in t.state.log_history if "grad_norm" in x][0]
+    assert math.isfinite(h["grad_norm"]) and h["train/skipped_updates"] == 0
+    assert mus and all(torch.equal(r.engine_logprobs, torch.zeros_like(r.engine_logprobs))
+                       for r in mus)
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+def test_a_stock_grpo_config_runs_and_one_line_says_what_parity_changed(text_model, tmp_path,
+                                                                       caplog):
+    """TRL's default bf16=True against a recipe that trains in fp32: set to False, said once;
+    the user's GRPOConfig itself is left alone. The fp16 recipe gets fp16=True instead."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from parity.tasks.data import text_prompts
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=1,
+                      max_completion_length=16, report_to=[])
+    assert args.bf16 is True
+    ds = datasets.Dataset.from_list([{"prompt": p} for p in text_prompts(16)])
+    with caplog.at_level("WARNING", logger="parity.integrations.trl_config"):
+        t = ParityGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32),
+            processing_class=AutoTokenizer.from_pretrained(text_model), reward_funcs=neg_length,
+            args=args, train_dataset=ds, parity=ParityOptions.from_recipe("bf16-shadow"))
+        t.train()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("parity.")]
+    print("\n" + "\n".join(said))
+    assert said == ["parity: GRPOConfig bf16=True set to False: recipe bf16-shadow trains in "
+                    "fp32"]
+    assert args.bf16 is True and t.args.bf16 is False and t.trainer_dtype == "fp32"
+    assert t.state.global_step == 1 and math.isfinite(_steps(t)[0]["mismatch/beta_abs_mean"])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="parity.integrations.trl_config"):
+        t = _trainer(text_model, tmp_path, recipe="fp16", bf16=True)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("parity.")] == [
+        "parity: GRPOConfig bf16=True set to False and fp16=False set to True: recipe fp16 "
+        "trains in fp16"]
+    assert t.trainer_dtype == "fp16" and t.accelerator.scaler is not None
 
 
 def test_prompts_that_leave_no_room_for_the_completion_are_refused_at_construction(

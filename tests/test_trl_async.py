@@ -321,3 +321,16 @@ def test_failures_stop_with_one_line(chat_model, server, tmp_path):
     with pytest.raises(ParityError, match="does not serve the weights just sent") as e:
         wt.resume()
     assert "\n" not in str(e.value)
+
+
+def test_a_non_finite_gradient_is_skipped_and_the_run_stopped(chat_model, server, tmp_path):
+    """tests/test_skipped_updates.py's injected NaN, in AsyncGRPO's update: never applied, and
+    the run stops after max_consecutive_skips in a row."""
+    from test_skipped_updates import STOP, assert_same, poison, snapshot
+    t = _trainer(chat_model, server, tmp_path, steps=5, max_consecutive_skips=3)
+    model = t.accelerator.unwrap_model(t.model)
+    before = snapshot(model)
+    poison(model)
+    with pytest.raises(ParityError, match=f"^{STOP}"):
+        t.train()
+    assert_same(model, before)

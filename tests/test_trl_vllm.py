@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("trl", reason="the TRL integration test needs trl (pip install '.[test]')")
 
@@ -19,7 +20,8 @@ from test_trl import PARITY_NAMES, _steps, _trainer  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vllm_ready")]
 
-# TRL's importance weights would multiply a ratio that already holds ℓ_μ: refused by parity.
+# TRL's importance weights would multiply a ratio that already holds ℓ_μ (parity turns them
+# off with one line otherwise: test_a_stock_grpo_config_with_vllm_runs_...).
 VLLM = dict(use_vllm=True, vllm_importance_sampling_correction=False)
 
 
@@ -79,11 +81,39 @@ def test_the_shadow_scored_by_trls_colocated_vllm_has_no_kernel_gap(text_model, 
     assert h["clip/phantom_frac"] == 0.0 and h["clip/hidden_frac"] == 0.0
 
 
-def test_what_would_change_the_ratio_is_refused_in_one_line(text_model, tmp_path):
-    with pytest.raises(ParityError, match=r"vllm_importance_sampling_correction=False") as e:
-        _trainer(text_model, tmp_path, steps=1, use_vllm=True, vllm_mode="colocate",
-                 parity=ParityOptions.from_recipe("bf16-engine"))
-    assert "\n" not in str(e.value)
+def test_a_stock_grpo_config_with_vllm_runs_and_says_what_parity_changed(text_model,
+                                                                          tmp_path, caplog):
+    """TRL's defaults bf16=True and vllm_importance_sampling_correction=True: the first becomes
+    the recipe's fp32 trainer; the second would weight a ratio that already holds vLLM's ℓ_μ by
+    exp(ℓ_old − ℓ_μ) again, and is turned off. One line each, and one step runs."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from parity.integrations.trl import ParityGRPOTrainer
+    from parity.tasks.data import text_prompts
+    from test_trl import neg_length
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, use_vllm=True,
+                      vllm_mode="colocate", max_steps=1, max_completion_length=16, report_to=[])
+    ds = datasets.Dataset.from_list([{"prompt": p} for p in text_prompts(16)])
+    with caplog.at_level("WARNING", logger="parity.integrations.trl_config"):
+        t = ParityGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32),
+            processing_class=AutoTokenizer.from_pretrained(text_model), reward_funcs=neg_length,
+            args=args, train_dataset=ds, parity=ParityOptions.from_recipe("bf16-shadow"))
+    try:
+        t.train()
+    finally:
+        t.vllm_generation.close()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("parity.")]
+    print("\n" + "\n".join(said))
+    assert said == [
+        "parity: GRPOConfig bf16=True set to False: recipe bf16-shadow trains in fp32",
+        "parity: GRPOConfig vllm_importance_sampling_correction=True set to False: recipe "
+        "bf16-shadow puts vLLM's log-probs in the ratio (ratio_source=shadow), which TRL's "
+        "correction would weight by exp(l_old - l_mu) again"]
+    assert t.state.global_step == 1 and math.isfinite(_steps(t)[0]["mismatch/beta_abs_mean"])
+    assert not t.args.vllm_importance_sampling_correction
 
 
 def test_a_server_with_raw_logprobs_is_refused_in_one_line(text_model, tmp_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -139,6 +141,41 @@ def test_the_figures_are_parity_measure_on_verls_batch():
     assert step_figures(batch, RunSettings(bypass=True)) == {}
     unclipped = step_figures(batch, RunSettings(clip=None))
     assert "parity/clip/frac" not in unclipped and "parity/mismatch/beta_abs_mean" in unclipped
+
+
+@needs_verl
+def test_a_non_finite_log_prob_is_left_out_of_every_figure_and_counted_once(caplog):
+    """One NaN in ℓ_μ and one -inf in ℓ_old: the figures are those of the batch without those
+    two tokens (the same batch with them masked out), the count is 2, and one warning says so
+    over two steps."""
+    batch, without = _batch(), _batch()
+    for b in (batch, without):
+        b.batch["response_mask"][0, 0] = b.batch["response_mask"][2, 1] = 1.0
+    batch.batch["rollout_log_probs"][0, 0] = float("nan")
+    batch.batch["old_log_probs"][2, 1] = float("-inf")
+    without.batch["response_mask"][0, 0] = without.batch["response_mask"][2, 1] = 0.0
+    run = RunSettings()
+    with caplog.at_level(logging.WARNING, logger="parity.integrations.verl"):
+        f = step_figures(batch, run)
+        step_figures(batch, run)
+    expected = step_figures(without, RunSettings())
+    assert f.pop("parity/mismatch/non_finite_tokens") == 2.0
+    assert f == pytest.approx(expected, rel=1e-12)
+    assert all(math.isfinite(v) for v in f.values())
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith("parity: 2 token log-probs")
+
+
+@needs_verl
+def test_a_batch_without_rollout_log_probs_says_once_which_setting_gives_them(caplog):
+    batch = _batch()
+    batch.pop(batch_keys=["rollout_log_probs"])
+    run = RunSettings()
+    with caplog.at_level(logging.WARNING, logger="parity.integrations.verl"):
+        assert step_figures(batch, run) == {} and step_figures(batch, run) == {}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1
+    assert "actor_rollout_ref.rollout.calculate_log_probs=True" in warned[0]
 
 
 _VERL_FUNCTIONS = r"""

@@ -70,6 +70,19 @@ def test_samples_carry_processed_logprobs_the_trainer_recomputes(master, engine,
     assert gap < 0.05 and off > 5 * gap, (float(gap), float(off))
 
 
+def test_top_p_0_keeps_the_likeliest_token_in_vllm_as_in_parity(master, engine):
+    """vLLM refuses top_p=0; parity hands it a top-p below any token's probability, with which
+    vLLM keeps the likeliest token alone, as transformers and parity's own engine do at 0: every
+    sampled token has ℓ_μ = 0 (a distribution of one token), and the trainer scores it so."""
+    model, tok = master
+    s = Sampling(top_p=0.0)
+    r = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(1))
+    mask = r.completion_mask > 0
+    assert mask.sum() > 20
+    assert (r.engine_logprobs == 0).all()
+    assert (score(model, r, s)[mask] == 0).all()
+
+
 def test_seeds_make_rows_reproducible_in_any_piece(master, engine):
     """A row's completion depends on the step's generator and its place in the batch, not on
     how many prompts vLLM is given at once (ranks, --rollout-batch, resumes)."""

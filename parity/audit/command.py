@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +61,7 @@ from parity.models.precision import autocast, fp32_head
 from parity.objectives import grpo_advantages
 from parity.reports import audit_report, scale_report
 from parity.runs.dirs import check_run_dir, free_dir, lock_dir
+from parity.runs.finite import NonFinite, finite_tokens
 from parity.tasks import PromptSampler, build_task, prompt_token_ids
 from parity.ui import progress
 
@@ -70,6 +72,10 @@ if TYPE_CHECKING:
 
 
 # ---- measurement ---------------------------------------------------------------------------
+
+def _warning(message: str) -> None:
+    print(f"parity: warning: {message}", file=sys.stderr)
+
 
 class Measurement:
     """Accumulates α/β, clip attribution, KLs and per-token columns over the audit's batches."""
@@ -82,6 +88,7 @@ class Measurement:
             "engine_logprob", "trainer_logprob", "shadow_logprob", "position")}
         self.seq_len: list[torch.Tensor] = []
         self.seq_lr: list[torch.Tensor] = []
+        self.left_out = NonFinite("the engine (l_mu) or the trainer's forwards")
 
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, adv: torch.Tensor | None,
@@ -95,7 +102,10 @@ class Measurement:
         logp_s = shadow.logprobs(model, r, s, logp_pi)
         self.has_adv &= adv is not None
         adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
-        mask = r.completion_mask
+        mask, (logp_pi, logp_s, mu), left_out = finite_tokens(r.completion_mask, logp_pi, logp_s,
+                                                              r.engine_logprobs)
+        self.left_out.add(left_out, _warning)
+        r = dataclasses.replace(r, completion_mask=mask, engine_logprobs=mu)
         # What the engine's own ratio ℓ_π − ℓ_μ would clip at θ = θ_old.
         att = measure(self.diag, logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
         if r.dists is not None:
@@ -125,6 +135,8 @@ class Measurement:
         gap = (tok["alpha"] + tok["beta"]).abs()
         metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
                         mn.LOG_RATIO_ABS_MAX: float(gap.max())})
+        if self.left_out.total:
+            metrics[mn.NON_FINITE_TOKENS] = self.left_out.total
         if adv is None:
             metrics.pop(mn.BETA_ADV_CORR, None)
             metrics.pop(mn.BETA_ADV_CORR_SE, None)

@@ -28,11 +28,18 @@ from parity.config.fields import (
     quoted,
 )
 from parity.config.recipes import RECIPE_FIELDS, RECIPES, Recipe, make_config
-from parity.config.run import FIELDS, TASK_DEFAULTS, Config, engine_needs, shared
+from parity.config.run import (
+    FIELDS,
+    TASK_DEFAULTS,
+    Config,
+    SamplingArgs,
+    engine_needs,
+    shared,
+)
 from parity.config.yaml_files import dump_yaml, load_yaml
 
 __all__ = ["CORRECTIONS", "DTYPES", "FIELDS", "RATIO_SOURCES", "RECIPES", "RECIPE_FIELDS",
            "TASK_DEFAULTS", "AuditSettings", "Config", "Correction", "CpuFp16", "Dtype",
-           "RatioSource", "Recipe", "ShadowKernels", "check_fields", "check_value", "coerce",
-           "dump_yaml", "engine_needs", "field_specs", "load_yaml", "make_config", "own",
-           "quoted", "shared"]
+           "RatioSource", "Recipe", "SamplingArgs", "ShadowKernels", "check_fields",
+           "check_value", "coerce", "dump_yaml", "engine_needs", "field_specs", "load_yaml",
+           "make_config", "own", "quoted", "shared"]

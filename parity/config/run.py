@@ -29,6 +29,7 @@ from parity.config.fields import (
     ShadowKernels,
     _f,
     check_fields,
+    own,
     quoted,
 )
 from parity.engines import ENGINES, EngineNeeds, refuse_unable
@@ -160,6 +161,12 @@ class Config:
     lr: float = _f(1e-5, "Learning rate (built-in tasks set their own default).", gt=0)
     weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (<= 0 disables).")
+    max_consecutive_skips: int = _f(20, "Stop the run after this many updates in a row skipped "
+                                    "for a non-finite gradient (a loss, l_pi or gradient that "
+                                    "is NaN or inf; with fp16 also a loss scale that overflows, "
+                                    "which halves it each time, so 20 take 2^16 to 2^-4); the "
+                                    "weights stay those of the last applied update and the "
+                                    "checkpoints as written. 0: never stop.", ge=0)
     steps: int = _f(100, "RL steps, each a rollout and its updates (built-in tasks set their "
                     "own default).", gt=0)
     prompts_per_step: int = _f(8, "Distinct prompts sampled per step.", gt=0)
@@ -189,9 +196,11 @@ class Config:
     # -- sampling
     max_new_tokens: int = _f(64, "Max completion tokens, EOS included (built-in tasks set "
                              "their own default).", gt=0)
-    temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one.",
-                            gt=0)
-    top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables).", gt=0, le=1)
+    temperature: float = _f(1.0, "Sampling temperature; the trainer scores with the same one. "
+                            "0 (greedy decoding) draws no token from a distribution, so no "
+                            "sampling log-prob exists for the ratio.", gt=0)
+    top_p: float = _f(1.0, "Nucleus sampling mass (1.0 disables; 0 keeps the likeliest token "
+                      "alone, as transformers does).", ge=0, le=1)
     top_k: int = _f(0, "Keep the k most likely tokens (0 disables).", ge=0)
     # -- diagnostics (parity/diagnostics.py)
     diagnostics: bool = _f(True, "Shadow forward on every update (one no-grad forward in engine "
@@ -366,6 +375,32 @@ def shared(name: str, *, default: Any = dataclasses.MISSING, help: str | None = 
     meta = {**f.metadata, **({"help": help} if help is not None else {})}
     return field(default=f.default if default is dataclasses.MISSING else default, metadata=meta)
 
+
+
+@dataclass(kw_only=True)
+class SamplingArgs:
+    """Another framework's sampling arguments (TRL's GRPOConfig), checked as transformers checks
+    them before it samples and as Config checks its own: a value transformers refuses, or one
+    with no sampling log-prob for the ratio, stops the run before any step."""
+    temperature: float = shared("temperature")
+    top_p: float = shared("top_p")
+    top_k: int = shared("top_k")
+    min_p: float = own(0.0, "Drop tokens less likely than min_p times the likeliest (0 "
+                       "disables).", ge=0, le=1)
+    repetition_penalty: float = own(1.0, "Divide a seen token's positive logit by it, multiply "
+                                    "a negative one (1 disables).", gt=0)
+
+    @classmethod
+    def check(cls, owner: str, **values: Any) -> None:
+        """Refuse a bad value in one line naming `owner`'s field; None is unset."""
+        if values.get("temperature") == 0:
+            raise ParityError(f"{owner}.temperature=0 is greedy decoding: it draws no token from "
+                              f"a distribution, so no sampling log-prob exists for the ratio "
+                              f"(as with beam search); set temperature > 0")
+        try:
+            check_fields(cls(**{k: v for k, v in values.items() if v is not None}))
+        except ParityError as e:
+            raise ParityError(f"{owner}.{e}") from None
 
 
 # The built-in tasks' own defaults, applied over the recipe and under YAML and flag values. The

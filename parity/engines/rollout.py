@@ -14,6 +14,12 @@ from typing import Any, Callable
 
 import torch
 
+# top_p=0 keeps the likeliest token alone, as transformers' top-p does (min_tokens_to_keep=1).
+# vLLM refuses 0 (its range is (0, 1]) but, like parity and transformers, keeps exactly the
+# likeliest token at any top_p below that token's probability, which is at least 1/vocabulary:
+# this one value means the same to every engine.
+TOP_TOKEN_ONLY = 1e-9
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -22,6 +28,10 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.top_p == 0:
+            object.__setattr__(self, "top_p", TOP_TOKEN_ONLY)
 
     @property
     def truncates(self) -> bool:
@@ -59,8 +69,9 @@ def processed_logits(logits: torch.Tensor, s: Sampling, keep: torch.Tensor | Non
     if s.top_p < 1.0:
         sorted_x, order = torch.sort(x.masked_fill(remove, float("-inf")), dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        remove |= torch.zeros_like(remove).scatter(-1, order, mass_before >= s.top_p)
+        cut = probs.cumsum(-1) - probs >= s.top_p
+        cut[..., 0] = False   # the likeliest token stays, whatever top_p (transformers' rule)
+        remove |= torch.zeros_like(remove).scatter(-1, order, cut)
     if s.min_p > 0.0:
         probs = x.masked_fill(remove, float("-inf")).softmax(-1)
         remove |= probs < s.min_p * probs.amax(-1, keepdim=True)

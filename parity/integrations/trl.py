@@ -32,6 +32,10 @@ advantages, the loss itself, logging, checkpoints) to TRL:
       shadow     log r = ℓ_s − ℓ_μ, gradient via ℓ_π    (β out of the ratio)
       recompute  TRL's own ratio, ℓ_π − ℓ_old            (ℓ_old recomputed by the trainer)
 
+Around them: GRPOConfig's sampling arguments are checked and its defaults adapted to the recipe,
+one line per change (trl_config.py), and an update from a non-finite gradient is skipped,
+counted and, too many in a row, stopped (trl_updates.py).
+
 With `GRPOConfig(use_vllm=True)` TRL's own vLLM samples instead, colocated or a server
 (parity/integrations/trl_vllm.py): parity keeps TRL's sampling and its ℓ_μ, and checks that
 vLLM returns processed log-probs in the recipe's engine precision.
@@ -79,7 +83,7 @@ from parity.engines import (
     refuse_unable,
 )
 from parity.errors import ParityError
-from parity.integrations import trl_vllm
+from parity.integrations import trl_config, trl_vllm
 from parity.integrations.trl_sampling import (
     bypassed,
     check_sampling,
@@ -87,6 +91,7 @@ from parity.integrations.trl_sampling import (
     token_logps,
     warn_bypassed,
 )
+from parity.integrations.trl_updates import UpdateGuard
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import disable_dropout
 from parity.models.loading import max_positions
@@ -97,10 +102,11 @@ from parity.models.precision import (
     low_precision_copy,
 )
 from parity.runs.distributed import Dist
+from parity.runs.finite import finite_tokens
 from parity.tasks import check_fits
 
 try:
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("parity.integrations.trl needs TRL: pip install 'parity[trl]'") from e
@@ -143,9 +149,14 @@ class ParityOptions:
     trainer_dtype: Dtype | None = shared(
         "trainer_dtype", default=None,
         help="The trainer precision these options expect (recipes set it); GRPOConfig's bf16/fp16 "
-             "flags must agree. None: whatever GRPOConfig says.")
+             "flags are set to it, one line saying which changed. None: whatever GRPOConfig "
+             "says.")
     cpu_fp16: CpuFp16 = shared("cpu_fp16")
     shadow_kernels: ShadowKernels = shared("shadow_kernels")
+    max_consecutive_skips: int = shared("max_consecutive_skips")
+    recipe: str | None = shared("recipe", default=None, help="The recipe these options come "
+                                "from (from_recipe sets it), named where parity changes a "
+                                "GRPOConfig setting for it.")
 
     def validate(self) -> ParityOptions:
         check_fields(self)
@@ -169,8 +180,9 @@ class ParityOptions:
             raise ParityError(f"recipe {name!r} changes the clip range, which is GRPOConfig's: "
                               f"set GRPOConfig(epsilon=..., epsilon_high=...) with "
                               f"ParityOptions.from_recipe('bf16-engine')")
-        return cls(engine_dtype=st["engine_dtype"], ratio_source=st["ratio_source"],
-                   trainer_dtype=st["trainer_dtype"], **overrides).validate()
+        return cls(**{**dict(engine_dtype=st["engine_dtype"], ratio_source=st["ratio_source"],
+                             trainer_dtype=st["trainer_dtype"], recipe=name),
+                      **overrides}).validate()
 
 
 def _count_positions_as_the_engine(model: torch.nn.Module) -> None:
@@ -204,21 +216,24 @@ class ParityGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, parity: ParityOptions | None = None, **kwargs: Any):
         self.parity = (parity or ParityOptions()).validate()
         bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs)
-        trl_vllm.check_config(bound.arguments.get("args"), self.parity)   # before vLLM starts
+        a = bound.arguments.get("args")
+        if a is None:   # TRL's own default, made here so that it is adapted as a given one
+            model = bound.arguments["model"]
+            name = model if isinstance(model, str) else model.config._name_or_path
+            a = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        trl_config.check_sampling(a)   # before TRL builds anything, vLLM included
+        bound.arguments["args"] = trl_config.adapted(a, self.parity)
         with trl_vllm.parity_generation(self.parity.engine_dtype):
-            super().__init__(*args, **kwargs)
+            super().__init__(*bound.args[1:], **bound.kwargs)
         a = self.args
         if self.tools or self.rollout_func is not None:
             raise ParityError("ParityGRPOTrainer trains on one turn of text: tools and "
                               "rollout_func are not supported")
         self._positions = max_positions(self.accelerator.unwrap_model(self.model))
         self._check_prompts_fit()
-        self.trainer_dtype = "fp16" if a.fp16 else "bf16" if a.bf16 else "fp32"
-        want = self.parity.trainer_dtype
-        if want is not None and want != self.trainer_dtype:
-            flag = {"fp16": "fp16=True", "bf16": "bf16=True", "fp32": "bf16=False, fp16=False"}
-            raise ParityError(f"these parity options expect a {want} trainer but GRPOConfig "
-                              f"says {self.trainer_dtype}: set GRPOConfig({flag[want]})")
+        self.trainer_dtype = trl_config.trainer_dtype(a)
+        self.guard = UpdateGuard(self, self.parity.max_consecutive_skips)
+        self.add_callback(self.guard)
         self._emulated_checkpoints = self._fp16_emulation_under_checkpointing()
         master = self.accelerator.unwrap_model(self.model)
         # Whatever GRPOConfig(disable_dropout=...) says: dropout noise in the loss's forward
@@ -458,6 +473,11 @@ class ParityGRPOTrainer(GRPOTrainer):
 
     # -- the loss ---------------------------------------------------------------------------
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training:
+            self.guard.add_to(logs)
+        super().log(logs, start_time)
+
     def _compute_loss(self, model, inputs):
         mu = inputs.get("sampling_per_token_logps")
         if mu is None:
@@ -475,6 +495,9 @@ class ParityGRPOTrainer(GRPOTrainer):
         finally:
             self._loss_call = None
         mode = "train" if self.model.training else "eval"
+        if mode == "train" and "pi" in call:
+            self.guard.note("l_pi", call["pi"].where(inputs["completion_mask"] > 0, 0.0))
+            self.guard.note("the loss", loss)
         if self.accelerator.scaler is not None:
             self._metrics[mode][mn.LOSS_SCALE].append(float(self.accelerator.scaler.get_scale()))
         if self.parity.diagnostics:
@@ -491,9 +514,12 @@ class ParityGRPOTrainer(GRPOTrainer):
         mask = mask.cpu()
         pi, s, mu = call["pi"].float().cpu(), call["s"].float().cpu(), mu.float().cpu()
         adv = inputs["advantages"].float().cpu()
-        pi, s, mu = pi * mask, s * mask, torch.nan_to_num(mu) * mask
         old = inputs.get("old_per_token_logps")  # TRL's ℓ_old; absent: the ratio is 1
-        old = pi if old is None else old.float().cpu() * mask
+        old = pi if old is None else old.float().cpu()
+        mask, (pi, s, mu, old), left_out = finite_tokens(mask, pi, s, mu, old)
+        self.guard.left_out(int(self.accelerator.reduce(torch.tensor(
+            float(left_out), device=self.accelerator.device), "sum")))
+        pi, s, mu, old = pi * mask, s * mask, mu * mask, old * mask
         clips = self.loss_type in CLIPPING_LOSSES
         eps = (self.epsilon_low, self.epsilon_high) if clips else (None, None)
         # Completions sampled at this optimizer step: θ = θ_old, so |α| is the kernel gap and

@@ -53,12 +53,15 @@ from parity.config import (
 )
 from parity.diagnostics import StepDiagnostics, measure
 from parity.errors import ParityError
+from parity.integrations import trl_config
 from parity.integrations.trl import install_cpu_fp16_scaler
+from parity.integrations.trl_updates import UpdateGuard
 from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
 from parity.models.forward import disable_dropout
 from parity.models.loading import max_positions
 from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
 from parity.objectives import behaviour_weights
+from parity.runs.finite import finite_tokens
 from parity.tasks import check_fits
 
 try:
@@ -192,7 +195,8 @@ class AsyncParityOptions:
     trainer_dtype: Dtype | None = shared(
         "trainer_dtype", default=None,
         help="The trainer precision these options expect (recipes set it); AsyncGRPOConfig's "
-             "bf16/fp16 flags must agree. None: whatever AsyncGRPOConfig says.")
+             "bf16/fp16 flags are set to it, one line saying which changed. None: whatever "
+             "AsyncGRPOConfig says.")
     ratio_source: RatioSource = shared("ratio_source")
     correction: Correction = shared("correction")
     is_cap: float = shared("is_cap")
@@ -203,11 +207,15 @@ class AsyncParityOptions:
                                "metrics.")
     cpu_fp16: CpuFp16 = shared("cpu_fp16")
     lm_head_fp32: bool = shared("lm_head_fp32")
+    max_consecutive_skips: int = shared("max_consecutive_skips")
     eps_low: float | None = shared("eps_low", default=None,
                                    help="Lower clip range; None: AsyncGRPOConfig.epsilon.")
     eps_high: float | None = shared("eps_high", default=None,
                                     help="Upper clip range; None: AsyncGRPOConfig's.")
     no_clip: bool = own(False, "No clipping at all (the no-clip recipe).")
+    recipe: str | None = shared("recipe", default=None, help="The recipe these options come "
+                                "from (from_recipe sets it), named where parity changes an "
+                                "AsyncGRPOConfig setting for it.")
     weights_dir: str | None = own(None, "Directory the weight sync writes to, readable by the "
                                   "server. None: <output_dir>/.parity_weights.")
     keep_tokens: bool = own(False, "Keep every update's sequences and log-probs (l_mu, l_pi, l_s "
@@ -248,7 +256,7 @@ class AsyncParityOptions:
             clip = dict(eps_low=st["eps_low"], eps_high=st["eps_high"])
         return cls(**{**dict(engine_dtype=st["engine_dtype"], trainer_dtype=st["trainer_dtype"],
                              ratio_source=st["ratio_source"], correction=st["correction"],
-                             **clip), **overrides}).validate()
+                             recipe=name, **clip), **overrides}).validate()
 
 
 def _check_scored_shadow(args: Any) -> None:
@@ -318,12 +326,9 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise ParityError(f"these parity options expect a {p.engine_dtype} server but "
                               f"{args.vllm_server_base_url} serves {self.engine_dtype}: restart "
                               f"it with --dtype {flag}")
-        self.trainer_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-        if p.trainer_dtype is not None and p.trainer_dtype != self.trainer_dtype:
-            flag = {"fp16": "fp16=True", "bf16": "bf16=True", "fp32": "bf16=False, fp16=False"}
-            raise ParityError(f"these parity options expect a {p.trainer_dtype} trainer but "
-                              f"AsyncGRPOConfig says {self.trainer_dtype}: set "
-                              f"AsyncGRPOConfig({flag[p.trainer_dtype]})")
+        trl_config.check_sampling(args)
+        args = trl_config.adapted(args, p)
+        self.trainer_dtype = trl_config.trainer_dtype(args)
         if self.trainer_dtype == "fp16" and p.cpu_fp16 == "emulate" and \
                 args.gradient_checkpointing and (args.use_cpu or not torch.cuda.is_available()):
             raise ParityError("fp16 emulation on CPU cannot run under gradient checkpointing: "
@@ -341,6 +346,8 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
                              **kwargs)
         use_cpu_tree_attention()
         self._check_prompts_fit()
+        self.guard = UpdateGuard(self, p.max_consecutive_skips)
+        self.add_callback(self.guard)
         self._setup_parity()
         if self.accelerator.is_main_process and self.rollout_worker is not None:
             self._watch_server(args.vllm_server_base_url)
@@ -488,6 +495,9 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._loss_call = None
+        if "pi" in call:
+            self.guard.note("l_pi", call["pi"][index])
+            self.guard.note("the loss", loss)
         metrics = self._metrics["train"]
         if "s" in call:
             metrics[mn.SHADOW_S].append(shadow_s)
@@ -526,6 +536,8 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         pi, mask = rows(pi_t, seg)
         s, m, a = rows(s_t, seg)[0], rows(mu, seg)[0], rows(adv, seg)[0]
         old = rows(old_t, seg)[0]
+        mask, (pi, s, m, old), left_out = finite_tokens(mask, pi, s, m, old)
+        self.guard.left_out(left_out)
         eps = (None, None) if self.parity.no_clip else (self.epsilon_low, self.epsilon_high)
         d = StepDiagnostics()
         measure(d, pi, s, m, a, mask, *eps, ratio_source=src, logp_old=old)
@@ -536,6 +548,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         return out
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.guard.add_to(logs)
         m = self._metrics["train"]
         for ours, trls in (("staleness/mean", "sample/staleness_mean"),
                            ("staleness/max", "sample/staleness_max")):

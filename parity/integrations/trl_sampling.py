@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
@@ -66,7 +67,8 @@ def bypassed(model: torch.nn.Module, gc: GenerationConfig, s: Sampling, max_new_
     defaults = base.generation_config._get_default_generation_params()
     for key, value in sorted(gc.to_diff_dict().items()):
         if key in ours:
-            if value is not None and value != ours[key]:
+            # compared as a Sampling holds it (top_p=0 is the likeliest token alone)
+            if value is not None and getattr(replace(s, **{key: value}), key) != ours[key]:
                 out.append(f"{key}={value} (parity samples with GRPOConfig's {ours[key]})")
         elif key == "max_new_tokens":
             if value != max_new_tokens:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from parity.engines import Sampling
+from parity.engines.rollout import TOP_TOKEN_ONLY
 from parity.errors import ParityError
 from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
 from parity.models.precision import low_precision_copy
@@ -107,6 +108,8 @@ class ParityVLLMGeneration(VLLMGeneration):
     """TRL's vLLM backend with the settings and syncs of the module docstring, and `score`."""
 
     def __init__(self, *, engine_dtype: str, **kw: Any):
+        if kw.get("top_p") == 0:   # vLLM refuses 0; this keeps the likeliest token alone too
+            kw["top_p"] = TOP_TOKEN_ONLY
         self.engine_dtype = engine_dtype
         self.transfer: DirectoryWeightTransfer | None = None
         self.last: dict[str, float] = {}
@@ -151,7 +154,8 @@ class ParityVLLMGeneration(VLLMGeneration):
               "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
               **{k: v for k, v in self.generation_kwargs.items() if k in SAMPLING_KEYS}}
         top_k = int(kw["top_k"] or 0)
-        s = Sampling(float(kw["temperature"]), float(kw["top_p"] or 1.0), max(top_k, 0),
+        s = Sampling(float(kw["temperature"]), 1.0 if kw["top_p"] is None else float(kw["top_p"]),
+                     max(top_k, 0),
                      float(kw["min_p"] or 0.0), float(kw["repetition_penalty"] or 1.0))
         other = sorted(f"{k}={v!r}" for k, v in self.generation_kwargs.items()
                        if k not in SAMPLING_KEYS and k not in NEUTRAL)
@@ -230,17 +234,6 @@ class ParityVLLMGeneration(VLLMGeneration):
 
 
 # -- the checks, once TRL has built its vLLM ---------------------------------------------------
-
-def check_config(args: Any, p: Any) -> None:
-    """Before TRL starts its vLLM: TRL's importance weights exp(ℓ_old − ℓ_μ) belong with the
-    recomputed ratio (as in TRL's own default), not on top of a ratio that holds ℓ_μ."""
-    if args is not None and args.use_vllm and args.vllm_importance_sampling_correction \
-            and p.ratio_source != "recompute":
-        raise ParityError(f"ratio_source={p.ratio_source!r} puts vLLM's log-probs in the ratio, "
-                          f"and TRL's importance correction would weight it by exp(l_old - "
-                          f"l_mu) again: set GRPOConfig(vllm_importance_sampling_correction="
-                          f"False), or use ParityOptions.from_recipe('recompute') to keep it")
-
 
 def check(trainer: Any) -> None:
     """Refuse, one line each, what would make ℓ_μ other than parity's recipe says: raw

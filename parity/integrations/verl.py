@@ -37,13 +37,14 @@ import importlib.abc
 import importlib.util
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parity import metric_names as mn
 from parity.config import FIELDS
 from parity.diagnostics import StepDiagnostics, measure
 from parity.models.precision import torch_dtype
+from parity.runs.finite import NonFinite, finite_tokens
 
 VERL_VERSIONS = ("0.9.1",)
 TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
@@ -72,24 +73,43 @@ class RunSettings:
     clip: str | None = "token"       # CLIP_OF_LOSS's value; None: the loss does not clip
     bypass: bool = False
     verl_corrects: bool = False      # verl's rollout correction runs, logging rollout_corr/*
+    said_no_mu: bool = False         # the line on a batch without the engine's log-probs
+    left_out: NonFinite = field(default_factory=lambda: NonFinite("verl's batch"))
 
 
 RUN = RunSettings()
+NO_MU = ("parity: verl's batch has no rollout_log_probs, the engine's log-probs every figure "
+         "is measured against, so parity logs none: set actor_rollout_ref.rollout."
+         "calculate_log_probs=True (docs/verl.md)")
+
+
+def _warn(message: str) -> None:
+    logger.warning("parity: %s", message)
 
 
 def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
     """parity's figures of one verl batch (a DataProto after `compute_advantage`), under
-    parity's metric names with PREFIX; empty where the batch cannot give them."""
+    parity's metric names with PREFIX; empty where the batch cannot give them. A log-prob
+    that is NaN or inf is left out of every figure and counted (parity/runs/finite.py)."""
     b = batch.batch
-    if run.bypass or "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
+    if run.bypass or "old_log_probs" not in b.keys():
         return {}
-    old, mu = b["old_log_probs"].double(), b["rollout_log_probs"].double()
+    if "rollout_log_probs" not in b.keys():
+        if not run.said_no_mu:
+            run.said_no_mu = True
+            logger.warning(NO_MU)
+        return {}
     mask = b["response_mask"].double()
+    mask, (old, mu), left_out = finite_tokens(mask, b["old_log_probs"].double(),
+                                              b["rollout_log_probs"].double())
+    run.left_out.add(left_out, _warn)
     adv = b["advantages"].double()
     eps = (run.eps_low, run.eps_high) if run.clip else (None, None)
     diag = StepDiagnostics()
     measure(diag, old, mu, mu, adv, mask, *eps, sequence=run.clip == "sequence")
     figures = diag.metrics()
+    if left_out:
+        figures[mn.NON_FINITE_TOKENS] = float(left_out)
     for name in NOT_MEASURED if run.clip else NOT_MEASURED + CLIP_FRACTIONS:
         figures.pop(name, None)
     beside = {} if run.verl_corrects else {verl: figures[ours] for ours, verl in

@@ -131,6 +131,9 @@ class LossScaler:
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale,
                                            growth_interval=growth_interval, enabled=self.enabled)
         self.skipped = 0
+        # index in `params` of the first gradient the last skipped step found non-finite (None:
+        # none on this rank; under FSDP another rank's shard may hold it)
+        self.bad_grad: int | None = None
 
     @property
     def scale(self) -> float:
@@ -150,6 +153,9 @@ class LossScaler:
             norm = float(torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
         finite = math.isfinite(norm)
+        self.bad_grad = None if finite else next(
+            (i for i, p in enumerate(params) if p.grad is not None and not all_finite([p.grad])),
+            None)
         if self.enabled:
             # GradScaler skips optimizer.step itself when it found inf/nan while unscaling.
             self.scaler.step(optimizer)
