@@ -43,11 +43,17 @@ def _where(frames: list[dict]) -> tuple[str, str]:
 
 
 def at_peak(top: int = 15) -> dict[str, Any]:
-    """{'peak_gib', 'rows': [{'site', 'via', 'gib', 'blocks'}], 'unrecorded_gib'}."""
+    """This process's sites at its peak (`sites_at_peak`), and the recording stopped."""
     import torch
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    events = [e for e in snap["device_traces"][torch.cuda.current_device()]
+    return sites_at_peak(snap, torch.cuda.current_device(), top)
+
+
+def sites_at_peak(snap: dict, device: int, top: int) -> dict[str, Any]:
+    """{'peak_gib', 'rows': [{'site', 'via', 'gib', 'blocks'}], 'rest_gib'} from a snapshot in
+    torch's format (`torch.cuda.memory._snapshot()`)."""
+    events = [e for e in snap["device_traces"][device]
               if e["action"] in ("alloc", "free_completed")]
     # Blocks alive when the history starts: the snapshot's blocks, minus those the history
     # allocated since (they are replayed), plus those it freed since.

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-HELPERS = {"__init__", "timing", "report", "tables"}
+HELPERS = {"__init__", "timing", "report", "tables", "memory_sites"}
 
 
 from bench import report, tables, timing  # noqa: E402  (pyproject's pythonpath: the root)
@@ -177,3 +177,35 @@ def test_every_committed_bench_file_renders():
             table = report.Table.from_json(t)
             assert all(len(r) == len(table.columns) for r in table.rows), f.name
             table.text()
+
+
+def test_memory_sites_replay_the_history_to_its_peak():
+    """By hand: 100 bytes alive before recording (freed at event 3), then a 50-byte block from
+    the optimizer, a 200-byte one from a layer, the old block freed, its address reused for 30
+    bytes: the peak is 350 bytes after event 2 (100 + 50 + 200), and the sites alive then are
+    the unrecorded block, the layer and the optimizer."""
+    from bench.memory_sites import sites_at_peak
+
+    def frames(*where):
+        return [{"filename": f, "line": n, "name": fn} for f, n, fn in where]
+    layer = frames(("/x/site-packages/torch/nn/functional.py", 1, "linear"),
+                   ("/x/site-packages/transformers/models/qwen3/modeling_qwen3.py", 7, "forward"),
+                   ("/work/parity/models/forward.py", 85, "score_full"))
+    adam = frames(("/x/site-packages/torch/optim/adamw.py", 3, "step"),
+                  ("/work/parity/models/precision.py", 158, "step"))
+    events = [{"action": "alloc", "addr": 2, "size": 50, "frames": adam},
+              {"action": "alloc", "addr": 3, "size": 200, "frames": layer},
+              {"action": "free_completed", "addr": 1, "size": 100},
+              {"action": "alloc", "addr": 1, "size": 30, "frames": adam},
+              {"action": "free_completed", "addr": 3, "size": 200}]
+    snap = {"device_traces": [events],
+            "segments": [{"blocks": [{"address": 1, "size": 30, "state": "active_allocated"},
+                                     {"address": 2, "size": 50, "state": "active_allocated"},
+                                     {"address": 9, "size": 7, "state": "inactive"}]}]}
+    got = sites_at_peak(snap, 0, top=2)
+    assert got["peak_gib"] * 2**30 == 350
+    rows = [(r["site"], r["via"], r["gib"] * 2**30, r["blocks"]) for r in got["rows"]]
+    assert rows == [("transformers/models/qwen3/modeling_qwen3.py:7 forward",
+                     "parity/models/forward.py:85 score_full", 200, 1),
+                    ("allocated before recording", "", 100, 1)]
+    assert got["rest_gib"] * 2**30 == 50   # the optimizer's block, below the top 2
