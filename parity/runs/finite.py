@@ -19,9 +19,19 @@ from parity.errors import ParityError
 
 
 def first_non_finite(named: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
-    """The name of the first tensor holding a NaN or inf, or None."""
+    """The name of the first tensor holding a NaN or inf, or None. One check over all of them
+    first: asking each tensor would wait for the device once per tensor (hundreds a step for a
+    model's gradients); they are named one by one only when one of them is not finite."""
+    named = [(n, t) for n, t in named if t is not None and t.is_floating_point()]
+    if not named:
+        return None
+    # The largest |x| of each tensor in one fused pass: inf or NaN exactly where one is there,
+    # and, unlike a sum of squares, never an overflow of finite values.
+    peaks = torch._foreach_norm([t.detach() for _, t in named], float("inf"))
+    if bool(torch.isfinite(torch.stack([p.float().to(peaks[0].device) for p in peaks])).all()):
+        return None
     for name, t in named:
-        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not bool(torch.isfinite(t).all()):
             return name
     return None
 
