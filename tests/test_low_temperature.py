@@ -156,7 +156,8 @@ def test_what_vllm_cannot_run_is_one_line_before_the_run_directory(vllm_ready, t
 @pytest.mark.e2e
 def test_a_vllm_run_prints_parity_and_not_vllms_own_notes(vllm_ready, text_model, tmp_path):
     """vLLM's logger, its deprecation warnings and its load bar are quiet; what is left on
-    stderr is parity's header and at most a line torch's C++ side logs at vLLM's start."""
+    stderr is parity's header, parity's own lines (`parity: starting vLLM ...`) and at most a
+    line torch's C++ side logs at vLLM's start."""
     import os
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
     p = subprocess.run([sys.executable, "-m", "parity", "train", "--engine", "vllm", "--model",
@@ -165,5 +166,6 @@ def test_a_vllm_run_prints_parity_and_not_vllms_own_notes(vllm_ready, text_model
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     foreign = [x for x in p.stderr.splitlines()
-               if not x.startswith(("parity ", "ratio=")) and "utils.cpp" not in x]
+               if not x.startswith(("parity ", "parity: ", "ratio=")) and "utils.cpp" not in x]
     assert foreign == [], p.stderr
+    assert any(x.startswith("parity: starting vLLM ") for x in p.stderr.splitlines())

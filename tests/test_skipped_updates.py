@@ -124,10 +124,12 @@ from test_skipped_updates import _cfg, poison
 from pathlib import Path
 from parity.errors import ParityError
 from parity.trainer import train
+import os
 try:
     train(_cfg(Path(sys.argv[2]), parallel="fsdp"), on_model=lambda m: poison(m))
 except ParityError as e:
-    print("STOPPED:", e)
+    # a file per rank: the two ranks' stdout reach the test interleaved
+    (Path(sys.argv[2]) / f"stopped-{os.environ['RANK']}.txt").write_text(f"STOPPED: {e}")
 """
 
 
@@ -141,7 +143,7 @@ def test_fsdp_ranks_skip_together_and_stop(tmp_path, text_model):
                            capture_output=True, text=True, env=env, timeout=900)
         if TORN not in p.stderr:
             break
-    stops = [x for x in p.stdout.splitlines() if x.startswith("STOPPED:")]
+    stops = [f.read_text() for f in sorted(tmp_path.glob("stopped-*.txt"))]
     assert len(stops) == 2 and all(re.match(f"STOPPED: {STOP}", x) for x in stops), \
         p.stdout + p.stderr[-3000:]
     step2 = load_file(tmp_path / "run" / "checkpoints" / "step-2" / "model.safetensors")

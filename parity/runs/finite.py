@@ -74,7 +74,7 @@ def finite_tokens(mask: torch.Tensor, *logps: torch.Tensor
     for x in logps:
         ok &= torch.isfinite(x)
     left_out = int(((mask > 0) & ~ok).sum())
-    return mask * ok, [torch.where(ok, x, torch.zeros((), dtype=x.dtype)) for x in logps], left_out
+    return mask * ok, [x.masked_fill(~ok, 0.0) for x in logps], left_out
 
 
 @dataclass
