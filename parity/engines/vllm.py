@@ -235,10 +235,9 @@ class Recorder:
 
     rows_wanted = False   # set while a generate call has marked requests
 
-    def take(self, key: str) -> torch.Tensor | None:
-        """[positions, V] for the request marked `key`, in sampling order; None if none."""
-        rows = self.rows.pop(key, None)
-        return torch.stack(rows) if rows else None
+    def take(self, key: str) -> list[torch.Tensor]:
+        """The [V] rows kept for the request marked `key`, in sampling order."""
+        return self.rows.pop(key, [])
 
 
 def _install_recorder(worker: Any) -> Recorder | None:
@@ -415,18 +414,21 @@ def recorded_dists(recorder: Recorder, rows: list[int], comps: list[list[int]], 
     """Rollout.dist_rows and .dists, [k, T, V] with -inf past each completion, from what the
     recorder kept for `rows`. A row whose count of kept positions is not its completion's
     length is left out (and said once): its rows would not line up with its tokens."""
-    kept, dists = [], []
+    got = {i: recorder.take(str(i)) for i in rows}
+    kept = [i for i in rows if len(got[i]) == len(comps[i])]
     for i in rows:
-        d = recorder.take(str(i))
-        if d is None or d.shape[0] != len(comps[i]):
-            _warn_misaligned(i, 0 if d is None else d.shape[0], len(comps[i]))
-            continue
-        kept.append(i)
-        dists.append(torch.nn.functional.pad(d, (0, 0, 0, T - d.shape[0]),
-                                             value=float("-inf")))
-    if not kept:
+        if i not in kept:
+            _warn_misaligned(i, len(got[i]), len(comps[i]))
+    first = next((got[i][0] for i in kept if got[i]), None)
+    if first is None:
         return None, None
-    return torch.tensor(kept, dtype=torch.long), torch.stack(dists)
+    # Each row written once into its place: at a real vocabulary [k, T, V] is hundreds of MB.
+    out = torch.full((len(kept), T, first.shape[-1]), float("-inf"), dtype=first.dtype,
+                     device=first.device)
+    for j, i in enumerate(kept):
+        if got[i]:
+            torch.stack(got[i], out=out[j, :len(got[i])])
+    return torch.tensor(kept, dtype=torch.long), out
 
 
 @functools.cache
