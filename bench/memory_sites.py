@@ -31,7 +31,7 @@ def record() -> None:
 def _where(frames: list[dict]) -> tuple[str, str]:
     def name(f: dict) -> str:
         path = f["filename"]
-        for root in ("site-packages/", "dist-packages/", "/work/", "/tmp/site/"):
+        for root in ("site-packages/", "dist-packages/", "/work/", "/tmp/site/", "/.cache/"):
             if root in path:
                 path = path.split(root, 1)[1]
         return f"{path}:{f['line']} {f['name']}"
