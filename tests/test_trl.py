@@ -257,6 +257,23 @@ def test_top_p_0_samples_the_likeliest_token_and_trains_with_finite_weights(text
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
 
 
+@pytest.mark.parametrize("where", ["config", "generation_kwargs"])
+def test_top_p_above_1_trains_as_trls_own_trainer_does(where, text_model, tmp_path, caplog):
+    """transformers applies no top-p cut above 1, so TRL's own GRPOTrainer trains with
+    top_p=1.5; parity samples and scores the whole distribution there too, and says so once
+    (refused with 'must be <= 1' before)."""
+    cfg = {"top_p": 1.5} if where == "config" else {"generation_kwargs": {"top_p": 1.5}}
+    with caplog.at_level("WARNING", logger="parity.integrations.trl_config"):
+        t = _trainer(text_model, tmp_path, steps=1, per_device_train_batch_size=4,
+                     max_completion_length=8, **cfg)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("parity.")]
+    assert len(said) == 1 and "top_p=1.5 set to 1.0" in said[0], said
+    assert t.sampling.top_p == 1.0
+    t.train()
+    assert t.state.global_step == 1 and _steps(t)[0]["train/skipped_updates"] == 0
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
 def test_a_stock_grpo_config_runs_and_one_line_says_what_parity_changed(text_model, tmp_path,
                                                                        caplog):
     """TRL's default bf16=True against a recipe that trains in fp32: set to False, said once;

@@ -5,7 +5,9 @@
   rather than after the first step, when its NaN would already be in the weights.
 - TRL's defaults that contradict a recipe are changed, not refused, with one line saying which
   and why: a stock GRPOConfig runs with any recipe `ParityOptions.from_recipe` accepts.
-  `bf16=True` (TRL's default) becomes the recipe's trainer precision, and with `use_vllm=True`
+  `bf16=True` (TRL's default) becomes the recipe's trainer precision, `top_p` above 1 becomes 1
+  (transformers applies no top-p cut there, so TRL's own trainer samples from the whole
+  distribution, where parity's checks and vLLM refuse it), and with `use_vllm=True`
   TRL's importance correction (on by default) is turned off where the recipe's ratio already
   holds vLLM's log-probs, which it would weight by exp(ℓ_old − ℓ_μ) a second time.
 """
@@ -27,13 +29,21 @@ FLAGS = {"fp32": dict(bf16=False, fp16=False), "bf16": dict(bf16=True, fp16=Fals
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
+def _top_p_as_run(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with a top_p above 1 as 1: transformers adds its top-p warper only below 1, so
+    TRL's own trainer samples a top_p of 1.5 from the whole distribution, as top_p=1 does."""
+    top_p = values.get("top_p")
+    return {**values, "top_p": 1.0} if top_p is not None and top_p > 1 else values
+
+
 def check_sampling(args: Any) -> None:
-    """The config's sampling arguments and those its generation_kwargs override."""
+    """The config's sampling arguments and those its generation_kwargs override, as `adapted`
+    leaves them."""
     name = type(args).__name__
-    SamplingArgs.check(name, **{k: getattr(args, k) for k in SAMPLING_KEYS})
+    SamplingArgs.check(name, **_top_p_as_run({k: getattr(args, k) for k in SAMPLING_KEYS}))
     extra = {k: v for k, v in (getattr(args, "generation_kwargs", None) or {}).items()
              if k in SAMPLING_KEYS}
-    SamplingArgs.check(f"{name}.generation_kwargs", **extra)
+    SamplingArgs.check(f"{name}.generation_kwargs", **_top_p_as_run(extra))
 
 
 def trainer_dtype(args: Any) -> str:
@@ -53,6 +63,15 @@ def adapted(args: Any, p: Any) -> Any:
         for k, v in flip.items():
             setattr(out, k, v)
         out.mixed_precision = MIXED_PRECISION[want]   # derived from the flags at construction
+    if args.top_p > 1:
+        changes.append(f"top_p={args.top_p} set to 1.0: transformers applies no top-p cut above "
+                       f"1, so TRL samples from the whole distribution")
+        out.top_p = 1.0
+    kwargs = getattr(args, "generation_kwargs", None) or {}
+    if (kwargs.get("top_p") or 0) > 1:
+        changes.append(f"generation_kwargs top_p={kwargs['top_p']} set to 1.0: transformers "
+                       f"applies no top-p cut above 1, so TRL samples from the whole distribution")
+        out.generation_kwargs = {**kwargs, "top_p": 1.0}   # the user's dict is left alone
     if getattr(args, "use_vllm", False) and args.vllm_importance_sampling_correction and \
             p.ratio_source != "recompute":
         changes.append(f"vllm_importance_sampling_correction=True set to False: {why} puts "
