@@ -6,6 +6,8 @@ driver against verl's own `compute_data_metrics`.
     python -m bench.vocab_step                        # both engines, 3 steps each (1 warm-up)
     python -m bench.vocab_step --engines hf --steps 4
     python -m bench.vocab_step --verl-only            # the driver figure alone
+    python -m bench.vocab_step --engines hf,vllm --parts \
+        --json docs/data/bench/vocab_step-parts.json  # the exact KL's parts, one process each
 
 `qwen3-narrow-shape` (random weights, 2 layers of width 256) makes the per-vocabulary work a
 real model's (sampling, log-probs, the exact KL over 151,936 entries a position) while its
@@ -88,6 +90,55 @@ def step_table(a: argparse.Namespace) -> Table:
     return t
 
 
+def parts_table(a: argparse.Namespace) -> Table:
+    """The exact KL's two parts, each timed in one process: the engine keeping the recorded
+    rows (its rollout with and without them, alternating), and the update's float64 sum over
+    them (`exact_kl_of_rows` on the trainer's logits of those rows)."""
+    import torch
+
+    from parity import testbed
+    from parity.diagnostics import exact_kl_of_rows, exact_kl_rows
+    from parity.engines import EngineSpec, Sampling, make_engine
+    from parity.models.forward import score_full
+    from parity.models.loading import load_policy
+    from parity.tasks import build_task
+    path = testbed.ensure(a.model)
+    model, tok = load_policy(path)
+    task = build_task("neg-length", None, path, None, tok, a.max_new_tokens, None, 0, 1.0)
+    rows = a.prompts * a.group
+    prompts = [task.prompt_ids[i % a.prompts] for i in range(rows)]
+    kept = exact_kl_rows(rows, 4)
+    s = Sampling()
+    t = Table("vocab_step_parts",
+              f"the exact KL's parts at vocabulary {model.config.vocab_size:,}: {rows} "
+              f"completions of {a.max_new_tokens} tokens, {len(kept)} recorded, "
+              f"{a.rounds} alternating rounds in one process (means)",
+              [("engine", None), ("rollout s", "{:.2f}"), ("rollout s, rows recorded", "{:.2f}"),
+               ("recording", "{:+.1%}"), ("exact KL sum s", "{:.2f}")])
+    for name in a.engines:
+        eng = make_engine(name, EngineSpec(model, str(path), "bf16", [tok.eos_token_id],
+                                           tok.pad_token_id, 0,
+                                           max(map(len, prompts)) + a.max_new_tokens, rows))
+        eng.sync(model)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(a.rounds + 1):   # round 0 warms the engine up
+            for record in (False, True):
+                t0 = time.perf_counter()
+                r = eng.generate(prompts, a.max_new_tokens, s,
+                                 torch.Generator().manual_seed(i), kept if record else None)
+                if i:
+                    times[record].append(time.perf_counter() - t0)
+        eng.close()
+        with torch.no_grad():
+            logits = score_full(model, r, s, keep_logits=kept).logits
+            t0 = time.perf_counter()
+            exact_kl_of_rows(r, logits, kept, r.completion_mask[kept], s)
+            kl_s = time.perf_counter() - t0
+        off, on = (statistics.mean(times[k]) for k in (False, True))
+        t.add(name, off, on, (on - off) / off, kl_s)
+    return t
+
+
 def verl_table(a: argparse.Namespace) -> Table:
     import torch
     from verl import DataProto
@@ -140,9 +191,13 @@ def main() -> None:
     ap.add_argument("--verl-rows", type=int, default=512)
     ap.add_argument("--verl-tokens", type=int, default=4096)
     ap.add_argument("--verl-repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="--parts: rollouts with and without the recorded rows, alternating")
     ap.add_argument("--verl-only", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="only the exact KL's parts, each "
+                    "timed in one process, and the verl figure")
     a = json_option(engines_option(ap), "vocab_step").parse_args()
-    tables = [] if a.verl_only else [step_table(a)]
+    tables = [parts_table(a)] if a.parts else [] if a.verl_only else [step_table(a)]
     try:
         tables.append(verl_table(a))
     except ImportError as e:   # verl is optional (docs/verl.md)
