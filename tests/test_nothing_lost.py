@@ -115,8 +115,11 @@ def test_a_crashed_run_leaves_its_directory_free_to_resume(tmp_path, text_model)
     try:
         import time
         deadline = time.time() + 300
-        while not (run / "checkpoints" / "step-1").is_dir() and time.time() < deadline:
+        # Any checkpoint: step-1 is pruned as soon as newer ones exist.
+        ckpts = run / "checkpoints"
+        while not (ckpts.is_dir() and any(ckpts.glob("step-*"))) and time.time() < deadline:
             time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be resumed while alive"
         p = cli("train", "--resume", str(run), "--steps", "400", "--no-progress")
         assert_user_error(p, str(run), "is in use by another parity run")
     finally:
