@@ -17,8 +17,35 @@ pytest_plugins = ["pytester"]
 E2E_FIXTURES = frozenset({"text_model", "arith_model", "chat_model", "tiny_lm", "vllm_ready"})
 
 
+# A test's own call (its fixtures' set-up aside: shared engines and testbed builds are paid
+# once, by whichever test comes first) may take this long under --budget, unless it carries
+# @pytest.mark.budget(seconds). CONTRIBUTING.md lists the tests above it and what each proves.
+DEFAULT_BUDGET_S = 30.0
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the long end-to-end runs")
+    parser.addoption("--budget", action="store_true",
+                     help=f"fail a test (not marked slow) whose call takes longer than its "
+                          f"budget: {DEFAULT_BUDGET_S:g} s, or @pytest.mark.budget(seconds)")
+
+
+def budget_s(item) -> float:
+    mark = item.get_closest_marker("budget")
+    return float(mark.args[0]) if mark else DEFAULT_BUDGET_S
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under --budget a passing call over its budget is reported failed, so a budget is raised
+    on purpose and not by drift."""
+    report = (yield).get_result()
+    if (call.when == "call" and report.passed and item.config.getoption("--budget")
+            and "slow" not in item.keywords and report.duration > budget_s(item)):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s, over its budget of "
+                           f"{budget_s(item):g} s: make it faster, or raise the budget on "
+                           f"purpose (@pytest.mark.budget and CONTRIBUTING.md's table)")
 
 
 def unmarked_e2e(items) -> list[str]:

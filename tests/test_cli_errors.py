@@ -4,13 +4,11 @@ that is either untouched or consistent (every metrics line a complete step)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, cli, run_main
 
 pytestmark = pytest.mark.e2e
 
@@ -53,12 +51,9 @@ SMALL = ["--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",
          "--max-new-tokens", "4", "--no-progress"]
 
 
-def parity(*args, cwd=None):
-    env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=300)
-
-
+# Refusals run through the entry point in this process (cli_helpers.run_main); the test of what
+# libraries print beside the error runs its own process.
+parity = run_main
 
 
 @pytest.fixture
@@ -276,15 +271,6 @@ def test_bad_resume_directories(tmp_path, finished_run, setup, args, words):
 
 # ---- files that are not UTF-8 text, or not what their name says (docs/errors.md, "Files")
 
-def in_process(capsys, *args) -> subprocess.CompletedProcess:
-    """The real entry point in this process (a refusal before any work costs no interpreter
-    start), as a CompletedProcess for assert_user_error."""
-    from parity.cli import main
-    code = main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, cap.out, cap.err)
-
-
 def _saved_dataset(path: Path) -> Path:
     import datasets
     datasets.Dataset.from_list([{"prompt": "def f(x):"}]).save_to_disk(str(path))
@@ -327,7 +313,7 @@ def test_unreadable_dataset_is_one_line_naming_file_and_place(env, capsys, case)
         content(path)
     else:
         path.write_bytes(content)
-    p = in_process(capsys, "train", "--task", path, "--model", "text-xs", "--reward",
+    p = run_main("train", "--task", path, "--model", "text-xs", "--reward",
                    f"{env / 'rewards.py'}:ok", "--out", env / "run", *SMALL)
     assert_user_error(p, str(path), *words)
     assert not (env / "run").exists()
@@ -338,7 +324,7 @@ def test_reward_and_config_files_that_are_not_utf8(env, capsys, monkeypatch):
                                           b'    return [1.0] * len(c)\n')
     for spec in (f"{env / 'latin_reward.py'}:ok", "latin_reward:ok"):  # a file, a module
         monkeypatch.chdir(env)
-        p = in_process(capsys, "train", "--task", env / "data.jsonl", "--model", "text-xs",
+        p = run_main("train", "--task", env / "data.jsonl", "--model", "text-xs",
                        "--reward", spec, "--out", env / "run", *SMALL)
         assert_user_error(p, "latin_reward.py", "not UTF-8", "byte 0xe9 at offset 11 (line 1)")
     # A coding line is Python's own way to say latin-1: such a module is read as Python reads it.
@@ -348,10 +334,10 @@ def test_reward_and_config_files_that_are_not_utf8(env, capsys, monkeypatch):
     fn, _ = load_reward(f"{env / 'declared.py'}:ok")
     assert fn.__globals__["NAME"] == "caf\u00e9"
     (env / "c.yaml").write_bytes(b"lr: 0.1\nnote: caf\xe9\n")
-    assert_user_error(in_process(capsys, "train", "--config", env / "c.yaml", "--out",
+    assert_user_error(run_main("train", "--config", env / "c.yaml", "--out",
                                  env / "run"), "config file", "not UTF-8", "offset 17 (line 2)")
     (env / "c.yaml").write_bytes(b"lr: [1, 2\n")
-    assert_user_error(in_process(capsys, "train", "--config", env / "c.yaml"),
+    assert_user_error(run_main("train", "--config", env / "c.yaml"),
                       "not valid YAML (line 2, column 1)")
     assert not (env / "run").exists()
 
@@ -371,8 +357,8 @@ def test_library_messages_are_not_printed_beside_the_error(env, name, content):
         (path / "data-00000-of-00001.arrow").write_bytes(b"not arrow")
     else:
         path.write_bytes(content)
-    p = parity("audit", "--task", str(path), "--reward", f"{env / 'rewards.py'}:ok", "--model",
-               "text-xs", "--out", str(env / "out"), "--no-progress")
+    p = cli("audit", "--task", str(path), "--reward", f"{env / 'rewards.py'}:ok", "--model",
+            "text-xs", "--out", str(env / "out"), "--no-progress")
     assert_user_error(p, str(path))
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (env / "out").exists()
@@ -393,7 +379,7 @@ def test_chat_template_that_refuses_a_role_names_row_and_role(env, text_model, c
     rows = [[{"role": "user", "content": "hi"}],
             [{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}]]
     (env / "chat.jsonl").write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
-    p = in_process(capsys, "train", "--task", env / "chat.jsonl", "--model", model, "--reward",
+    p = run_main("train", "--task", env / "chat.jsonl", "--model", model, "--reward",
                    f"{env / 'rewards.py'}:ok", "--out", env / "run", *SMALL)
     assert_user_error(p, "row 1", "message 1 (role 'system')", "System role not supported")
     assert not (env / "run").exists()
@@ -459,7 +445,7 @@ def test_output_path_that_cannot_be_a_directory(tmp_path, text_model, capsys, co
     blocker.write_text("a user's file\n")
     out = blocker if where == "a file" else blocker / "sub" / "out"
     before = sorted(p.name for p in tmp_path.iterdir())
-    p = in_process(capsys, *COMMANDS[command](out, tmp_path))
+    p = run_main(*COMMANDS[command](out, tmp_path))
     line = assert_user_error(p, str(out), f"{blocker} is a file" if where == "under a file"
                              else "is a file, not a directory")
     assert blocker.read_text() == "a user's file\n"
@@ -471,7 +457,7 @@ def test_output_path_that_cannot_be_a_directory(tmp_path, text_model, capsys, co
 def test_output_path_in_an_unwritable_directory(tmp_path, text_model, capsys, unwritable,
                                                 command):
     out = unwritable / "parity-out"
-    p = in_process(capsys, *COMMANDS[command](out, tmp_path))
+    p = run_main(*COMMANDS[command](out, tmp_path))
     assert_user_error(p, str(out), "cannot be written", f"{unwritable} is not writable")
     assert not out.exists()
 
@@ -481,7 +467,7 @@ def test_output_path_in_an_unwritable_directory(tmp_path, text_model, capsys, un
 def test_output_path_on_a_kernel_file_system(tmp_path, text_model, capsys, command, where):
     if not Path(where).parent.is_dir():
         pytest.skip(f"no {Path(where).parent} here")
-    p = in_process(capsys, *COMMANDS[command](Path(where), tmp_path))
+    p = run_main(*COMMANDS[command](Path(where), tmp_path))
     assert_user_error(p, where, "cannot", "a file system the kernel makes up")
     assert not Path(where).exists()
 
