@@ -142,6 +142,52 @@ def test_exact_kl_against_loops():
             assert float(got[n]) >= -1e-9
 
 
+def _kl_float64(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The direct sum Σ_S μ (log μ − log π) in float64, μ renormalised over its support in
+    float64 too: an fp32 log-normaliser over a real vocabulary is off by about 1e-6, more than a
+    KL of 1e-7, so the reference must not inherit the engine's."""
+    from parity.engines import processed_logits
+    x = processed_logits(pi_logits, s).double()
+    support = torch.isfinite(mu_logp)
+    x = torch.where(support & ~torch.isfinite(x), pi_logits.double() / s.temperature, x)
+    mu = torch.log_softmax(mu_logp.double(), -1)
+    d = (mu - torch.log_softmax(x, -1)).masked_fill(~support, 0.0)
+    return (mu.exp() * d).sum(-1)
+
+
+@pytest.mark.parametrize("s", [Sampling(), Sampling(temperature=0.7, top_p=0.9)],
+                         ids=["plain", "top-p"])
+def test_exact_kl_at_a_real_vocabulary_against_float64(s):
+    """Gaps from bf16-sized down to fp16-against-fp32-sized, at Qwen3's vocabulary: the
+    float32 sum holds each KL to 5e-4 of itself, down to KLs of 1e-7."""
+    from parity.engines import processed_logits
+    g = torch.Generator().manual_seed(3)
+    V = 151_936
+    base = torch.randn(4, V, generator=g) * 3
+    mu = torch.log_softmax(processed_logits(base, s), -1)
+    for gap in (1e-1, 1e-2, 1e-3):
+        pi_logits = base + gap * torch.randn(4, V, generator=g)
+        ref = _kl_float64(mu, pi_logits, s)
+        got = exact_kl(mu, pi_logits, s)
+        assert got.dtype == torch.float64
+        assert torch.allclose(got, ref, rtol=5e-4, atol=0), (gap, got, ref)
+        assert float(ref.min()) > (1e-7 if gap == 1e-3 else 1e-6)
+
+
+def test_exact_kl_keeps_a_token_mu_all_but_excludes():
+    """μ gives a token e^-90 (below float32's normal range once exponentiated), π gives it half
+    its mass: that half is in the KL, through the mass π puts outside μ's support."""
+    V = 1000
+    pi_logits = torch.zeros(1, V)
+    pi_logits[0, 7] = math.log(V - 1)            # π(7) = 1/2
+    mu = torch.full((1, V), -math.log(V - 1))
+    mu[0, 7] = -90.0
+    mu = torch.log_softmax(mu, -1)
+    got = float(exact_kl(mu, pi_logits, Sampling())[0])
+    assert got == pytest.approx(float(_kl_float64(mu, pi_logits, Sampling())[0]), rel=1e-5)
+    assert got == pytest.approx(math.log(2), rel=1e-5)
+
+
 def _sharp_gap_model():
     """A tiny real Llama whose logits share a large common offset: softmax ignores the offset,
     bf16 rounding of the big logits does not, so β is large enough to test statistically."""
