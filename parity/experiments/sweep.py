@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import active_children, get_context
 from pathlib import Path
@@ -168,9 +169,18 @@ def _in_workers(spec: SweepSpec, todo: list[RunSpec], status: dict[str, dict],
     try:
         futures = {pool.submit(_run_one, r.explicit, "continued" in status.get(r.name, {})): r
                    for r in todo}
+        started = [w for w in active_children() if w not in before]
         for f in as_completed(futures):
             r = futures[f]
-            status[r.name] = {**status.get(r.name, {}), **f.result()}
+            try:
+                result = f.result()
+            except BrokenProcessPool:
+                # Ctrl-C reaches the workers too, and the pool can report them dead before this
+                # process's own KeyboardInterrupt is raised: the interrupt is what happened.
+                if any(w.exitcode == -signal.SIGINT for w in started):
+                    raise KeyboardInterrupt from None
+                raise
+            status[r.name] = {**status.get(r.name, {}), **result}
             bar.advance()
     except BaseException:
         # A pool's shutdown waits for every queued run, and a worker hands an interrupt back
