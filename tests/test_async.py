@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 from parity.config import make_config
 from parity.trainer import train
 
@@ -111,7 +111,6 @@ def test_a_dead_engine_process_stops_the_run_with_a_clear_error(text_model, tmp_
     (["--max-staleness", "-1", "--async-engine"], ["max_staleness=-1"]),
 ])
 def test_bad_async_settings_are_refused(tmp_path, flags, words):
-    p = subprocess.run([sys.executable, "-m", "parity", "train", *flags, "--out",
-                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    p = run_main("train", *flags, "--out", str(tmp_path / "run"))
     assert_user_error(p, *words)
     assert not (tmp_path / "run").exists()

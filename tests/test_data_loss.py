@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 from parity.cli import main
 from parity.errors import ParityError
 from parity.models.loading import load_policy
@@ -34,9 +34,8 @@ def snapshot(root: Path) -> dict[str, str]:
     return out
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True,
-                          text=True, timeout=600)
+# Refusals and resumes through parity's entry point in this process (cli_helpers.run_main).
+cli = run_main
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 from parity import devices
 from parity.config import AuditSettings, make_config
 from parity.errors import ParityError
@@ -139,10 +137,10 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_is_refused():
     ["sweep", "--recipes", "fp32", "--out", "{tmp}/sweep"],
     ["reproduce", "--quick", "--out", "{tmp}/reproduce"],
 ])
-def test_cuda_on_a_machine_without_cuda_is_one_line_and_exit_2(command, tmp_path):
+def test_cuda_on_a_machine_without_cuda_is_one_line_and_exit_2(command, tmp_path, monkeypatch):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in command]
-    p = subprocess.run([sys.executable, "-m", "parity", *argv, "--device", "cuda"],
-                       capture_output=True, text=True, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    p = run_main(*argv, "--device", "cuda")
     assert_user_error(p, "device=cuda", "no CUDA device")
     assert len(p.stderr.strip().splitlines()) == 1, f"more than the error was printed: {p.stderr}"
     assert not any(tmp_path.iterdir()), "nothing is written before the device is checked"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 from parity.audit.inputs import read_prompts, read_rollouts
 from parity.config import AuditSettings, Config, coerce, field_specs, load_yaml, make_config
 from parity.errors import ParityError
@@ -256,8 +254,7 @@ def test_generated_bad_input_through_the_command_line(scratch, case):
     if flag == "--config":
         value = str(_write(scratch / "cli.yaml", value))
     out = scratch / "cli-run"
-    p = subprocess.run([sys.executable, "-m", "parity", "train", f"{flag}={value}", "--out",
-                        str(out)], capture_output=True, text=True, timeout=120)
+    p = run_main("train", f"{flag}={value}", "--out", str(out))
     assert_user_error(p)
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not out.exists()
