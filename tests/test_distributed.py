@@ -50,6 +50,23 @@ def launch_fsdp(args: list[str], fresh: Path | None) -> subprocess.CompletedProc
     return r
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run of `args`, run once per module: the DDP and FSDP cases of a test
+    compare against the same one."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(args: list[str]) -> Path:
+        key = tuple(args)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("one") / "one"
+            p = parity(["train", *args, "--out", str(out)])
+            assert p.returncode == 0, p.stderr[-2000:]
+            runs[key] = out
+        return runs[key]
+    return run
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -70,7 +87,7 @@ def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, tmp_path,
-                                                                     parallel):
+                                                                     parallel, one_process):
     """fp32 on both sides: every metric, the rollout dump and a resumed run match one process,
     with DDP and with FSDP2 (sharded parameters and optimizer state, gathered for the weight
     casts and the checkpoints). Two minibatches and token-mean aggregation: each rank holds half
@@ -78,19 +95,18 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
     cfg = COMMON + ["--recipe", "fp32", "--prompts-per-step", "4", "--samples-per-prompt", "4",
                     "--minibatches", "2", "--loss-agg", "token-mean", "--max-new-tokens", "12",
                     "--dump-rollouts", "--save-every", "2"]
-    one = parity(["train", *cfg, "--steps", "4", "--out", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-2000:]
+    one = one_process([*cfg, "--steps", "4"])
     two_args = ["train", *cfg, "--parallel", parallel, "--steps", "3",
                 "--out", str(tmp_path / "two")]
     two = (launch_fsdp(two_args, tmp_path / "two") if parallel == "fsdp"
            else parity(two_args, TORCHRUN))
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    a, b = metrics(one), metrics(tmp_path / "two")
     assert len(b) == 3  # rank 0 alone writes: one line per step
     assert_same_metrics(a[:3], b, 1e-5)
     # the dump of every token, written by rank 0 from both ranks' rows
     for step in (1, 2, 3):
-        t1 = pq.read_table(tmp_path / "one" / "rollouts" / f"step-{step}.parquet").to_pandas()
+        t1 = pq.read_table(one / "rollouts" / f"step-{step}.parquet").to_pandas()
         t2 = pq.read_table(tmp_path / "two" / "rollouts" / f"step-{step}.parquet").to_pandas()
         key = ["update", "sample_id", "position"]
         t1 = t1.sort_values(key).reset_index(drop=True)
@@ -101,8 +117,8 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == \
         ["step-2", "step-3"]
     # rank 0's checkpoint (under FSDP gathered from the shards) holds the one-process weights
-    w1, w2 = (load_file(str(tmp_path / run / "checkpoints" / "step-2" / "model.safetensors"))
-              for run in ("one", "two"))
+    w1, w2 = (load_file(str(run / "checkpoints" / "step-2" / "model.safetensors"))
+              for run in (one, tmp_path / "two"))
     assert w1.keys() == w2.keys()
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
     resume_args = ["train", "--resume", str(tmp_path / "two"), "--steps", "4", "--no-progress"]
@@ -115,7 +131,7 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
 @pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_sampling_with_vllm_draw_the_one_process_tokens(parallel, text_model, tmp_path,
-                                                                  vllm_ready):
+                                                                  vllm_ready, one_process):
     """A vLLM engine on each rank samples its half of the batch with the rows' own seeds: the
     two ranks draw, token for token, what one process draws, and train to its metrics. Under
     FSDP the last checkpoint is gathered before vLLM's shutdown tears the run's process group
@@ -123,37 +139,36 @@ def test_two_ranks_sampling_with_vllm_draw_the_one_process_tokens(parallel, text
     cfg = COMMON + ["--engine", "vllm", "--recipe", "bf16-engine", "--prompts-per-step", "4",
                     "--samples-per-prompt", "2", "--max-new-tokens", "8", "--dump-rollouts",
                     "--steps", "2"]
-    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-2000:]
+    one = one_process(cfg)
     args = ["train", *cfg, "--parallel", parallel, "--out", str(tmp_path / "two")]
     two = (launch_fsdp(args, tmp_path / "two") if parallel == "fsdp"
            else parity(args, TORCHRUN))
     assert two.returncode == 0, two.stderr[-3000:]
     assert (tmp_path / "two" / "checkpoints" / "step-2" / "model.safetensors").is_file()
     for step in (1, 2):
-        t1, t2 = (pq.read_table(tmp_path / run / "rollouts" / f"step-{step}.parquet").to_pandas()
+        t1, t2 = (pq.read_table(run / "rollouts" / f"step-{step}.parquet").to_pandas()
                   .sort_values(["sample_id", "position"]).reset_index(drop=True)
-                  for run in ("one", "two"))
+                  for run in (one, tmp_path / "two"))
         assert len(t1) == len(t2) > 0 and (t1["token_id"] == t2["token_id"]).all()
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    a, b = metrics(one), metrics(tmp_path / "two")
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_path, parallel):
+def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_path, parallel,
+                                                                one_process):
     """Each rank cuts its half of the minibatch by a token budget, so the ranks' own counts of
     micro-batches can differ: they run as many forwards as the most cut one and reduce the
     gradients once, after the last. SGD without clipping, so a mis-scaled share would show."""
     cfg = COMMON + ["--recipe", "fp32", "--prompts-per-step", "4", "--samples-per-prompt", "4",
                     "--loss-agg", "token-mean", "--max-new-tokens", "12", "--steps", "2",
                     "--optimizer", "sgd", "--lr", "0.05", "--max-grad-norm", "0"]
-    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-2000:]
+    one = one_process(cfg)
     two = parity(["train", *cfg, "--parallel", parallel, "--micro-batch-tokens", "60",
                   "--out", str(tmp_path / "two")], TORCHRUN)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"), 1e-4)
+    assert_same_metrics(metrics(one), metrics(tmp_path / "two"), 1e-4)
 
 
 @pytest.mark.e2e
