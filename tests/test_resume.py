@@ -28,6 +28,7 @@ def metrics(run: Path) -> list[dict]:
             for r in rows]
 
 
+@pytest.mark.budget(60)
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, text_model):
     steps = 16
     ref = tmp_path / "ref"

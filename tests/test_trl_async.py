@@ -152,6 +152,7 @@ def run(chat_model, server, tmp_path_factory):
     return tr, before
 
 
+@pytest.mark.budget(60)
 def test_two_steps_log_parity_beside_trl(run):
     tr, _ = run
     steps = [h for h in tr.state.log_history if "clip/frac" in h]
@@ -216,6 +217,7 @@ def test_logged_beta_agrees_with_an_independent_fp32_rescoring(run, chat_model):
     assert 0.5 * ref_abs < log1["mismatch/beta_abs_mean"] < 2 * ref_abs
 
 
+@pytest.mark.budget(60)
 def test_the_server_scored_shadow_has_no_kernel_gap(chat_model, server, tmp_path):
     """With `scored_shadow`, the server scores the shadow. Step 1 trains on completions sampled
     at the very weights the server holds, so ℓ_s − ℓ_μ there is the server's scoring against
@@ -323,6 +325,7 @@ def test_failures_stop_with_one_line(chat_model, server, tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.budget(60)
 def test_a_non_finite_gradient_is_skipped_and_the_run_stopped(chat_model, server, tmp_path):
     """tests/test_skipped_updates.py's injected NaN, in AsyncGRPO's update: never applied, and
     the run stops after max_consecutive_skips in a row."""

@@ -116,6 +116,7 @@ def test_a_stock_grpo_config_with_vllm_runs_and_says_what_parity_changed(text_mo
     assert not t.args.vllm_importance_sampling_correction
 
 
+@pytest.mark.budget(45)
 def test_a_server_with_raw_logprobs_is_refused_in_one_line(text_model, tmp_path):
     """A server started with raw log-probs (before temperature and truncation): ℓ_μ would not
     be the sampling distribution's. The line names the flag that fixes it; so does the line
@@ -134,6 +135,7 @@ def test_a_server_with_raw_logprobs_is_refused_in_one_line(text_model, tmp_path)
                      vllm_server_base_url=url, **VLLM)
 
 
+@pytest.mark.budget(60)
 def test_trls_server_mode_with_parity_syncing_through_a_directory(text_model, tmp_path):
     """`vllm_mode='server'` without CUDA: TRL samples from the server, and parity syncs the
     weights through a directory (TRL's NCCL sync needs CUDA) and checks every sync against a

@@ -284,6 +284,7 @@ def _verl_batch_from_audit(tokens_parquet):
     return DataProto.from_dict(tensors=grid)
 
 
+@pytest.mark.budget(75)
 @needs_verl
 @pytest.mark.e2e
 @pytest.mark.usefixtures("vllm_ready")
