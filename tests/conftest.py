@@ -84,6 +84,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A run in this process sets torch's thread count (`threads`, 1 in most test runs) and
+    would leave the tests after it on one core: each test starts with the count it found."""
+    import torch
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
     """PARITY_CACHE for the whole session, so tests never touch the user's cache. A developer

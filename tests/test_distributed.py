@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 COMMON = ["--task", "neg-length", "--model", "text-xs", "--no-progress", "--report-to", "none",
@@ -52,15 +52,15 @@ def launch_fsdp(args: list[str], fresh: Path | None) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The one-process run of `args`, run once per module: the DDP and FSDP cases of a test
-    compare against the same one."""
+    """The one-process run of `args`, run once per module (the DDP and FSDP cases of a test
+    compare against the same one) and in this process: no interpreter start to pay."""
     runs: dict[tuple[str, ...], Path] = {}
 
     def run(args: list[str]) -> Path:
         key = tuple(args)
         if key not in runs:
             out = tmp_path_factory.mktemp("one") / "one"
-            p = parity(["train", *args, "--out", str(out)])
+            p = run_main("train", *args, "--out", str(out))
             assert p.returncode == 0, p.stderr[-2000:]
             runs[key] = out
         return runs[key]
@@ -174,30 +174,30 @@ def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_
 
 
 @pytest.mark.e2e
-def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path):
+def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path, one_process):
     """The default recipe: the first step's rollout, rewards, α/β split and clip attribution
     across two ranks equal one process's. (After an update, fp32 sums in another order can move
     a master weight across a bf16 rounding boundary, and the runs part within a few steps.)"""
     cfg = COMMON + ["--steps", "1", "--max-new-tokens", "12"]
-    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    one = one_process(cfg)
     two = parity(["train", *cfg, "--out", str(tmp_path / "two")], TORCHRUN)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(one), metrics(tmp_path / "two")
     assert a[0]["mismatch/beta_abs_mean"] > 1e-3  # a real bf16 gap, split the same way
     assert_same_metrics(a, b, 1e-4)
 
 
 @pytest.mark.e2e
-def test_two_ranks_ppo_value_matches_one_process(text_model, tmp_path):
+def test_two_ranks_ppo_value_matches_one_process(text_model, tmp_path, one_process):
     """PPO with a value head: GAE advantages are whitened with the whole batch's statistics
     (sums over ranks), the value loss is each rank's share of the token mean, and the value
     head's gradients are averaged by its own DDP wrapper."""
     cfg = COMMON + ["--recipe", "fp32", "--objective", "ppo-value", "--prompts-per-step", "4",
                     "--samples-per-prompt", "4", "--max-new-tokens", "12", "--steps", "2"]
-    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    one = one_process(cfg)
     two = parity(["train", *cfg, "--out", str(tmp_path / "two")], TORCHRUN)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(one), metrics(tmp_path / "two")
     assert "loss/value" in a[0] and "value/mean" in a[1]
     assert_same_metrics(a, b, 1e-5)
 
@@ -232,7 +232,7 @@ def test_fsdp_with_a_value_head_is_refused():
 def test_fsdp_cannot_resume_a_one_process_checkpoint(text_model, tmp_path):
     cfg = COMMON + ["--parallel", "fsdp", "--recipe", "fp32", "--prompts-per-step", "4",
                     "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps", "1"]
-    assert parity(["train", *cfg, "--out", str(tmp_path / "run")]).returncode == 0
+    assert run_main("train", *cfg, "--out", str(tmp_path / "run")).returncode == 0
     p = parity(["train", "--resume", str(tmp_path / "run"), "--steps", "2", "--no-progress"],
                TORCHRUN)
     assert p.returncode != 0
@@ -247,17 +247,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.e2e
-def test_accelerate_launch_runs_the_same_training(text_model, tmp_path):
+def test_accelerate_launch_runs_the_same_training(text_model, tmp_path, one_process):
     """`accelerate launch` starts the ranks with torchrun's environment; on a CPU machine
     `--multi_gpu` is its multi-process launcher."""
     cfg = COMMON + ["--recipe", "fp32", "--steps", "2", "--max-new-tokens", "10"]
-    one = parity(["train", *cfg, "--out", str(tmp_path / "one")])
+    one = one_process(cfg)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                 "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
     two = parity(["train", *cfg, "--out", str(tmp_path / "two")], launcher)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
-    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"), 1e-5)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_metrics(metrics(one), metrics(tmp_path / "two"), 1e-5)
 
 
 @pytest.mark.e2e

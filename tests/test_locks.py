@@ -172,6 +172,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.budget(45)
 @pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_stops_queued_runs_and_a_rerun_goes_on_from_the_finished_ones(tmp_path,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 from parity.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +47,7 @@ def test_a_damaged_middle_line_keeps_every_readable_step_on_resume(tmp_path, fou
     bad = lines[1][: len(lines[1]) // 2] if damage == "cut in half" else b"\xff\xfe\x00garbage"
     lines[1] = bad
     (run / "metrics.jsonl").write_bytes(b"\n".join(lines))
-    p = cli("train", "--resume", str(run), "--steps", "6", "--no-progress")
+    p = run_main("train", "--resume", str(run), "--steps", "6", "--no-progress")
     assert p.returncode == 0, p.stderr
     # Step 2's record is gone with its line; every other finished step stays, byte for byte.
     assert steps(run) == [1, 3, 4, 5, 6]
@@ -185,7 +185,7 @@ def test_a_resume_after_config_yaml_names_another_model_is_one_line(tmp_path, fo
     cfg = run / "config.yaml"
     cfg.write_text(cfg.read_text().replace("model: text-xs", "model: arith-xs"))
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    p = cli("train", "--resume", str(run), "--steps", "6", "--no-progress")
+    p = run_main("train", "--resume", str(run), "--steps", "6", "--no-progress")
     assert_user_error(p, "step-4", "do not fit the run's model", "size mismatch",
                       "config.yaml edited to another model")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
