@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from cli_helpers import run_main
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -60,8 +62,13 @@ def _build(kind: str, text_model: Path, out: Path) -> Path:
 
 
 def _parity(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parity", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+    """`parity ARGS` run from `cwd`, through the entry point in this process."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return run_main(*args)
+    finally:
+        os.chdir(here)
 
 
 @pytest.fixture(scope="module")

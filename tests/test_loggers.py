@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, run_main
 from parity.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -160,9 +160,7 @@ def test_auto_takes_what_is_installed(tmp_path, text_model):
 
 def test_unknown_backend_is_a_user_error(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "parity", "train", *RUN, "--report-to",
-                        "tensorboard,foo", "--out", str(run)], capture_output=True, text=True,
-                       timeout=300)
+    p = run_main("train", *RUN, "--report-to", "tensorboard,foo", "--out", str(run))
     assert_user_error(p, "report_to", "'foo'")
     assert not run.exists()
 
