@@ -181,8 +181,8 @@ def test_the_deadline_interrupts_again_a_run_that_trains_on_and_kills_a_deaf_one
     monkeypatch.setattr(S, "command", lambda a, run, threads: [
         sys.executable, "-c", FAKE, MODES[run.recipe], str(run.dir)])
     out = tmp_path / "sanity"
-    argv = ["scripts/gpu_sanity.py", "--seeds", "0", "--steps", "30", "--deadline-s", "3",
-            "--grace-s", "3", "--stagger-s", "0.1", "--progress-s", "1", "--out", str(out)]
+    argv = ["scripts/gpu_sanity.py", "--seeds", "0", "--steps", "30", "--deadline-s", "2",
+            "--grace-s", "1", "--stagger-s", "0.1", "--progress-s", "1", "--out", str(out)]
     assert S.main(argv) == 0
     said = capsys.readouterr().out
     runs = {r["recipe"]: r for r in json.loads((out / "launch.json").read_text())["runs"]}
@@ -190,7 +190,7 @@ def test_the_deadline_interrupts_again_a_run_that_trains_on_and_kills_a_deaf_one
     assert runs["bf16-engine"]["rc"] == 130 and "SIGINT again to bf16-engine-s0" in said
     assert runs["bf16-shadow-scored"]["rc"] == 130
     assert runs["fp16"]["rc"] == -9 and "SIGKILL to fp16-s0" in said
-    assert "deadline at 3 s: SIGINT to 3 runs" in said and ", steps: fp32-s0 5" in said
+    assert "deadline at 2 s: SIGINT to 3 runs" in said and ", steps: fp32-s0 5" in said
     judged = json.loads((out / "runs.json").read_text())
     assert judged["workload"]["steps_reached"] == 5          # fp32's 5 steps: all truncated
     assert all(r["stats"]["steps"] == 5 for r in judged["runs"])

@@ -5,6 +5,7 @@ cycle, and no function grows past what one can read at once."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "parity"
@@ -42,6 +43,11 @@ TOP_LEVEL_LIMIT = 15
 
 def modules(root: Path = PKG) -> dict[str, ast.Module]:
     """Every module of the package by its dotted name (a package by its own name)."""
+    return dict(_parsed(root))
+
+
+@functools.cache   # parsed once for the module's checks; none of them changes a tree
+def _parsed(root: Path) -> dict[str, ast.Module]:
     out = {}
     for p in root.rglob("*.py"):
         parts = ("parity", *p.relative_to(root).with_suffix("").parts)

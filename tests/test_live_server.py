@@ -216,7 +216,8 @@ def gateway():
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 self._answer(1)
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        # polled every 0.05 s: shutdown() waits for one poll (0.5 s at the default)
+        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
         started.append(httpd)
         return f"http://127.0.0.1:{httpd.server_address[1]}"
     yield serve

@@ -110,6 +110,7 @@ def test_the_audit_path_against_a_running_vllm_server(chat_model, vllm_ready, tm
 
 # ---------------------------------------------------------------- 2: TRL
 
+@pytest.mark.e2e   # imports TRL, which imports vLLM
 def test_the_trl_snippet_names_what_parity_exports():
     code = "\n".join(commands(PATHS[1], "python"))
     imports = [line.split("#")[0] for line in code.splitlines() if line.startswith("from ")]

@@ -54,7 +54,8 @@ def serve():
 
             do_GET = do_POST = _answer
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        # polled every 0.05 s: shutdown() waits for one poll (0.5 s at the default)
+        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
         started.append(httpd)
         return f"http://127.0.0.1:{httpd.server_address[1]}", hits
     yield start

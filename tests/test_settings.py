@@ -164,6 +164,7 @@ def test_audit_settings_share_config_fields():
     assert a.kl_exact_rows == Config.kl_exact_rows == 4
 
 
+@pytest.mark.e2e   # imports TRL, which imports vLLM
 def test_parity_options_come_from_config():
     pytest.importorskip("trl")
     from parity.integrations.trl import ParityOptions
@@ -194,9 +195,11 @@ DELIBERATE = {
 }
 
 
-@pytest.mark.parametrize("where", ["parity.config:AuditSettings",
-                                   "parity.integrations.trl:ParityOptions",
-                                   "parity.integrations.trl_async:AsyncParityOptions"])
+# TRL's classes import TRL, and TRL imports vLLM: seconds the fast tier leaves to the whole suite.
+@pytest.mark.parametrize("where", [
+    "parity.config:AuditSettings",
+    pytest.param("parity.integrations.trl:ParityOptions", marks=pytest.mark.e2e),
+    pytest.param("parity.integrations.trl_async:AsyncParityOptions", marks=pytest.mark.e2e)])
 def test_settings_fields_are_configs_own(where):
     """A field named as one of Config's has Config's default, help, checks and type (None
     admitted where its default is None), but where DELIBERATE says otherwise. Every field is

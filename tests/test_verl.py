@@ -27,6 +27,10 @@ from parity.integrations.verl import (
 )
 from parity.objectives import behaviour_weights
 
+# verl's own code runs in these tests, and importing it takes seconds: the whole module is in the
+# end-to-end tier (tests/conftest.py does not even import it for the fast one).
+pytestmark = pytest.mark.e2e
+
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(
     not HAVE_VERL and not os.environ.get("PARITY_REQUIRE_VERL"),
