@@ -152,7 +152,6 @@ def run(chat_model, server, tmp_path_factory):
     return tr, before
 
 
-@pytest.mark.budget(60)
 def test_two_steps_log_parity_beside_trl(run):
     tr, _ = run
     steps = [h for h in tr.state.log_history if "clip/frac" in h]
