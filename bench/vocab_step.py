@@ -97,6 +97,7 @@ def parts_table(a: argparse.Namespace) -> Table:
     import torch
 
     from parity import testbed
+    from parity.config import Config
     from parity.diagnostics import exact_kl_of_rows, exact_kl_rows
     from parity.engines import EngineSpec, Sampling, make_engine
     from parity.models.forward import score_full
@@ -107,7 +108,7 @@ def parts_table(a: argparse.Namespace) -> Table:
     task = build_task("neg-length", None, path, None, tok, a.max_new_tokens, None, 0, 1.0)
     rows = a.prompts * a.group
     prompts = [task.prompt_ids[i % a.prompts] for i in range(rows)]
-    kept = exact_kl_rows(rows, 4)
+    kept = exact_kl_rows(rows, Config.kl_exact_rows)   # parity's default
     s = Sampling()
     t = Table("vocab_step_parts",
               f"the exact KL's parts at vocabulary {model.config.vocab_size:,}: {rows} "

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cli_helpers import run_main
 from parity.audit.command import AuditSettings, audit, scale
 from parity.diagnostics import DUMP_COLUMNS
 
@@ -25,6 +26,11 @@ CONTRACT_METRICS = ["clip/frac", "clip/phantom_frac", "clip/hidden_frac", "clip/
                   "mismatch/prob_diff_min", "mismatch/kl_exact"]
 PLOTS = ["prob_scatter.png", "beta_hist.png", "beta_vs_prob.png", "seq_log_ratio.png",
          "phantom_vs_eps.png"]
+
+
+def _main(*args: str) -> tuple[int, str, str]:
+    p = run_main(*args)
+    return p.returncode, p.stdout, p.stderr
 
 
 def parity_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -153,14 +159,6 @@ CASES = [(b, "jsonl") for b in BAD_FILES] + [(b, "parquet") for b in BAD_FILES
                                                             "huge reward", "no float")]
 
 
-def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
-    """The real CLI entry point in this process (a subprocess per case costs seconds)."""
-    from parity.cli import main
-    code = main(list(args))
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
 @pytest.mark.parametrize("case,fmt", CASES, ids=[f"{c[0]}-{f}" for c, f in CASES])
 def test_bad_audit_files(tmp_path, text_model, capsys, case, fmt):
     name, rows, words = case
@@ -170,7 +168,7 @@ def test_bad_audit_files(tmp_path, text_model, capsys, case, fmt):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)
-    code, _, err = cli_in_process(capsys, "audit", "--rollouts", str(path), "--model",
+    code, _, err = _main("audit", "--rollouts", str(path), "--model",
                                   str(text_model), "--out", str(tmp_path / "out"),
                                   "--no-progress")
     assert code == 2, err
@@ -193,7 +191,7 @@ def test_non_finite_log_probs_are_left_out_and_counted_with_one_warning(tmp_path
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)
-    code, _, err = cli_in_process(capsys, "audit", "--rollouts", str(path), "--model",
+    code, _, err = _main("audit", "--rollouts", str(path), "--model",
                                   str(text_model), "--out", str(tmp_path / "out"),
                                   "--no-progress")
     assert code == 0, err
@@ -218,7 +216,7 @@ def test_parquet_missing_column_and_unreadable_files(tmp_path, text_model, capsy
                      ("x.csv", [".jsonl or .parquet"]),
                      ("e.jsonl", ["no rows"]),
                      ("nope.jsonl", ["does not exist"])):
-        code, _, err = cli_in_process(capsys, "audit", "--rollouts", str(tmp_path / f),
+        code, _, err = _main("audit", "--rollouts", str(tmp_path / f),
                                       "--model", str(text_model), "--out",
                                       str(tmp_path / "out"), "--no-progress")
         assert code == 2, (f, err)
@@ -296,7 +294,7 @@ def test_a_refused_audit_leaves_no_output(tmp_path, text_model, capsys, case):
     if "mismatch" in " ".join(args):
         _mismatched_model(text_model, tmp_path / "mismatch")
     out = tmp_path / "out"
-    code, _, err = cli_in_process(capsys, "audit", *[a.format(d=tmp_path, model=text_model)
+    code, _, err = _main("audit", *[a.format(d=tmp_path, model=text_model)
                                                       for a in args],
                                   "--model", str(text_model), "--max-new-tokens", "4",
                                   "--out", str(out), "--no-progress")

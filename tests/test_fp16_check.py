@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from cli_helpers import run_main
 from parity.fp16_check import GradAccum, judge, tensor_stats
 
 OVER = "model.layers.0.mlp.down_proj.weight"  # scaled past 65504 itself
@@ -23,13 +24,9 @@ def parity(*args):
                           capture_output=True, text=True, env=dict(os.environ), timeout=300)
 
 
-def parity_here(capsys, *args):
+def parity_here(*args):
     """The same entry point in this process: saves an interpreter start and a torch import."""
-    from parity.cli import main
-    capsys.readouterr()
-    code = main(["fp16-check", "--no-progress", *args])
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
+    return run_main("fp16-check", "--no-progress", *args)
 
 
 def one_error_line(p, *words):
@@ -138,7 +135,7 @@ def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The history of the city\n\nIn mathematics, a group is\nimport os\n")
     out = tmp_path / "check"
-    p = parity_here(capsys, "--model", str(scaled["activation"]), "--prompts", str(prompts),
+    p = parity_here("--model", str(scaled["activation"]), "--prompts", str(prompts),
                     "--out", str(out))
     assert p.returncode == 1, p.stdout + p.stderr
     r = json.loads((out / "fp16_check.json").read_text())
@@ -158,7 +155,7 @@ def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys
 def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_path, capsys,
                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)
-    p = parity_here(capsys, "--model", "text-xs")
+    p = parity_here("--model", "text-xs")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "inference in fp16: OK" in p.stdout
     assert "training in fp16 with loss scaling: OK" in p.stdout
@@ -189,7 +186,7 @@ def test_bad_model_and_bad_prompts_are_one_line_errors(text_model, tmp_path, cap
     (tmp_path / "blank.txt").write_text("\n  \n")
     for prompts, words in (("missing.txt", ("missing.txt", "does not exist")),
                            ("blank.txt", ("no non-empty lines",))):
-        one_error_line(parity_here(capsys, "--model", "text-xs", "--prompts",
+        one_error_line(parity_here("--model", "text-xs", "--prompts",
                                    str(tmp_path / prompts), "--out", str(tmp_path / "never")),
                        *words)
     assert not (tmp_path / "never").exists()  # input is checked before anything is written

@@ -12,6 +12,7 @@ import typing
 
 import pytest
 
+from cli_helpers import run_main
 from parity import config
 from parity.config import AuditSettings, Config, check_fields, coerce, field_specs, make_config
 from parity.config import fields as config_fields
@@ -230,12 +231,6 @@ def test_settings_are_built_by_keyword():
             cls("text")
 
 
-def cli(capsys, *args: str) -> tuple[int, str]:
-    from parity.cli import main
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("args,words", [
     (["--max-new-tokens", "0"], "max_new_tokens=0 must be > 0"),
     (["--temperature", "0"], "temperature=0.0 must be a finite number > 0"),
@@ -254,7 +249,8 @@ def cli(capsys, *args: str) -> tuple[int, str]:
     (["--task", "neg-length", "--prompts", "p.txt"], "not allowed with argument --task"),
 ])
 def test_bad_audit_settings_are_one_line(tmp_path, capsys, args, words):
-    code, err = cli(capsys, "audit", *args, "--out", str(tmp_path / "out"), "--no-progress")
+    p = run_main("audit", *args, "--out", str(tmp_path / "out"), "--no-progress")
+    code, err = p.returncode, p.stderr
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("parity: error:") and words in lines[0], err
@@ -277,7 +273,8 @@ def test_audit_flags_default_to_the_settings():
 ])
 def test_train_refuses_before_any_work(tmp_path, capsys, args, words):
     """The default model is not in the test cache: any work would build it and write the run."""
-    code, err = cli(capsys, "train", *args, "--out", str(tmp_path / "run"))
+    p = run_main("train", *args, "--out", str(tmp_path / "run"))
+    code, err = p.returncode, p.stderr
     assert code == 2 and err.startswith("parity: error:") and words in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()

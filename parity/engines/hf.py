@@ -201,11 +201,7 @@ class HFEngine:
         valid = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         attn, last_pos = mask, pos[:, -1:]
-        # The kept rows' distributions, written in place each position: [positions, rows, V], so
-        # each position's rows are one contiguous block (torch.empty: on the CPU no page is
-        # touched past the last position decoded).
-        recorded = (torch.empty((max_new_tokens, len(record_rows), out.logits.shape[-1]),
-                                dtype=torch.float32, device=dev) if keep is not None else None)
+        recorded = []
         seen = _prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
         tick = Ticker("rollout", max_new_tokens, "positions")
         for t in range(max_new_tokens):
@@ -213,7 +209,7 @@ class HFEngine:
             x = processed_logits(out.logits[:, -1], s, seen=seen)
             logp = torch.log_softmax(x, dim=-1)
             if keep is not None:
-                torch.index_select(logp, 0, keep, out=recorded[t])
+                recorded.append(logp[keep])
             tok = sample_rows(logp, u)
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
@@ -238,10 +234,7 @@ class HFEngine:
         r = Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
         if record_rows:
             r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
-            # [rows, T, V]: a view where every position was decoded; else a copy of the
-            # decoded ones, so that a rollout sent to another process carries no unused tail
-            dists = recorded[:T].transpose(0, 1)
-            r.dists = dists if T == max_new_tokens else dists.contiguous()
+            r.dists = torch.stack(recorded[:T], dim=1)
         return r, t + 1
 
 

@@ -63,15 +63,14 @@ def adapted(args: Any, p: Any) -> Any:
         for k, v in flip.items():
             setattr(out, k, v)
         out.mixed_precision = MIXED_PRECISION[want]   # derived from the flags at construction
+    whole = "transformers applies no top-p cut above 1, so TRL samples from the whole distribution"
     if args.top_p > 1:
-        changes.append(f"top_p={args.top_p} set to 1.0: transformers applies no top-p cut above "
-                       f"1, so TRL samples from the whole distribution")
+        changes.append(f"top_p={args.top_p} set to 1.0: {whole}")
         out.top_p = 1.0
     kwargs = getattr(args, "generation_kwargs", None) or {}
-    if (kwargs.get("top_p") or 0) > 1:
-        changes.append(f"generation_kwargs top_p={kwargs['top_p']} set to 1.0: transformers "
-                       f"applies no top-p cut above 1, so TRL samples from the whole distribution")
-        out.generation_kwargs = {**kwargs, "top_p": 1.0}   # the user's dict is left alone
+    if _top_p_as_run(kwargs) is not kwargs:
+        changes.append(f"generation_kwargs top_p={kwargs['top_p']} set to 1.0: {whole}")
+        out.generation_kwargs = _top_p_as_run(kwargs)   # a new dict: the user's is left alone
     if getattr(args, "use_vllm", False) and args.vllm_importance_sampling_correction and \
             p.ratio_source != "recompute":
         changes.append(f"vllm_importance_sampling_correction=True set to False: {why} puts "
