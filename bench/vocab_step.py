@@ -3,8 +3,8 @@ Qwen3's 151,936 tokens and 256 new tokens, on each engine, with the default diag
 the exact KL, with none, and the engine's sampling alone; then the verl plugin's figures on the
 driver against verl's own `compute_data_metrics`.
 
-    python -m bench.vocab_step                        # both engines, 3 steps each (1 warm-up)
-    python -m bench.vocab_step --engines hf --steps 4
+    python -m bench.vocab_step                        # parity's engine, 2 runs x 3 steps a setting
+    python -m bench.vocab_step --engines hf,vllm --steps 4
     python -m bench.vocab_step --verl-only            # the driver figure alone
     python -m bench.vocab_step --engines hf,vllm --parts \
         --json docs/data/bench/vocab_step-parts.json  # the exact KL's parts, one process each
@@ -14,10 +14,10 @@ real model's (sampling, log-probs, the exact KL over 151,936 entries a position)
 layers cost little: the shares below are an upper bound on what the same diagnostics cost a
 real model, whose layers take longer. A random model rarely samples EOS, so every completion
 runs the full 256 tokens and the configurations decode the same amount. Each configuration is
-its own run; the first step is dropped (vLLM's start, allocator warm-up) and the others
-averaged. Shares are of the step with the default diagnostics, against the same step measured
-in the same run of the bench. Targets: every default diagnostic together at most 10% of the
-step, the exact KL at most 3%.
+its own run in a fresh process, `--rounds` of them alternating; each run's first step is
+dropped (vLLM's start, allocator warm-up) and the others averaged. Shares are of the step
+with the default diagnostics, against the same step measured in the same run of the bench.
+Targets: every default diagnostic together at most 10% of the step, the exact KL at most 3%.
 
 verl: one batch of `--verl-rows` x `--verl-tokens` as the driver holds it after
 `compute_advantage`, timed through verl's own `compute_data_metrics` with and without the
@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from bench.report import Table, engines_option, json_option, publish
 
@@ -43,6 +45,15 @@ SETTINGS = (("default diagnostics", {}),
 
 
 def run_steps(engine: str, over: dict, a: argparse.Namespace) -> list[dict]:
+    """The metrics of one run's steps after the first, the run in a fresh process: runs one after
+    another in one process inherit the allocator's state the last one left, which moved the
+    same rollout between 3.4 and 7.4 s on the CPU."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(_run_steps, engine, over, a).result()
+
+
+def _run_steps(engine: str, over: dict, a: argparse.Namespace) -> list[dict]:
     from parity.config import make_config
     from parity.trainer import train
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,18 +73,22 @@ def step_table(a: argparse.Namespace) -> Table:
     t = Table("vocab_step",
               f"a step at vocabulary {vocab:,}: {a.model}, neg-length {a.prompts}x{a.group}, "
               f"{a.max_new_tokens} new tokens, micro-batch {a.micro_batch}, mean of "
-              f"{a.steps - 1} steps after the first",
+              f"{a.steps - 1} steps after the first, over {a.rounds} alternating runs of each "
+              f"setting, each run in a fresh process",
               [("engine", None), ("setting", None), ("tokens a step", "{:.0f}"),
                ("rollout s", "{:.2f}"), ("train s", "{:.2f}"), ("step s", "{:.2f}"),
                ("share of the default step", "{:.1%}")])
     for engine in a.engines:
+        rows: dict[str, list[dict]] = {name: [] for name, _ in SETTINGS}
+        for _ in range(a.rounds):
+            for name, over in SETTINGS:
+                rows[name] += run_steps(engine, over, a)
         mean: dict[str, dict[str, float]] = {}
-        for name, over in SETTINGS:
-            rows = run_steps(engine, over, a)
-            mean[name] = {k: statistics.mean(r[k] for r in rows) for k in
+        for name, _ in SETTINGS:
+            mean[name] = {k: statistics.mean(r[k] for r in rows[name]) for k in
                           ("time/rollout_s", "time/train_s", "time/step_s")}
             mean[name]["tokens"] = statistics.mean(
-                r["completion/len_mean"] * a.prompts * a.group for r in rows)
+                r["completion/len_mean"] * a.prompts * a.group for r in rows[name])
         full = mean["default diagnostics"]["time/step_s"]
         off = mean["diagnostics off"]
         for name, _ in SETTINGS:
@@ -197,7 +212,8 @@ def main() -> None:
     ap.add_argument("--verl-tokens", type=int, default=4096)
     ap.add_argument("--verl-repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2,
-                    help="--parts: rollouts with and without the recorded rows, alternating")
+                    help="runs of each setting, alternating (--parts: rollouts with and "
+                    "without the recorded rows)")
     ap.add_argument("--verl-only", action="store_true")
     ap.add_argument("--parts", action="store_true", help="only the exact KL's parts, each "
                     "timed in one process, and the verl figure")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from parity import metric_names as mn
-from parity.engines import Engine, Rollout, Sampling, processed_logits
+from parity.engines import Engine, Rollout, Sampling, processed_logits, row_chunk
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import score
 from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
@@ -144,21 +144,16 @@ def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tenso
             mn.PROB_DIFF_MIN: float(pdiff.min())}
 
 
-# Positions whose vocabulary-wide terms exist at once in the exact KL: a 1,024-token completion
-# over a 49k vocabulary would otherwise hold several 200 MB temporaries, more than the rest of a
-# micro-batched update.
-KL_CHUNK = 64
-
-
 def exact_kl(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """KL(μ‖π) = Σ_v μ_v (log μ_v − log π_v) over the whole vocabulary at each of N positions.
     `mu_logp` [N, V] is the engine's sampling distribution (−inf outside its top-k/top-p
     support); π is the trainer's, processed the same way, except that a token μ can sample is
     never excluded from π (as when scoring), so the KL stays finite. Each position's sum is
-    its own, so computing KL_CHUNK positions at a time changes nothing but the memory.
-    Returns float64 [N]."""
-    return torch.cat([_exact_kl(mu_logp[a:a + KL_CHUNK], pi_logits[a:a + KL_CHUNK], s)
-                      for a in range(0, mu_logp.shape[0], KL_CHUNK)]
+    its own, so computing `row_chunk` positions at a time changes nothing but the memory and
+    its cost (parity/engines/rollout.py). Returns float64 [N]."""
+    c = row_chunk(mu_logp.shape[-1])
+    return torch.cat([_exact_kl(mu_logp[a:a + c], pi_logits[a:a + c], s)
+                      for a in range(0, mu_logp.shape[0], c)]
                      or [mu_logp.new_zeros(0, dtype=torch.float64)])
 
 

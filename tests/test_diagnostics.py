@@ -119,10 +119,12 @@ def test_kl_estimates_against_formulas():
     assert m["mismatch/prob_diff_abs_mean"] == pytest.approx(sum(map(abs, pd)) / n, abs=1e-7)
 
 
-def test_exact_kl_against_loops():
-    from parity.diagnostics import KL_CHUNK
+def test_exact_kl_against_loops(monkeypatch):
+    from parity.engines import rollout
+    monkeypatch.setattr(rollout, "CHUNK_BYTES", 4 * 7 * 8)
+    c = rollout.row_chunk(7)
     g = torch.Generator().manual_seed(2)
-    N = 2 * KL_CHUNK + 5  # positions in three chunks, the last one short
+    N = 2 * c + 5  # positions in three chunks, the last one short
     mu_logits, pi_logits = torch.randn(N, 7, generator=g), torch.randn(N, 7, generator=g)
     for s in (Sampling(), Sampling(temperature=0.7, top_k=3), Sampling(top_p=0.8)):
         from parity.engines import processed_logits

@@ -165,6 +165,34 @@ def test_processed_logits_are_transformers_processors(s):
     assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)], atol=1e-5)
 
 
+@pytest.mark.parametrize("s", [Sampling(), *SAMPLINGS])
+def test_logprobs_without_gradient_run_in_chunks_to_the_same_values(s, monkeypatch):
+    """Without gradient `logprobs_from_logits` takes a few positions at a time: the same
+    log-probs as the whole [B, T, V] tensor at once, and as a float64 sum. At the default chunk
+    (a position per thread at least) bit for bit; forced to chunks of 3 positions, within
+    float32 rounding."""
+    from parity.engines import logprobs_from_logits, rollout
+    from parity.engines.rollout import seen_before
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 3, 40, 5000
+    logits = (torch.randn(B, T + 1, V, generator=g) * 3).bfloat16()[:, :T]  # a model's slice
+    prompt = torch.randint(0, V, (B, 5), generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    seen = seen_before(prompt, torch.ones_like(prompt), tokens, torch.ones(B, T), V)
+    whole = rollout._logprobs(logits, tokens, s, True, seen)
+    with torch.no_grad():
+        assert torch.equal(logprobs_from_logits(logits, tokens, s, seen=seen), whole)
+        assert torch.equal(logprobs_from_logits(logits[0], tokens[0], s, seen=seen[0]), whole[0])
+        monkeypatch.setattr(rollout, "CHUNK_BYTES", 3 * 4 * V)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+        assert rollout.row_chunk(V) == 3
+        chunked = logprobs_from_logits(logits, tokens, s, seen=seen)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    x = processed_logits(logits, s, keep=tokens, seen=seen).double()
+    want = x.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(x, -1)
+    torch.testing.assert_close(chunked.double(), want, rtol=0, atol=2e-5)
+
+
 def test_seen_before_counts_the_prompt_and_the_completion_so_far():
     from parity.engines.rollout import seen_before
     prompt = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 3]])

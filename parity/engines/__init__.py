@@ -34,10 +34,11 @@ if TYPE_CHECKING:
 __all__ = ["ENGINES", "Engine", "EngineCan", "EngineEntry", "EngineNeeds", "EngineSpec",
            "Rollout", "Sampling", "Shard", "check_engine", "keep_last", "left_pad",
            "logprobs_from_logits", "make_engine", "positions", "processed_logits", "register",
-           "sample_rows", "stop_token_ids", "uniforms"]
+           "row_chunk", "sample_rows", "stop_token_ids", "uniforms"]
 # What rollout.py shares (it imports torch), reachable from here.
 _SHARED = {"Rollout", "Sampling", "Shard", "keep_last", "left_pad", "logprobs_from_logits",
-           "positions", "processed_logits", "sample_rows", "stop_token_ids", "uniforms"}
+           "positions", "processed_logits", "row_chunk", "sample_rows", "stop_token_ids",
+           "uniforms"}
 
 
 def __getattr__(name: str) -> Any:

@@ -203,6 +203,7 @@ class HFEngine:
         attn, last_pos = mask, pos[:, -1:]
         recorded = []
         seen = _prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
+        cdf = torch.empty((B, out.logits.shape[-1]), dtype=torch.float64, device=dev)
         tick = Ticker("rollout", max_new_tokens, "positions")
         for t in range(max_new_tokens):
             tick(t)
@@ -210,7 +211,7 @@ class HFEngine:
             logp = torch.log_softmax(x, dim=-1)
             if keep is not None:
                 recorded.append(logp[keep])
-            tok = sample_rows(logp, u)
+            tok = sample_rows(logp, u, cdf)
             alive = ~done
             tokens[:, t] = torch.where(alive, tok, self.pad_id)
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)

@@ -80,11 +80,41 @@ def processed_logits(logits: torch.Tensor, s: Sampling, keep: torch.Tensor | Non
     return x.masked_fill(remove, float("-inf"))
 
 
+# Without gradient, vocabulary-wide work takes a few positions at a time: a float32 temporary of
+# 8 MiB is memory the allocator hands back at once, where one over a whole micro-batch ([B, T, V]:
+# 0.6 GB at Qwen3's vocabulary, and the log-sum-exp makes two more) is fresh memory each time, on
+# a CPU slower to fill than the arithmetic is to run (docs/performance.md). At least a position
+# per thread: each position's reductions then run as they do over the whole tensor, to the bit.
+CHUNK_BYTES = 8 << 20
+
+
+def row_chunk(vocab: int) -> int:
+    """Positions of a vocabulary-wide computation without gradient that run at once."""
+    return max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling,
                          keep_sampled: bool = True, seen: torch.Tensor | None = None
                          ) -> torch.Tensor:
     """log p(token) under the sampling distribution defined by `s`; fp32, shape of `tokens`.
-    `seen`: as `processed_logits` needs it with a repetition penalty."""
+    `seen`: as `processed_logits` needs it with a repetition penalty. Without gradient the
+    positions run `row_chunk` at a time, with the same result."""
+    if (torch.is_grad_enabled() and logits.requires_grad) or tokens.dim() == 0:
+        return _logprobs(logits, tokens, s, keep_sampled, seen)
+    V = logits.shape[-1]
+    x, tok = logits.reshape(-1, *logits.shape[-2:]), tokens.reshape(-1, tokens.shape[-1])
+    sn = None if seen is None else seen.reshape(x.shape)
+    out = torch.empty(tok.shape, dtype=torch.float32, device=logits.device)
+    c = row_chunk(V)
+    for b in range(x.shape[0]):
+        for a in range(0, x.shape[1], c):
+            out[b, a:a + c] = _logprobs(x[b, a:a + c], tok[b, a:a + c], s, keep_sampled,
+                                        None if sn is None else sn[b, a:a + c])
+    return out.reshape(tokens.shape)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling, keep_sampled: bool,
+              seen: torch.Tensor | None) -> torch.Tensor:
     x = processed_logits(logits, s, keep=tokens if keep_sampled else None, seen=seen)
     return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
@@ -193,12 +223,19 @@ def uniforms(generator: torch.Generator, batch: int, rows: torch.Tensor | None =
     return u.to(device) if device is not None else u
 
 
-def sample_rows(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_rows(logp: torch.Tensor, u: torch.Tensor, cdf: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """One token per row of `logp` [B, V], drawn from exp(logp) by inverse CDF with the uniforms
     `u` [B, 1]. torch.multinomial draws an exponential per vocabulary entry instead, B·V random
     numbers a token, a large share of a decode step (docs/performance.md). The CDF
-    is summed in float64 so a token's share of [0, 1) is its probability to ~1e-16."""
-    c = logp.double().exp().cumsum(-1)
+    is summed in float64 so a token's share of [0, 1) is its probability to ~1e-16.
+
+    `cdf`: a float64 buffer of `logp`'s shape that the CDF is summed in, the same at every
+    position of a decode loop. Three fresh [B, V] float64 tensors a position (19 MB each at
+    16 rows of 151,936 tokens) were, depending on what the allocator held, fresh pages each
+    time: the same CPU rollout took 3.4 or 7.4 s."""
+    c = torch.empty_like(logp, dtype=torch.float64) if cdf is None else cdf
+    c.copy_(logp).exp_().cumsum_(-1)
     return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp(
         max=logp.shape[-1] - 1)
 

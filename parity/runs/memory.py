@@ -143,10 +143,6 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     # Held through the update: the engine's whole distribution at every position of the rows
     # kept for the exact KL, fp32.
     dists = cfg.kl_exact_rows * cfg.max_new_tokens * vocab * 4 if cfg.diagnostics else 0
-    # The exact KL's float64 terms, about ten of them over 64 positions at a time
-    # (diagnostics.KL_CHUNK), beside the update's own peak.
-    if cfg.diagnostics and cfg.kl_exact_rows:
-        logits += 10 * min(64, cfg.max_new_tokens) * vocab * 8
     # Before it, while sampling: the engine's KV cache over the rows it decodes at once.
     sampled = cfg.prompts_per_step * cfg.samples_per_prompt // world
     decoding = min(sampled, cfg.rollout_batch) if cfg.rollout_batch else sampled
