@@ -209,3 +209,28 @@ def test_memory_sites_replay_the_history_to_its_peak():
                      "parity/models/forward.py:85 score_full", 200, 1),
                     ("allocated before recording", "", 100, 1)]
     assert got["rest_gib"] * 2**30 == 50   # the optimizer's block, below the top 2
+
+
+@pytest.mark.e2e
+@pytest.mark.budget(90)
+def test_the_vocabulary_bench_prices_each_setting_in_its_own_process(tmp_path):
+    """`bench/vocab_step.py` at a tiny size: every setting runs (each in a fresh process), the
+    table has the default step, its three comparisons and their shares, and the shares are what
+    the step times say."""
+    import subprocess
+    import sys
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, "-m", "bench.vocab_step", "--model", "text-xs", "--steps",
+                    "2", "--rounds", "1", "--prompts", "2", "--group", "2", "--max-new-tokens",
+                    "6", "--verl-rows", "8", "--verl-tokens", "16", "--verl-repeats", "1",
+                    "--json", str(out)], cwd=ROOT, check=True, capture_output=True, text=True)
+    table = json.loads(out.read_text())["tables"][0]
+    rows = {r[1]: r for r in table["rows"]}
+    assert list(rows) == ["default diagnostics", "kl_exact_rows 0", "diagnostics off",
+                          "sampling alone"]
+    step = {name: r[5] for name, r in rows.items()}
+    full = step["default diagnostics"]
+    assert full > 0 and rows["default diagnostics"][6] is None
+    for name in ("kl_exact_rows 0", "diagnostics off"):
+        assert rows[name][6] == pytest.approx((full - step[name]) / full)
+    assert rows["sampling alone"][6] == pytest.approx(rows["diagnostics off"][3] / full)

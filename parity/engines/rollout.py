@@ -233,7 +233,7 @@ def sample_rows(logp: torch.Tensor, u: torch.Tensor, cdf: torch.Tensor | None = 
     `cdf`: a float64 buffer of `logp`'s shape that the CDF is summed in, the same at every
     position of a decode loop. Three fresh [B, V] float64 tensors a position (19 MB each at
     16 rows of 151,936 tokens) were, depending on what the allocator held, fresh pages each
-    time: the same CPU rollout took 3.4 or 7.4 s."""
+    time, and the same CPU rollout took up to twice as long (docs/performance.md)."""
     c = torch.empty_like(logp, dtype=torch.float64) if cdf is None else cdf
     c.copy_(logp).exp_().cumsum_(-1)
     return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp(
