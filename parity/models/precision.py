@@ -205,10 +205,12 @@ def cast_weights_into(master: torch.nn.Module, target: torch.nn.Module, count: b
     for name, t in target.state_dict().items():
         # An FSDP shard is gathered whole, one tensor at a time (every rank casts at the same
         # points of the step, in the same order).
+        if not (count and t.is_floating_point()):
+            t.copy_(full_tensor(src[name]))  # the cast in place: no [V, d] temporary
+            continue
         new = full_tensor(src[name]).to(t.dtype)
-        if count and t.is_floating_point():
-            changed += (new != t).sum()  # summed on the device: one wait, at the end
-            total += t.numel()
+        changed += (new != t).sum()  # summed on the device: one wait, at the end
+        total += t.numel()
         t.copy_(new)
     return int(changed) / max(total, 1)
 
