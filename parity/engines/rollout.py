@@ -86,10 +86,16 @@ def processed_logits(logits: torch.Tensor, s: Sampling, keep: torch.Tensor | Non
 # a CPU slower to fill than the arithmetic is to run (docs/performance.md). At least a position
 # per thread: each position's reductions then run as they do over the whole tensor, to the bit.
 CHUNK_BYTES = 8 << 20
+# On a GPU the caching allocator reuses memory anyway, and each chunk is several kernel launches:
+# chunks there only bound the temporaries' memory.
+DEVICE_CHUNK_BYTES = 256 << 20
 
 
-def row_chunk(vocab: int) -> int:
-    """Positions of a vocabulary-wide computation without gradient that run at once."""
+def row_chunk(vocab: int, device: torch.device | None = None) -> int:
+    """Positions of a vocabulary-wide computation without gradient that run at once on
+    `device` (the CPU when None)."""
+    if device is not None and device.type != "cpu":
+        return max(DEVICE_CHUNK_BYTES // (4 * vocab), 1)
     return max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
 
 
@@ -105,7 +111,7 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling
     x, tok = logits.reshape(-1, *logits.shape[-2:]), tokens.reshape(-1, tokens.shape[-1])
     sn = None if seen is None else seen.reshape(x.shape)
     out = torch.empty(tok.shape, dtype=torch.float32, device=logits.device)
-    c = row_chunk(V)
+    c = row_chunk(V, logits.device)
     for b in range(x.shape[0]):
         for a in range(0, x.shape[1], c):
             out[b, a:a + c] = _logprobs(x[b, a:a + c], tok[b, a:a + c], s, keep_sampled,
