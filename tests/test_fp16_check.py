@@ -131,7 +131,7 @@ def test_weight_past_fp16_range_is_flagged(scaled, tmp_path):
 
 
 @pytest.mark.e2e
-def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys):
+def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The history of the city\n\nIn mathematics, a group is\nimport os\n")
     out = tmp_path / "check"
@@ -152,7 +152,7 @@ def test_activation_overflow_with_every_weight_in_range(scaled, tmp_path, capsys
 
 
 @pytest.mark.e2e
-def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_path, capsys,
+def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_path,
                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)
     p = parity_here("--model", "text-xs")
@@ -181,7 +181,7 @@ def test_ordinary_model_passes_and_writes_to_a_fresh_directory(text_model, tmp_p
 
 
 @pytest.mark.e2e
-def test_bad_model_and_bad_prompts_are_one_line_errors(text_model, tmp_path, capsys):
+def test_bad_model_and_bad_prompts_are_one_line_errors(text_model, tmp_path):
     one_error_line(parity("--model", str(tmp_path / "nope")), "no model directory")
     (tmp_path / "blank.txt").write_text("\n  \n")
     for prompts, words in (("missing.txt", ("missing.txt", "does not exist")),
