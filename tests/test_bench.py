@@ -212,7 +212,7 @@ def test_memory_sites_replay_the_history_to_its_peak():
 
 
 @pytest.mark.e2e
-@pytest.mark.budget(90)
+@pytest.mark.budget(45)
 def test_the_vocabulary_bench_prices_each_setting_in_its_own_process(tmp_path):
     """`bench/vocab_step.py` at a tiny size: every setting runs (each in a fresh process), the
     table has the default step, its three comparisons and their shares, and the shares are what
