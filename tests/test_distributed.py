@@ -282,6 +282,7 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 
 
 @pytest.mark.e2e
+@pytest.mark.budget(120)   # its own bound: the run stops within 90 s of the kill
 def test_killing_one_rank_ends_the_run_with_a_clear_error(text_model, tmp_path):
     """SIGKILL rank 1 mid-run: the whole run stops within a minute, rank 0 says why in one
     line, and the steps already written stay intact."""

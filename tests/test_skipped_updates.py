@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,10 @@ def test_fsdp_ranks_skip_together_and_stop(tmp_path, text_model):
     script = tmp_path / "rank.py"
     script.write_text(FSDP_RANK)
     for _ in range(3):    # the gloo abort tests/test_distributed.py retries
+        # a retry starts as the first attempt did, without what an aborted one left behind
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        for f in tmp_path.glob("stopped-*.txt"):
+            f.unlink()
         p = subprocess.run(TORCHRUN + [str(script), str(Path(__file__).parent), str(tmp_path)],
                            capture_output=True, text=True, env=env, timeout=900)
         if TORN not in p.stderr:
