@@ -46,8 +46,8 @@ SETTINGS = (("default diagnostics", {}),
 
 def run_steps(engine: str, over: dict, a: argparse.Namespace) -> list[dict]:
     """The metrics of one run's steps after the first, the run in a fresh process: runs one after
-    another in one process inherit the allocator's state the last one left, which moved the
-    same rollout between 3.4 and 7.4 s on the CPU."""
+    another in one process inherit the allocator's state the last one left, and on the CPU
+    what it holds moves a step's time (docs/performance.md)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=ctx) as pool:
         return pool.submit(_run_steps, engine, over, a).result()

@@ -159,4 +159,3 @@ def test_a_run_may_resume_on_another_device(tmp_path, text_model):
                  "cpu"]) == 0
     assert main(["train", *run, "--steps", "4", "--out", str(tmp_path / "b")]) == 0
     assert _rows(tmp_path / "a" / "metrics.jsonl") == _rows(tmp_path / "b" / "metrics.jsonl")
-

@@ -107,11 +107,10 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling
     positions run `row_chunk` at a time, with the same result."""
     if (torch.is_grad_enabled() and logits.requires_grad) or tokens.dim() == 0:
         return _logprobs(logits, tokens, s, keep_sampled, seen)
-    V = logits.shape[-1]
     x, tok = logits.reshape(-1, *logits.shape[-2:]), tokens.reshape(-1, tokens.shape[-1])
     sn = None if seen is None else seen.reshape(x.shape)
     out = torch.empty(tok.shape, dtype=torch.float32, device=logits.device)
-    c = row_chunk(V, logits.device)
+    c = row_chunk(logits.shape[-1], logits.device)
     for b in range(x.shape[0]):
         for a in range(0, x.shape[1], c):
             out[b, a:a + c] = _logprobs(x[b, a:a + c], tok[b, a:a + c], s, keep_sampled,
