@@ -100,6 +100,14 @@ class Measurement:
             sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
         logp_s = shadow.logprobs(model, r, s, logp_pi)
+        self.add_scored(r, logp_pi, logp_s, logits, rows, adv, s, prompt_ids, first_sample)
+
+    def add_scored(self, r: Rollout, logp_pi: torch.Tensor, logp_s: torch.Tensor,
+                   logits: torch.Tensor | None, rows: list[int], adv: torch.Tensor | None,
+                   s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
+        """A batch's figures from its scores: ℓ_π and ℓ_s of `r`'s tokens on this device, and the
+        trainer's logits of `rows` (the rows whose distribution the engine kept)."""
+        a, dev = self.a, self.device
         self.has_adv &= adv is not None
         adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
         mask, (logp_pi, logp_s, mu), left_out = finite_tokens(r.completion_mask, logp_pi, logp_s,

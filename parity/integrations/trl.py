@@ -511,25 +511,18 @@ class ParityGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"].float()
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        mask = mask.cpu()
-        pi, s, mu = call["pi"].float().cpu(), call["s"].float().cpu(), mu.float().cpu()
-        adv = inputs["advantages"].float().cpu()
-        old = inputs.get("old_per_token_logps")  # TRL's ℓ_old; absent: the ratio is 1
-        old = pi if old is None else old.float().cpu()
-        mask, (pi, s, mu, old), left_out = finite_tokens(mask, pi, s, mu, old)
-        self.guard.left_out(int(self.accelerator.reduce(torch.tensor(
-            float(left_out), device=self.accelerator.device), "sum")))
-        pi, s, mu, old = pi * mask, s * mask, mu * mask, old * mask
         clips = self.loss_type in CLIPPING_LOSSES
         eps = (self.epsilon_low, self.epsilon_high) if clips else (None, None)
         # Completions sampled at this optimizer step: θ = θ_old, so |α| is the kernel gap and
         # ℓ_π − ℓ_μ the mismatch before the policy moves. On completions reused by a later
         # step (num_iterations > 1, steps_per_generation) both include the policy change.
         fresh = self._synced_step == self.state.global_step
-        diag = StepDiagnostics()
-        measure(diag, pi, s, mu, adv, mask, *eps, ratio_source=self.parity.ratio_source,
-                logp_old=old, sequence=self.importance_sampling_level == "sequence",
-                first=fresh)
+        diag, left_out = micro_batch_diagnostics(
+            call["pi"], call["s"], mu, inputs.get("old_per_token_logps"), inputs["advantages"],
+            mask, *eps, ratio_source=self.parity.ratio_source,
+            sequence=self.importance_sampling_level == "sequence", first=fresh)
+        self.guard.left_out(int(self.accelerator.reduce(torch.tensor(
+            float(left_out), device=self.accelerator.device), "sum")))
         if self.accelerator.num_processes > 1:
             # Every rank's tokens, as one process holding them all would measure them: token
             # means weighted by each rank's tokens, maxima over all. TRL gathers its own figures
@@ -541,3 +534,22 @@ class ParityGRPOTrainer(GRPOTrainer):
         if not fresh:
             m.pop(mn.KERNEL_GAP_ABS_MEAN, None)
         return m
+
+
+def micro_batch_diagnostics(pi: torch.Tensor, s: torch.Tensor, mu: torch.Tensor,
+                            old: torch.Tensor | None, adv: torch.Tensor, mask: torch.Tensor,
+                            eps_low: float | None, eps_high: float | None, *,
+                            ratio_source: str, sequence: bool, first: bool
+                            ) -> tuple[StepDiagnostics, int]:
+    """parity's measurement of one TRL micro-batch on this rank (`GRPOTrainer._diagnose`; its
+    figures are `.metrics()` once the ranks' parts are merged), and how many of its tokens
+    had a NaN or inf log-prob and were left out. `old`: TRL's ℓ_old; None: the ratio is 1."""
+    mask = mask.float().cpu()
+    pi, s, mu = pi.float().cpu(), s.float().cpu(), mu.float().cpu()
+    old = pi if old is None else old.float().cpu()
+    mask, (pi, s, mu, old), left_out = finite_tokens(mask, pi, s, mu, old)
+    pi, s, mu, old = pi * mask, s * mask, mu * mask, old * mask
+    diag = StepDiagnostics()
+    measure(diag, pi, s, mu, adv.float().cpu(), mask, eps_low, eps_high,
+            ratio_source=ratio_source, logp_old=old, sequence=sequence, first=first)
+    return diag, left_out

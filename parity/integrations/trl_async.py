@@ -163,6 +163,26 @@ def flat(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[mask > 0]
 
 
+def packed_diagnostics(pi: torch.Tensor, s: torch.Tensor, old: torch.Tensor, mu: torch.Tensor,
+                       adv: torch.Tensor, seg: torch.Tensor, eps_low: float | None,
+                       eps_high: float | None, *, ratio_source: str
+                       ) -> tuple[dict[str, float], int]:
+    """docs/design.md's metrics of one AsyncGRPO micro-batch from its flat loss terms (ℓ_π, ℓ_s,
+    ℓ_old, ℓ_μ and A per trained token, `seg` each term's sample), and how many tokens had a
+    NaN or inf log-prob and were left out."""
+    seg = seg.cpu()
+    pi, mask = rows(pi.cpu(), seg)
+    s, old, m, a = (rows(x.cpu(), seg)[0] for x in (s, old, mu, adv))
+    mask, (pi, s, m, old), left_out = finite_tokens(mask, pi, s, m, old)
+    d = StepDiagnostics()
+    measure(d, pi, s, m, a, mask, eps_low, eps_high, ratio_source=ratio_source, logp_old=old)
+    out = d.metrics()
+    # α includes the policy's change over each sample's staleness, so it is no kernel gap
+    # here; the sync's probe measures that (sync/probe_gap_abs_mean).
+    out.pop(mn.KERNEL_GAP_ABS_MEAN, None)
+    return out, left_out
+
+
 def sequences(packed: dict[str, Any], index: torch.Tensor, seg: torch.Tensor
               ) -> tuple[list[list[int]], list[list[int]]]:
     """Each sample of a packed tree row as its token ids (through its last trained token) and
@@ -529,22 +549,12 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
         """docs/design.md's metrics for one micro-batch; `clipped` recomputed from the log-ratio
         TRL's loss really used."""
         src = self.parity.ratio_source
-        pi_t = call["pi"][index].cpu()
-        s_t = call["s"][index].cpu() if "s" in call else pi_t
-        old_t = call["old"].cpu() if src == "recompute" else mu.cpu()
-        seg, mu, adv = seg.cpu(), mu.cpu(), adv.cpu()
-        pi, mask = rows(pi_t, seg)
-        s, m, a = rows(s_t, seg)[0], rows(mu, seg)[0], rows(adv, seg)[0]
-        old = rows(old_t, seg)[0]
-        mask, (pi, s, m, old), left_out = finite_tokens(mask, pi, s, m, old)
-        self.guard.left_out(left_out)
+        pi = call["pi"][index]
         eps = (None, None) if self.parity.no_clip else (self.epsilon_low, self.epsilon_high)
-        d = StepDiagnostics()
-        measure(d, pi, s, m, a, mask, *eps, ratio_source=src, logp_old=old)
-        out = d.metrics()
-        # α includes the policy's change over each sample's staleness, so it is no kernel gap
-        # here; the sync's probe measures that (sync/probe_gap_abs_mean).
-        out.pop(mn.KERNEL_GAP_ABS_MEAN, None)
+        out, left_out = packed_diagnostics(
+            pi, call["s"][index] if "s" in call else pi, call["old"] if src == "recompute"
+            else mu, mu, adv, seg, *eps, ratio_source=src)
+        self.guard.left_out(left_out)
         return out
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
