@@ -28,7 +28,7 @@ from parity.engines import Engine, Rollout, Sampling, processed_logits, row_chun
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import score
 from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
-from parity.objectives import clip_predicate, clipped_tokens, log_ratio
+from parity.objectives import LOG_RATIO_CAP, clip_predicate, clipped_tokens, log_ratio
 
 # Buckets for β by the trainer's token probability and by position in the completion: where
 # the gap lives (rare tokens? late positions?) decides which fix helps.
@@ -131,14 +131,17 @@ def measure(diag: "StepDiagnostics", logp_pi: torch.Tensor, logp_s: torch.Tensor
 def kl_estimates(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor
                  ) -> dict[str, float]:
     """The sampled estimates (docs/design.md) over valid tokens, Δ = ℓ_π − ℓ_μ: k1 = mean(−Δ),
-    k3 = mean(exp(Δ) − Δ − 1), and the probability differences exp(ℓ_π) − exp(ℓ_μ)."""
+    k3 = mean(exp(Δ) − Δ − 1) with Δ taken at min(Δ, LOG_RATIO_CAP) (exp(Δ) overflows float64
+    past Δ = 709, and a mean of large terms sooner), and the probability differences
+    exp(ℓ_π) − exp(ℓ_μ). k1 and the differences are exact for any finite log-probs."""
     m = mask > 0
     d = (logp_pi - logp_mu)[m].double()
     if d.numel() == 0:
         return {}
     pdiff = (logp_pi.double().exp() - logp_mu.double().exp())[m]
+    dc = d.clamp(max=LOG_RATIO_CAP)
     return {mn.KL_K1: float((-d).mean()),
-            mn.KL_K3: float((d.exp() - d - 1).mean()),
+            mn.KL_K3: float((dc.exp() - dc - 1).mean()),
             mn.PROB_DIFF_ABS_MEAN: float(pdiff.abs().mean()),
             mn.PROB_DIFF_MAX: float(pdiff.max()),
             mn.PROB_DIFF_MIN: float(pdiff.min())}

@@ -151,7 +151,8 @@ ROWS: tuple[Row, ...] = (
          (BETA_BY_PROB, "nats per token; `tokens`: count", "a bucket with no token")),
     _row("β by completion position, buckets 0, 8, 32, 128, 512+; `stat` as above",
          (BETA_BY_POS, "nats per token; `tokens`: count", "a bucket with no token")),
-    _row("token means of `ℓ_μ − ℓ_π` and `exp(Δ) − Δ − 1`, `Δ = ℓ_π − ℓ_μ`",
+    _row("token means of `ℓ_μ − ℓ_π` and `exp(Δ) − Δ − 1`, `Δ = ℓ_π − ℓ_μ`; k3 takes `Δ` at "
+         "`min(Δ, 80)`, so one token adds at most e^80 ≈ 5.5e34 (docs/diagnostics.md)",
          (KL_K1, TOKENS_NATS, NO_TOKENS), (KL_K3, TOKENS_NATS, NO_TOKENS)),
     _row("`exp(ℓ_π) − exp(ℓ_μ)`",
          *((n, "probability", NO_TOKENS)
@@ -178,11 +179,12 @@ ROWS: tuple[Row, ...] = (
          "`loss/policy`",
          (LOSS_VALUE, "squared reward units", "an objective other than `ppo-value`")),
     _row("the fp16 dynamic loss scale (1 for other dtypes)", (LOSS_SCALE, "factor")),
-    _row("behaviour weights of a `recompute` correction, before and after truncation or masking",
+    _row("behaviour weights of a `recompute` correction, before and after truncation or "
+         "masking; each `exp` of a log-ratio at `min(·, 80)`, so a raw weight is at most e^80",
          *((n, "importance weight", "no `recompute` correction")
            for n in (IS_WEIGHT_MEAN_RAW, IS_WEIGHT_MAX_RAW, IS_WEIGHT_MIN_RAW, IS_WEIGHT_MEAN)),
          (IS_FRAC_CHANGED, "share of tokens or completions", "no `recompute` correction")),
-    _row("`pg-is`'s sequence weights",
+    _row("`pg-is`'s sequence weights, `exp(min(Σ_t log r, 80))` before the cap",
          *((n, "importance weight", "an objective other than `pg-is`")
            for n in (PG_IS_WEIGHT_MEAN_RAW, PG_IS_WEIGHT_MAX_RAW, PG_IS_WEIGHT_MEAN)),
          (PG_IS_FRAC_CHANGED, "share of completions", "an objective other than `pg-is`")),

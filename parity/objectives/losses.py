@@ -66,6 +66,13 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
 
 # ---- the ratio -----------------------------------------------------------------------------
 
+# Where parity exponentiates a log-ratio for a figure or a weight (k3, the behaviour and pg-is
+# weights), it takes exp(min(x, 80)): e^80 ≈ 5.5e34 is finite in float32 and below float64's
+# largest value by 10^273, so no mean of such terms overflows either. A token or completion
+# past it weighs as one at 80 nats (docs/diagnostics.md); a ratio there is already past every
+# cap and clip range.
+LOG_RATIO_CAP = 80.0
+
 
 def log_ratio(source: str, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
               logp_s: torch.Tensor | None = None, logp_old: torch.Tensor | None = None
@@ -93,14 +100,15 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
         seq-tis    w_i = min(ρ_i, C)             ρ_i = exp(Σ_t (ℓ_old − ℓ_μ))
         seq-mis    w_i = ρ_i · 1[ρ_i ≤ C]
         geo-rs     w_i = 1[exp(|mean_t (ℓ_old − ℓ_μ)|) ≤ C_geo]   (reject, do not reweight)
-    Also the statistics before and after, and the share of weights the cap changed: a log of
-    the weights after truncation or masking alone would hide how many were cut."""
+    Each exp is taken at min(·, LOG_RATIO_CAP), so a weight and its statistics stay finite. Also
+    the statistics before and after, and the share of weights the cap changed: a log of the
+    weights after truncation or masking alone would hide how many were cut."""
     d = _masked(logp_old - logp_mu, mask).double()
     valid = mask > 0
     if correction == "none":
         return mask.to(logp_old.dtype), {}
     if correction.startswith("token"):
-        raw = d.exp()
+        raw = d.clamp(max=LOG_RATIO_CAP).exp()
         if correction == "token-tis":
             w = raw.clamp(max=cap)
         elif correction == "token-icepop":
@@ -111,11 +119,11 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
         raw_sel, w_sel = raw[sel], w[sel]
     else:
         if correction == "geo-rs":
-            geo = (d.sum(-1) / mask.sum(-1).clamp(min=1)).abs().exp()
+            geo = (d.sum(-1) / mask.sum(-1).clamp(min=1)).abs().clamp(max=LOG_RATIO_CAP).exp()
             raw, keep = geo, (geo <= geo_cap).double()
             w_seq = keep
         else:
-            raw = d.sum(-1).clamp(max=80).exp()   # exp(80) ~ 5e34: finite in float64 and fp32
+            raw = d.sum(-1).clamp(max=LOG_RATIO_CAP).exp()
             w_seq = raw.clamp(max=cap) if correction == "seq-tis" else raw * (raw <= cap)
         w = w_seq[:, None].expand_as(d) * mask
         raw_sel, w_sel = raw, w_seq
@@ -231,7 +239,7 @@ def pg_is_loss(logp_pi: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, ma
         L = agg_t( −sg(min(ρ_i, C)) · w_t · A_i · ℓ_π,it ),   ρ_i = exp(Σ_t log r_it)
     so ∇L = −min(ρ_i, C) A_i ∇ log π(y_i) (per token, aggregated); w are the behaviour weights
     of a `recompute` correction (1 without one)."""
-    log_rho = _masked(log_r.detach(), mask).sum(-1).clamp(max=80)
+    log_rho = _masked(log_r.detach(), mask).sum(-1).clamp(max=LOG_RATIO_CAP)
     rho = log_rho.exp()
     w = rho.clamp(max=cap)
     per_token = -(w * adv)[:, None] * logp_pi
