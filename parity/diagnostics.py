@@ -95,8 +95,9 @@ def attribute(logp_pi: torch.Tensor, logp_s: torch.Tensor, logp_mu: torch.Tensor
     ratio is not ℓ_π − ℓ_μ (the shadow ratio clips on α alone); by default C(α + β, A).
     `sequence`: the objective clips a sequence's mean log-ratio (GSPO), so C applies to the
     token means of α and α + β, and a sequence's verdict holds for all its tokens."""
-    alpha = (logp_s - logp_mu).detach() * mask
-    beta = (logp_pi - logp_s).detach() * mask
+    valid = mask > 0    # not a product with the mask: padding may hold anything, and inf·0 is NaN
+    alpha = torch.where(valid, (logp_s - logp_mu).detach(), 0.0)
+    beta = torch.where(valid, (logp_pi - logp_s).detach(), 0.0)
     c_alpha = clipped_tokens(alpha, adv, mask, eps_low, eps_high, sequence)
     if clipped is None:
         clipped = clipped_tokens(alpha + beta, adv, mask, eps_low, eps_high, sequence)
@@ -360,7 +361,7 @@ class StepDiagnostics:
         if self.first["mask"]:
             lp, lm, mk = (_cat_padded(self.first[k]) for k in ("logp_pi", "logp_mu", "mask"))
             out.update(kl_estimates(lp, lm, mk))
-            seq = ((lp - lm) * mk).sum(-1)
+            seq = torch.where(mk > 0, lp - lm, 0.0).sum(-1)
             length = mk.sum(-1)
             out[mn.SEQ_LOG_RATIO_MEAN] = float(seq.double().mean())
             slope = _slope(length, seq)

@@ -125,7 +125,7 @@ class Measurement:
                      ("position", torch.arange(mask.shape[1], device=dev).expand_as(mask))):
             self.cols[k].append(v[m].float().cpu())
         self.seq_len.append(mask.sum(-1).cpu())
-        self.seq_lr.append(((logp_pi - r.engine_logprobs) * mask).sum(-1).cpu())
+        self.seq_lr.append(torch.where(m, logp_pi - r.engine_logprobs, 0.0).sum(-1).cpu())
         sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids), device=dev)
         self.tables.append(dump_table(0, len(self.tables), 0, sample_ids, prompt_ids, r, adv_t,
                                       logp_pi, logp_s, att, a.eps, a.eps))
@@ -140,9 +140,13 @@ class Measurement:
                         mn.HIDDEN_FRAC: head["hidden"], mn.ALPHA_CLIP_FRAC: head["alpha"]})
         # The whole engine-trainer gap ℓ_π − ℓ_μ = α + β at θ = θ_old: with an engine whose
         # kernels are not the shadow's (a server) α is not ~0, and β alone leaves part of it out.
-        gap = (tok["alpha"] + tok["beta"]).abs()
-        metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
-                        mn.LOG_RATIO_ABS_MAX: float(gap.max())})
+        # From ℓ_π and ℓ_μ themselves: α + β, each rounded, loses the digits they share when the
+        # shadow is far from both.
+        gap = (torch.cat(self.cols["trainer_logprob"])
+               - torch.cat(self.cols["engine_logprob"])).abs()
+        if gap.numel():     # none where every token was left out
+            metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
+                            mn.LOG_RATIO_ABS_MAX: float(gap.max())})
         if self.left_out.total:
             metrics[mn.NON_FINITE_TOKENS] = self.left_out.total
         if adv is None:
