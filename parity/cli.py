@@ -594,8 +594,19 @@ def _add_fp16_check_parser(sub) -> None:
     fc.set_defaults(func=cmd_fp16_check)
 
 
+def _check_working_directory() -> None:
+    """The working directory still exists: every relative path is read against it, and with it
+    gone libraries fail in their own ways (oneMKL stops the process as torch loads)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise ParityError("the current directory was deleted: cd to a directory that exists "
+                          "and run the command again") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        _check_working_directory()
         args = build_parser().parse_args(argv)
         code = args.func(args)  # None, or fp16-check's 1 for a flagged problem
     except ParityError as e:

@@ -504,3 +504,42 @@ def test_testbed_list_never_cuts_a_name_and_has_json(cache):
     rows = json.loads(p.stdout)["models"]
     assert [r["name"] for r in rows] == [*testbed.SPECS, *pretrained.SOURCES]
     assert {"name", "kind", "built", "about"} <= set(rows[0])
+
+
+# ---- a deleted working directory (docs/errors.md, "The working directory")
+
+def _in_a_deleted_directory(tmp_path, *args: str):
+    """`python -m parity ARGS` started by a shell whose directory was deleted under it."""
+    import shlex
+    import subprocess
+    import sys
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (f"cd {shlex.quote(str(gone))} && rmdir {shlex.quote(str(gone))} && "
+              f"exec {shlex.quote(sys.executable)} -m parity \"$@\"")
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(["bash", "-c", script, "bash", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--steps", "1"]])
+def test_a_deleted_working_directory_is_one_line(tmp_path, args):
+    """Before, `train` there stopped in oneMKL as torch loaded (`Intel oneMKL FATAL ERROR:
+    Cannot load .../libtorch_cpu.so.`)."""
+    out = tmp_path / "run"
+    p = _in_a_deleted_directory(tmp_path, *args, *(["--out", str(out)] if args[0] == "train"
+                                                   else []))
+    line = assert_user_error(p, "the current directory was deleted", "cd to a directory")
+    assert p.stderr.splitlines() == [line] and p.stdout == ""
+    assert not out.exists()
+
+
+def test_a_deleted_working_directory_is_one_line_from_the_entry_point(tmp_path, monkeypatch):
+    """parity.cli.main itself, the `parity` console script's function, in this process."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    p = run_main("recipes")
+    assert_user_error(p, "the current directory was deleted")
+    assert p.stdout == ""
