@@ -30,6 +30,8 @@ from parity import metric_names as mn
 from parity.audit import server as server_audit
 from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
+from parity.audit.locate import SelfGap, locate, print_located, sequences_of
+from parity.audit.locate import sections as locate_sections
 from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
     EPS_SWEEP,
@@ -89,6 +91,11 @@ class Measurement:
         self.seq_len: list[torch.Tensor] = []
         self.seq_lr: list[torch.Tensor] = []
         self.left_out = NonFinite("the engine (l_mu) or the trainer's forwards")
+        # --locate: the trainer against itself over every batch, and the sequences traced
+        self.self_gap = SelfGap(a.trainer_dtype, a.engine_dtype) if a.locate else None
+        self.traced: list[list[int]] = []
+        self.layers: dict[str, Any] | None = None
+        self.locate_s = {"self_gap": 0.0, "layers": 0.0}
 
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, adv: torch.Tensor | None,
@@ -105,6 +112,12 @@ class Measurement:
         mask, (logp_pi, logp_s, mu), left_out = finite_tokens(r.completion_mask, logp_pi, logp_s,
                                                               r.engine_logprobs)
         self.left_out.add(left_out, _warning)
+        if self.self_gap is not None:
+            t0 = time.perf_counter()
+            self.traced += sequences_of(r, r.completion_mask, a.locate_sequences - len(self.traced))
+            self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, mask, a.cpu_fp16,
+                              a.logprob_chunk)
+            self.locate_s["self_gap"] += time.perf_counter() - t0
         r = dataclasses.replace(r, completion_mask=mask, engine_logprobs=mu)
         # What the engine's own ratio ℓ_π − ℓ_μ would clip at θ = θ_old.
         att = measure(self.diag, logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
@@ -121,6 +134,21 @@ class Measurement:
         sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids), device=dev)
         self.tables.append(dump_table(0, len(self.tables), 0, sample_ids, prompt_ids, r, adv_t,
                                       logp_pi, logp_s, att, a.eps, a.eps))
+
+    def trace(self, model: torch.nn.Module, engine: Engine | None, name: str) -> None:
+        """--locate's layer-by-layer pass over the sequences kept by `add`."""
+        if self.self_gap is not None:
+            t0 = time.perf_counter()
+            self.layers = locate(model, engine, self.a, self.traced, name)
+            self.locate_s["layers"] = time.perf_counter() - t0
+
+    def located(self) -> dict[str, Any]:
+        """audit.json's `locate`: absent without --locate."""
+        if self.self_gap is None:
+            return {}
+        return {"locate": {"self_gap": self.self_gap.results(),
+                           "self_gap_note": self.self_gap.note, "layers": self.layers,
+                           "seconds": self.locate_s}}
 
     def results(self) -> dict[str, Any]:
         tok = self.diag.tokens()
@@ -190,7 +218,10 @@ def _sample(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBa
     if a.shadow_kernels == "scored":
         shadow.engine = engine   # the engine scores ℓ_s itself
     try:
-        return _sample_with(a, engine, prompt_ids, task, source, model, tok, meas, shadow, s, bar)
+        source = _sample_with(a, engine, prompt_ids, task, source, model, tok, meas, shadow, s,
+                              bar)
+        meas.trace(model, engine, f"engine={a.engine}")
+        return source
     finally:
         engine.close()
 
@@ -304,7 +335,7 @@ def _locked_audit(a: AuditSettings, out: Path, report: bool, device: torch.devic
               "max_new_tokens": a.max_new_tokens,
               "seed": a.seed, "device": devices.describe(device),
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
-              **meas.results(), **({"server": server} if server else {}),
+              **meas.results(), **meas.located(), **({"server": server} if server else {}),
               "seconds": time.perf_counter() - t0}
     result["verdict"] = verdict(result)
     result["advice"] = as_json(advise(result, a.fp16_check))
@@ -357,6 +388,8 @@ def _measure(a: AuditSettings, out: Path, model: torch.nn.Module, tok: PreTraine
             if a.rollouts or server:
                 source = _replay(a, saved if server else Path(a.rollouts), model, tok, meas,
                                  shadow, s, bar)
+                meas.trace(model, None, "answers from a server" if server else
+                           "answers from a file")
             else:
                 source = _sample(a, model, tok, model_dir, meas, shadow, s, bar)
         if server:
@@ -379,7 +412,8 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
         audit_report(tokens, seqs, result["phantom_vs_eps"], summary, out,
                      f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
                      f"trainer ({result['input']})", verdict=result["verdict"],
-                     advice=what_to_do(result))
+                     advice=what_to_do(result),
+                     extra=locate_sections(result, out) if "locate" in result else ())
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -427,6 +461,8 @@ def print_audit(result: dict[str, Any]) -> None:
     if "server" in result:
         console.print(server_lines(result["server"]), highlight=False)
     console.print(f"verdict: {result['verdict']}")
+    if "locate" in result:
+        print_located(result, console)
     if "advice" in result:
         print_advice(result, console)
 

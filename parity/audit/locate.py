@@ -1,0 +1,348 @@
+"""`parity audit --locate`: where the engine–trainer gap comes from.
+
+Two passes beside the audit's own (docs/diagnostics.md, "Where the gap comes from"):
+
+- The trainer against itself (`SelfGap`). The audited completions scored again by the same
+  trainer on the same weights, once a completion at a time (micro-batch 1) and once with the
+  padding on the right, each against the audit's own scoring (the audit's micro-batch, prompts
+  padded on the left); in the trainer's precision (ℓ_π) and in the engine's (the shadow, ℓ_s).
+  Δℓ = ℓ(other layout) − ℓ(audit's layout): a gap no engine recipe can remove.
+- The gap located (`locate`). A few completions, prompt and completion as one sequence, through
+  three forwards, and every op's output compared (parity/models/trace.py names the points):
+      trainer      the trainer's model in the trainer's precision: the reference
+      precision    the trainer's own model in the engine's dtype, with the trainer's kernels
+      engine       the engine's own forward (`Engine.trace`)
+  Per point, each token's relative error ‖x − x_ref‖ / ‖x_ref‖, its median and max over
+  tokens, for engine and precision against the trainer and for engine against precision. The
+  first point where the engine's output differs at all from precision's is where the engine's
+  kernels, not its precision, part from the trainer's: that layer and op are named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import matplotlib.pyplot as plt
+import torch
+
+from parity import metric_names as mn
+from parity.models import trace as tr
+from parity.models.forward import pieces, score_pieces, score_right_padded
+from parity.models.precision import autocast, fp16_kernels, low_precision_copy
+from parity.reports import Heading, Table, finish
+
+if TYPE_CHECKING:
+    from parity.config import AuditSettings
+    from parity.diagnostics import Shadow
+    from parity.engines import Engine, Rollout, Sampling
+
+# The measure users quote for a trainer against itself: tokens whose ratio leaves about
+# [0.9, 1.1], |Δℓ| > 0.1.
+OUTSIDE = 0.1
+CHANGES = {"batch_1": "micro-batch 1 against the audit's micro-batch",
+           "right_pad": "padding on the right against the left"}
+COMPARISONS = {"engine": "engine against the trainer",
+               "precision": "the trainer's model in engine dtype against the trainer "
+                            "(precision alone)",
+               "engine_vs_precision": "engine against the trainer's model in engine dtype "
+                                      "(the engine's kernels)"}
+
+
+# ---- the trainer against itself ------------------------------------------------------------
+
+@dataclass
+class _Pair:
+    n: int = 0
+    abs_sum: float = 0.0
+    outside: int = 0
+    abs_max: float = 0.0
+
+    def add(self, delta: torch.Tensor) -> None:
+        d = delta.double().abs()
+        self.n += d.numel()
+        self.abs_sum += float(d.sum())
+        self.outside += int((d > OUTSIDE).sum())
+        self.abs_max = max(self.abs_max, float(d.max())) if d.numel() else self.abs_max
+
+
+@dataclass
+class SelfGap:
+    """Δℓ of the trainer against itself over the audited completions, per forward and change."""
+    trainer_dtype: str
+    engine_dtype: str
+    pairs: dict[tuple[str, str], _Pair] = field(default_factory=dict)
+    note: str = ""
+
+    @torch.no_grad()
+    def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, s: Sampling,
+            logp_pi: torch.Tensor, logp_s: torch.Tensor, mask: torch.Tensor,
+            cpu_fp16: str, chunk: int) -> None:
+        """Score `r` again in each other layout and add Δℓ against the audit's `logp_pi` (the
+        trainer's) and `logp_s` (the shadow's) on the tokens of `mask`."""
+        dev = logp_pi.device
+        one_by_one = pieces(r, rows=1)
+        sides = [("trainer", self.trainer_dtype, logp_pi, model,
+                  autocast(self.trainer_dtype, dev, cpu_fp16))]
+        if shadow.model is not None:
+            sides.append(("shadow", self.engine_dtype, logp_s, shadow.model,
+                          fp16_kernels(shadow.dtype, dev, cpu_fp16)))
+        elif shadow.engine is not None:
+            self.note = "the shadow is scored by the engine itself: its rows are absent"
+        else:
+            self.note = "the shadow is the trainer's own forward (fp32 on both sides)"
+        keep = mask > 0
+        for side, _, ref, m, ctx in sides:
+            with ctx:
+                other = {"batch_1": score_pieces(m, r, s, one_by_one, chunk=chunk).logp,
+                         "right_pad": score_right_padded(m, r, s)}
+            for change, logp in other.items():
+                ok = keep & torch.isfinite(logp) & torch.isfinite(ref)
+                self.pairs.setdefault((side, change), _Pair()).add((logp - ref)[ok])
+
+    def results(self) -> list[dict[str, Any]]:
+        dtype = {"trainer": self.trainer_dtype, "shadow": self.engine_dtype}
+        return [{"forward": side, "dtype": dtype[side], "change": change, "tokens": p.n,
+                 "abs_mean": p.abs_sum / p.n if p.n else None,
+                 "abs_max": p.abs_max if p.n else None,
+                 "frac_outside": p.outside / p.n if p.n else None}
+                for (side, change), p in self.pairs.items()]
+
+
+# ---- the gap located -----------------------------------------------------------------------
+
+def relative_errors(x: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """Per point both traces hold, each token's ‖x − ref‖ / ‖ref‖ in float64 ([tokens])."""
+    out = {}
+    for point, r in ref.items():
+        if point in x and x[point].shape == r.shape:
+            d = (x[point].double() - r.double()).norm(dim=-1)
+            n = r.double().norm(dim=-1)
+            out[point] = torch.where(n > 0, d / n.clamp(min=1e-300), d)
+    return out
+
+
+@dataclass
+class Located:
+    """Per comparison and point, every traced token's relative error."""
+    points: list[str]
+    errors: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+
+    def add(self, comparison: str, errs: dict[str, torch.Tensor]) -> None:
+        into = self.errors.setdefault(comparison, {})
+        for point, e in errs.items():
+            into.setdefault(point, []).append(e)
+
+    def curve(self, comparison: str) -> dict[str, list[float | None]]:
+        """Median and max over tokens at each point (None where the point was not traced)."""
+        errs = self.errors.get(comparison, {})
+        med, mx = [], []
+        for p in self.points:
+            e = torch.cat(errs[p]) if p in errs else None
+            med.append(None if e is None else float(e.median()))
+            mx.append(None if e is None else float(e.max()))
+        return {"median": med, "max": mx}
+
+
+def first_difference(located: Located) -> str | None:
+    """The first point, in forward order, where the engine's output differs at all from the
+    trainer's own model in the engine's dtype; None where they agree everywhere traced."""
+    errs = located.errors.get("engine_vs_precision", {})
+    for p in located.points:
+        if p in errs and float(torch.cat(errs[p]).max()) > 0:
+            return p
+    return None
+
+
+def describe(point: str) -> str:
+    """`layers.3.post_norm` → "layer 3's post-attention norm"."""
+    names = {"embed": "the embedding", "final_norm": "the final norm", "logits": "the logits",
+             "input_norm": "input norm", "attention": "attention",
+             "attention_add": "residual add after attention", "post_norm": "post-attention norm",
+             "mlp": "MLP", "output": "residual add after the MLP"}
+    layer = tr.layer_of(point)
+    if layer is None:
+        return names[point]
+    return f"layer {layer}'s {names[point.rsplit('.', 1)[-1]]}"
+
+
+def finding(located: Located, engine: str, engine_dtype: str, trainer_dtype: str) -> str:
+    """The one-line finding for `engine`."""
+    if "engine" not in located.errors:
+        return (f"the engine was not traced ({engine}): only the precision curve, "
+                f"{engine_dtype} against {trainer_dtype}, is shown")
+    first = first_difference(located)
+    eng, prec = located.curve("engine"), located.curve("precision")
+    last = located.points.index("logits")
+    at_logits = (f"; at the logits the engine is {_g(eng['median'][last])} from the "
+                 f"{trainer_dtype} trainer, precision alone {_g(prec['median'][last])}")
+    if first is None:
+        return (f"{engine} in {engine_dtype} computes what the trainer's own model computes in "
+                f"{engine_dtype} at every traced point: the gap is precision alone{at_logits}")
+    i = located.points.index(first)
+    ev = located.curve("engine_vs_precision")
+    return (f"{engine}'s kernels first part from the trainer's own {engine_dtype} forward at "
+            f"{describe(first)} ({tr.kind(first)}): median relative error "
+            f"{_g(ev['median'][i])} (max {_g(ev['max'][i])}) there, where {engine_dtype} alone "
+            f"gives {_g(prec['median'][i])}{at_logits}")
+
+
+def _g(v: float | None) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.2g}"
+
+
+@torch.no_grad()
+def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
+           sequences: list[list[int]], engine_name: str) -> dict[str, Any]:
+    """Trace `sequences` through the trainer, its model in the engine's dtype and (when there is
+    one in this process) the engine; audit.json's `locate.layers`."""
+    dev = next(model.parameters()).device
+    located = Located(tr.point_names(tr.layer_count(model)))
+    # The trainer's own kernels in the engine's dtype: the engine's copy, not the shadow's
+    # (which attends with the engine's attention).
+    prec_model = low_precision_copy(model, a.engine_dtype)
+    traces = engine.trace(sequences) if engine is not None else (None for _ in sequences)
+    for ids, eng in zip(sequences, traces):
+        with autocast(a.trainer_dtype, dev, a.cpu_fp16):
+            ref = tr.trace(model, ids)
+        with fp16_kernels(a.engine_dtype, dev, a.cpu_fp16):
+            prec = tr.trace(prec_model, ids)
+        located.add("precision", relative_errors(prec, ref))
+        if eng is not None:
+            located.add("engine", relative_errors(eng, ref))
+            located.add("engine_vs_precision", relative_errors(eng, prec))
+    del prec_model
+    curves = {c: located.curve(c) for c in COMPARISONS if c in located.errors}
+    first = first_difference(located) if "engine" in located.errors else None
+    return {"points": located.points, "sequences": len(sequences),
+            "tokens": sum(len(s) for s in sequences), "curves": curves,
+            "first_difference": first, "op": tr.kind(first) if first else None,
+            "finding": finding(located, engine_name, a.engine_dtype, a.trainer_dtype)}
+
+
+def sequences_of(r: Rollout, mask: torch.Tensor, n: int) -> Iterable[list[int]]:
+    """The first `n` completions of `r` as whole token sequences, prompt then completion."""
+    for b in range(min(n, r.completion_ids.shape[0])):
+        p = r.prompt_ids[b][r.prompt_mask[b] > 0]
+        c = r.completion_ids[b][mask[b] > 0]
+        yield torch.cat([p, c]).tolist()
+
+
+# What a finding at each kind of op suggests (docs/diagnostics.md, Where the gap comes from).
+SUGGEST = {"embedding": "the engine's embedding differs: check that it holds the trainer's "
+                        "weights (a sync that did not reach it)",
+           "norm": "match the norm's casts: normalise in fp32, cast to the weight's dtype, then "
+                   "multiply by the weight, as transformers does",
+           "attention": "the same attention kernel and split on both sides, and RoPE in fp32 "
+                        "on both (or the engine scores the shadow: --shadow-kernels scored)",
+           "MLP": "the same matmul kernels at the same shapes (batch-invariant kernels, the "
+                  "same tensor-parallel degree)",
+           "residual add": "the residual add in the same dtype on both sides (vLLM fuses it into "
+                           "the next norm)",
+           "head": "an fp32 LM head on both sides (--lm-head-fp32 for parity's engine)"}
+
+
+def advice(result: dict[str, Any]) -> list[str]:
+    """The advice's lines from --locate's figures: how much of β the trainer has with itself,
+    and what the first op where the engine parts suggests."""
+    loc = result.get("locate")
+    if not loc:
+        return []
+    out = []
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    worst = max((r for r in loc["self_gap"] if r["abs_mean"] is not None),
+                key=lambda r: r["abs_mean"], default=None)
+    if worst is not None and beta:
+        out.append(f"the trainer against itself ({worst['forward']}, {worst['dtype']}, "
+                   f"{CHANGES[worst['change']]}): mean |Δℓ| {worst['abs_mean']:.3g}, "
+                   f"{worst['abs_mean'] / beta:.0%} of mean |β|, {worst['frac_outside']:.1%} of "
+                   f"tokens beyond {OUTSIDE}: no engine recipe removes that part; keep one "
+                   f"micro-batch and padding for ℓ_old and ℓ_π, or train in fp32")
+    layers = loc.get("layers") or {}
+    op = layers.get("op")
+    if op:
+        where = describe(layers["first_difference"])
+        out.append(f"where the engine parts from the trainer: {where} ({op}); {SUGGEST[op]}")
+    elif "engine" in layers.get("curves", {}):
+        out.append("the engine computes what the trainer's own model computes in its dtype at "
+                   "every traced op: the gap is precision alone (fp16, or a recipe that takes "
+                   "β out of the ratio)")
+    return out
+
+
+# ---- what the user sees --------------------------------------------------------------------
+
+def plot(layers: dict[str, Any], out: Path, title: str) -> Any:
+    """Median relative error against layer, one line per comparison (reports.Plot)."""
+    points = layers["points"]
+    at = [i for i, p in enumerate(points) if p.endswith(".output") or p in ("embed",
+                                                                              "final_norm",
+                                                                              "logits")]
+    x = list(range(len(at)))
+    ticks = ["emb" if points[i] == "embed" else "norm" if points[i] == "final_norm"
+             else "logits" if points[i] == "logits" else str(tr.layer_of(points[i]))
+             for i in at]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for c, label in COMPARISONS.items():
+        curve = layers["curves"].get(c)
+        if curve is None:
+            continue
+        y = [curve["median"][i] for i in at]
+        ax.plot(x, [v if v and v > 0 else float("nan") for v in y], marker=".", label=label)
+    ax.set_yscale("log")
+    step = max(1, len(x) // 16)
+    ax.set_xticks(x[::step], ticks[::step])
+    return finish(fig, ax, out / "locate.png", alt="relative error against layer",
+                   xlabel="residual stream after layer", ylabel="median relative error",
+                   title=title)
+
+
+def sections(result: dict[str, Any], out: Path) -> list[Any]:
+    """The report's section for `--locate`: the trainer against itself, the plot, the table."""
+    loc = result["locate"]
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    rows = [[r["forward"], r["dtype"], CHANGES[r["change"]], r["tokens"], r["abs_mean"],
+             r["frac_outside"], r["abs_max"]] for r in loc["self_gap"]]
+    out_secs: list[Any] = [
+        Heading("The trainer against itself"),
+        Table(["forward", "dtype", "change", "tokens", "mean |Δℓ|", f"share |Δℓ| > {OUTSIDE}",
+               "max |Δℓ|"], rows,
+              caption=f"the same tokens and weights in another layout; beside mean |β| = "
+                      f"{beta:.4g}" if beta is not None else "")]
+    if loc.get("self_gap_note"):
+        out_secs.append(loc["self_gap_note"])
+    layers = loc["layers"]
+    out_secs += [Heading("Where the gap comes from"), f"Finding: {layers['finding']}",
+                 plot(layers, out, f"{layers['sequences']} sequences, {layers['tokens']} tokens")]
+    curves = layers["curves"]
+    head = ["point", "op"] + [f"{c} {s}" for c in curves for s in ("median", "max")]
+    table = []
+    for i, p in enumerate(layers["points"]):
+        table.append([p, tr.kind(p)] + [curves[c][s][i] for c in curves
+                                        for s in ("median", "max")])
+    out_secs.append(Table(head, table, caption="relative error ‖x − x_ref‖ / ‖x_ref‖ per token: "
+                          + "; ".join(f"{c}: {COMPARISONS[c]}" for c in curves)))
+    return out_secs
+
+
+def print_located(result: dict[str, Any], console: Any) -> None:
+    """The trainer against itself as a table beside β, then the finding in one line."""
+    from rich.table import Table as RichTable
+    loc = result["locate"]
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    t = RichTable(title="the trainer against itself: the same tokens and weights, another layout"
+                  + (f" (mean |beta| = {beta:.3g})" if beta is not None else ""),
+                  title_justify="left")
+    for h in ("forward", "change", "mean |dl|", f"|dl| > {OUTSIDE}", "max |dl|"):
+        t.add_column(h, justify="left" if h in ("forward", "change") else "right")
+    for r in loc["self_gap"]:
+        t.add_row(f"{r['forward']} ({r['dtype']})", CHANGES[r["change"]],
+                  *(("n/a",) * 3 if r["abs_mean"] is None else
+                    (f"{r['abs_mean']:.3g}", f"{r['frac_outside']:.2%}", f"{r['abs_max']:.3g}")))
+    console.print(t)
+    if loc.get("self_gap_note"):
+        console.print(f"  {loc['self_gap_note']}", highlight=False)
+    console.print(f"where the gap comes from: {loc['layers']['finding']}", highlight=False)
