@@ -7,7 +7,7 @@
     → α, β, clip attribution at ε and over a sweep of ε, exact KL(μ‖π) where μ is known
     → audit.json, tokens.parquet, plots, report.html, a verdict table
 
-`scale` repeats the audit over the testbed's size ladder and fits the trend against size.
+`parity audit --scale` (scale.py) repeats it over the testbed's size ladder.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import matplotlib.pyplot as plt
 import torch
 from rich.table import Table
 
 from parity import devices, testbed, ui
 from parity import metric_names as mn
+from parity.audit import locate as lc
 from parity.audit import server as server_audit
 from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
-from parity.audit.locate import SelfGap, locate, print_located, sequences_of
-from parity.audit.locate import sections as locate_sections
+from parity.audit.locate import SelfGap, locate, sequences_of
 from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
     EPS_SWEEP,
@@ -56,12 +57,13 @@ from parity.engines import (
 )
 from parity.engines.server import Server
 from parity.errors import ParityError
-from parity.models import lora
+from parity.models import lora, trace
 from parity.models.forward import score_full
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import autocast, fp32_head
 from parity.objectives import grpo_advantages
-from parity.reports import audit_report, scale_report
+from parity.reports import Heading, audit_report, finish
+from parity.reports import Table as PageTable
 from parity.runs.dirs import check_run_dir, free_dir, lock_dir
 from parity.runs.finite import NonFinite, finite_tokens
 from parity.tasks import PromptSampler, build_task, prompt_token_ids
@@ -416,6 +418,52 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
                      extra=locate_sections(result, out) if "locate" in result else ())
 
 
+# ---- --locate in the report ------------------------------------------------------------------
+
+def _locate_plot(layers: dict[str, Any], out: Path, title: str) -> Any:
+    """Median relative error of the residual stream against layer, one line per comparison."""
+    points = layers["points"]
+    label = {"embed": "emb", "final_norm": "norm", "logits": "logits"}
+    at = [i for i, p in enumerate(points) if p.endswith(".output") or p in label]
+    ticks = [label.get(points[i]) or str(trace.layer_of(points[i])) for i in at]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for c, what in lc.COMPARISONS.items():
+        if c in layers["curves"]:
+            y = [layers["curves"][c]["median"][i] for i in at]
+            ax.plot(range(len(at)), [v if v else float("nan") for v in y], marker=".",
+                    label=what)
+    ax.set_yscale("log")
+    step = max(1, len(at) // 16)
+    ax.set_xticks(range(0, len(at), step), ticks[::step])
+    return finish(fig, ax, out / "locate.png", alt="relative error against layer",
+                  xlabel="residual stream after layer", ylabel="median relative error",
+                  title=title)
+
+
+def locate_sections(result: dict[str, Any], out: Path) -> list[Any]:
+    """report.html's part for `--locate`: the trainer against itself beside β, then the finding,
+    the plot and every point's errors."""
+    loc, layers = result["locate"], result["locate"]["layers"]
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    rows = [[r["forward"], r["dtype"], lc.CHANGES[r["change"]], r["tokens"], r["abs_mean"],
+             r["frac_outside"], r["abs_max"]] for r in loc["self_gap"]]
+    beside = f"; beside mean |β| = {beta:.4g}" if beta is not None else ""
+    curves = layers["curves"]
+    points = [[p, trace.kind(p), *(curves[c][s][i] for c in curves for s in ("median", "max"))]
+              for i, p in enumerate(layers["points"])]
+    return [Heading("The trainer against itself"),
+            PageTable(["forward", "dtype", "change", "tokens", "mean |Δℓ|",
+                       f"share |Δℓ| > {lc.OUTSIDE}", "max |Δℓ|"], rows,
+                      caption=f"the same tokens and weights in another layout{beside}"),
+            *([loc["self_gap_note"]] if loc.get("self_gap_note") else []),
+            Heading("Where the gap comes from"), f"Finding: {layers['finding']}",
+            _locate_plot(layers, out, f"{layers['sequences']} sequences, "
+                                      f"{layers['tokens']} tokens"),
+            PageTable(["point", "op", *(f"{c} {s}" for c in curves for s in ("median", "max"))],
+                      points, caption="relative error ‖x − x_ref‖ / ‖x_ref‖ per token; "
+                      + "; ".join(f"{c}: {lc.COMPARISONS[c]}" for c in curves))]
+
+
 def verdict(result: dict[str, Any]) -> str:
     m, eps = result["metrics"], result["eps"]
     ph = m.get(mn.PHANTOM_FRAC, 0.0)
@@ -467,6 +515,25 @@ def print_audit(result: dict[str, Any]) -> None:
         print_advice(result, console)
 
 
+def print_located(result: dict[str, Any], console: Any) -> None:
+    """The trainer against itself as a table beside β, then the finding in one line."""
+    loc = result["locate"]
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    t = Table(title="the trainer against itself: the same tokens and weights, another layout"
+                  + (f" (mean |beta| = {beta:.3g})" if beta is not None else ""),
+                  title_justify="left")
+    for h in ("forward", "change", "mean |dl|", f"|dl| > {lc.OUTSIDE}", "max |dl|"):
+        t.add_column(h, justify="left" if h in ("forward", "change") else "right")
+    for r in loc["self_gap"]:
+        t.add_row(f"{r['forward']} ({r['dtype']})", lc.CHANGES[r["change"]],
+                  *(("n/a",) * 3 if r["abs_mean"] is None else
+                    (f"{r['abs_mean']:.3g}", f"{r['frac_outside']:.2%}", f"{r['abs_max']:.3g}")))
+    console.print(t)
+    if loc.get("self_gap_note"):
+        console.print(f"  {loc['self_gap_note']}", highlight=False)
+    console.print(f"where the gap comes from: {loc['layers']['finding']}", highlight=False)
+
+
 def server_lines(v: dict[str, Any]) -> str:
     """What the audit found about the server it sampled, in a few lines."""
     context = f", context {v['max_model_len']}" if v.get("max_model_len") else ""
@@ -480,138 +547,3 @@ def server_lines(v: dict[str, Any]) -> str:
     else:
         out.append(f"server log-probs: {v['logprobs']}")
     return "\n".join(out)
-
-
-# ---- the size ladder -------------------------------------------------------------------------
-
-SMALL_EPS = 0.01
-FIT_METRICS = ("beta_abs_mean", "kl_k3", "kl_exact", "phantom_frac")
-EXTRAPOLATE = (0.6e9, 1.5e9)
-
-
-def fit_loglog(xs: list[float], ys: list[float]) -> dict[str, float] | None:
-    """log10(y) = intercept + slope · log10(x) by least squares; None without two positive y."""
-    pts = [(math.log10(x), math.log10(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
-    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    intercept = my - slope * mx
-    fit = {"slope": slope, "intercept": intercept, "points": len(pts)}
-    if len(pts) > 2:  # the slope's standard error from the residuals, n − 2 degrees of freedom
-        rss = sum((y - intercept - slope * x) ** 2 for x, y in pts)
-        fit["slope_se"] = math.sqrt(rss / (len(pts) - 2) / sxx)
-    return fit
-
-
-def _same_audit(res: dict[str, Any], a: AuditSettings) -> bool:
-    keys = ("engine_dtype", "trainer_dtype", "eps", "max_new_tokens", "seed")
-    return (all(res.get(k) == getattr(a, k) for k in keys) and res.get("completions") == a.samples
-            and res.get("input") == f"task {a.task}")
-
-
-def _ladder_points(a: AuditSettings, out: Path, models: list[str],
-                   done: dict[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """One audit per model (or its earlier result from `done`), as a point of the fit."""
-    axis_of = {}
-    for axis, names in testbed.LADDER_AXES.items():
-        for n in names:
-            axis_of[n] = "base" if n in axis_of else axis
-    points = []
-    for name in models:
-        if name in testbed.SPECS:
-            testbed.ensure(name, progress=a.progress)
-        sub = dataclasses.replace(a, model=name)
-        res = (done or {}).get(name)
-        if res is None or not _same_audit(res, sub):
-            res = audit(sub, out / "models" / Path(name).name, report=False)
-        m = res["metrics"]
-        small = next((row["phantom_frac"] for row in res["phantom_vs_eps"]
-                      if row["eps"] == SMALL_EPS), None)
-        points.append({"model": name, "axis": axis_of.get(name, "other"),
-                       "n_params": res["n_params"],
-                       "beta_abs_mean": m.get(mn.BETA_ABS_MEAN, 0.0),
-                       "kl_k3": m.get(mn.KL_K3, 0.0),
-                       "kl_exact": m.get(mn.KL_EXACT, 0.0),
-                       "phantom_frac_at_eps": m.get(mn.PHANTOM_FRAC, 0.0),
-                       "phantom_frac_eps_0.01": small})
-    return points
-
-
-def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
-          done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Audit every model of the size ladder on the same prompts and fit each metric against
-    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters. `done`: audits
-    already run with these settings, by model name, used instead of running them again."""
-    check_run_dir(out)
-    models = models or list(testbed.LADDER)
-    for name in models:  # a mistyped path is refused before the first model's minutes
-        if name not in testbed.SPECS:
-            testbed.resolve_model(name)
-    with lock_dir(out, "audit --out", empty=True) as lock:
-        return _locked_scale(a, out, models, done, lock.created)
-
-
-def _locked_scale(a: AuditSettings, out: Path, models: list[str],
-                   done: dict[str, dict[str, Any]] | None, created: bool) -> dict[str, Any]:
-    try:
-        points = _ladder_points(a, out, models, done)
-    except ParityError:
-        # A refusal leaves nothing behind (docs/errors.md): the models audited before it too.
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    # The trend of the phantom fraction at the given ε, unless that is 0 everywhere (the small
-    # testbed at ε = 0.2): then at ε = 0.01, where it is measurable.
-    phantom_eps = a.eps if any(p["phantom_frac_at_eps"] > 0 for p in points) else SMALL_EPS
-    for p in points:
-        p["phantom_frac"] = (p["phantom_frac_at_eps"] if phantom_eps == a.eps
-                             else p["phantom_frac_eps_0.01"])
-    fits = {}
-    for key in FIT_METRICS:
-        f = fit_loglog([p["n_params"] for p in points], [p[key] for p in points])
-        if f is not None:
-            f["at"] = {f"{x:g}": 10 ** (f["intercept"] + f["slope"] * math.log10(x))
-                       for x in EXTRAPOLATE}
-            fits[key] = f
-    per_axis = {}
-    for axis, names in testbed.LADDER_AXES.items():
-        pts = [p for p in points if p["model"] in names]
-        f = fit_loglog([p["n_params"] for p in pts], [p["beta_abs_mean"] for p in pts])
-        if f is not None:
-            per_axis[axis] = f["slope"]
-    result = {"engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype, "eps": a.eps,
-              "phantom_eps": phantom_eps,
-              "samples": a.samples, "points": points, "fits": fits,
-              "beta_abs_slope_by_axis": per_axis}
-    (out / "scale.json").write_text(json.dumps(result, indent=1))
-    scale_report(points, fits, out, phantom_eps)
-    return result
-
-
-def print_scale(result: dict[str, Any]) -> None:
-    t = Table(title=f"mismatch against size: {result['engine_dtype']} engine vs "
-                    f"{result['trainer_dtype']} trainer, {result['samples']} completions each")
-    for col in ("model", "axis", "params", "|beta| mean", "KL k3", "KL exact",
-                f"phantom @{result['eps']:g}", "phantom @0.01"):
-        t.add_column(col, justify="left" if col in ("model", "axis") else "right")
-    for p in result["points"]:
-        small = p.get("phantom_frac_eps_0.01")
-        t.add_row(Path(p["model"]).name, p["axis"], f"{p['n_params'] / 1e6:.2f}M",
-                  f"{p['beta_abs_mean']:.3g}", f"{p['kl_k3']:.3g}", f"{p['kl_exact']:.3g}",
-                  f"{p['phantom_frac_at_eps']:.2%}", "" if small is None else f"{small:.2%}")
-    f = Table(title="log-log fit against parameter count, extrapolated")
-    for col in ("metric", "slope", "at 0.6B", "at 1.5B"):
-        f.add_column(col, justify="left" if col == "metric" else "right")
-    for key, fit in result["fits"].items():
-        at = list(fit["at"].values())
-        label = f"{key} (eps={result['phantom_eps']:g})" if key == "phantom_frac" else key
-        f.add_row(label, f"{fit['slope']:+.3f}", f"{at[0]:.3g}", f"{at[1]:.3g}")
-    console = ui.console(120)
-    console.print(t)
-    console.print(f)
-    if result.get("beta_abs_slope_by_axis"):
-        console.print("|beta| slope by axis (log-log, 3 points each): " + ", ".join(
-            f"{k} {v:+.3f}" for k, v in result["beta_abs_slope_by_axis"].items()))

@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-import matplotlib.pyplot as plt
 import torch
 
 from parity import metric_names as mn
 from parity.models import trace as tr
 from parity.models.forward import pieces, score_pieces, score_right_padded
 from parity.models.precision import autocast, fp16_kernels, low_precision_copy
-from parity.reports import Heading, Table, finish
 
 if TYPE_CHECKING:
     from parity.config import AuditSettings
@@ -271,78 +268,3 @@ def advice(result: dict[str, Any]) -> list[str]:
                    "every traced op: the gap is precision alone (fp16, or a recipe that takes "
                    "β out of the ratio)")
     return out
-
-
-# ---- what the user sees --------------------------------------------------------------------
-
-def plot(layers: dict[str, Any], out: Path, title: str) -> Any:
-    """Median relative error against layer, one line per comparison (reports.Plot)."""
-    points = layers["points"]
-    at = [i for i, p in enumerate(points) if p.endswith(".output") or p in ("embed",
-                                                                              "final_norm",
-                                                                              "logits")]
-    x = list(range(len(at)))
-    ticks = ["emb" if points[i] == "embed" else "norm" if points[i] == "final_norm"
-             else "logits" if points[i] == "logits" else str(tr.layer_of(points[i]))
-             for i in at]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for c, label in COMPARISONS.items():
-        curve = layers["curves"].get(c)
-        if curve is None:
-            continue
-        y = [curve["median"][i] for i in at]
-        ax.plot(x, [v if v and v > 0 else float("nan") for v in y], marker=".", label=label)
-    ax.set_yscale("log")
-    step = max(1, len(x) // 16)
-    ax.set_xticks(x[::step], ticks[::step])
-    return finish(fig, ax, out / "locate.png", alt="relative error against layer",
-                   xlabel="residual stream after layer", ylabel="median relative error",
-                   title=title)
-
-
-def sections(result: dict[str, Any], out: Path) -> list[Any]:
-    """The report's section for `--locate`: the trainer against itself, the plot, the table."""
-    loc = result["locate"]
-    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
-    rows = [[r["forward"], r["dtype"], CHANGES[r["change"]], r["tokens"], r["abs_mean"],
-             r["frac_outside"], r["abs_max"]] for r in loc["self_gap"]]
-    out_secs: list[Any] = [
-        Heading("The trainer against itself"),
-        Table(["forward", "dtype", "change", "tokens", "mean |Δℓ|", f"share |Δℓ| > {OUTSIDE}",
-               "max |Δℓ|"], rows,
-              caption=f"the same tokens and weights in another layout; beside mean |β| = "
-                      f"{beta:.4g}" if beta is not None else "")]
-    if loc.get("self_gap_note"):
-        out_secs.append(loc["self_gap_note"])
-    layers = loc["layers"]
-    out_secs += [Heading("Where the gap comes from"), f"Finding: {layers['finding']}",
-                 plot(layers, out, f"{layers['sequences']} sequences, {layers['tokens']} tokens")]
-    curves = layers["curves"]
-    head = ["point", "op"] + [f"{c} {s}" for c in curves for s in ("median", "max")]
-    table = []
-    for i, p in enumerate(layers["points"]):
-        table.append([p, tr.kind(p)] + [curves[c][s][i] for c in curves
-                                        for s in ("median", "max")])
-    out_secs.append(Table(head, table, caption="relative error ‖x − x_ref‖ / ‖x_ref‖ per token: "
-                          + "; ".join(f"{c}: {COMPARISONS[c]}" for c in curves)))
-    return out_secs
-
-
-def print_located(result: dict[str, Any], console: Any) -> None:
-    """The trainer against itself as a table beside β, then the finding in one line."""
-    from rich.table import Table as RichTable
-    loc = result["locate"]
-    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
-    t = RichTable(title="the trainer against itself: the same tokens and weights, another layout"
-                  + (f" (mean |beta| = {beta:.3g})" if beta is not None else ""),
-                  title_justify="left")
-    for h in ("forward", "change", "mean |dl|", f"|dl| > {OUTSIDE}", "max |dl|"):
-        t.add_column(h, justify="left" if h in ("forward", "change") else "right")
-    for r in loc["self_gap"]:
-        t.add_row(f"{r['forward']} ({r['dtype']})", CHANGES[r["change"]],
-                  *(("n/a",) * 3 if r["abs_mean"] is None else
-                    (f"{r['abs_mean']:.3g}", f"{r['frac_outside']:.2%}", f"{r['abs_max']:.3g}")))
-    console.print(t)
-    if loc.get("self_gap_note"):
-        console.print(f"  {loc['self_gap_note']}", highlight=False)
-    console.print(f"where the gap comes from: {loc['layers']['finding']}", highlight=False)
