@@ -114,12 +114,12 @@ class Measurement:
         mask, (logp_pi, logp_s, mu), left_out = finite_tokens(r.completion_mask, logp_pi, logp_s,
                                                               r.engine_logprobs)
         self.left_out.add(left_out, _warning)
-        if self.self_gap is not None:
+        if self.self_gap is not None and not self.self_gap.pairs:   # the first batch
             t0 = time.perf_counter()
-            self.traced += sequences_of(r, r.completion_mask, a.locate_sequences - len(self.traced))
+            self.traced = list(sequences_of(r, r.completion_mask, a.locate_sequences))
             self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, mask, a.cpu_fp16,
-                              a.logprob_chunk)
-            self.locate_s["self_gap"] += time.perf_counter() - t0
+                              a.logprob_chunk, a.locate_rows)
+            self.locate_s["self_gap"] = time.perf_counter() - t0
         r = dataclasses.replace(r, completion_mask=mask, engine_logprobs=mu)
         # What the engine's own ratio ℓ_π − ℓ_μ would clip at θ = θ_old.
         att = measure(self.diag, logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)

@@ -2,11 +2,13 @@
 
 Two passes beside the audit's own (docs/diagnostics.md, "Where the gap comes from"):
 
-- The trainer against itself (`SelfGap`). The audited completions scored again by the same
-  trainer on the same weights, once a completion at a time (micro-batch 1) and once with the
-  padding on the right, each against the audit's own scoring (the audit's micro-batch, prompts
-  padded on the left); in the trainer's precision (ℓ_π) and in the engine's (the shadow, ℓ_s).
-  Δℓ = ℓ(other layout) − ℓ(audit's layout): a gap no engine recipe can remove.
+- The trainer against itself (`SelfGap`). The audit's first batch of completions (one
+  micro-batch, its prompts padded on the left, as the audit scores it) scored again by the same
+  trainer on the same weights: the whole batch with its padding on the right, and its first
+  completions one at a time (micro-batch 1); in the trainer's precision (ℓ_π) and in the
+  engine's (the shadow, ℓ_s). Δℓ = ℓ(other layout) − ℓ(audit's layout): a gap no engine recipe
+  can remove. One batch, because the figures are shares of thousands of tokens and each
+  completion alone is a forward of its own.
 - The gap located (`locate`). A few completions, prompt and completion as one sequence, through
   three forwards, and every op's output compared (parity/models/trace.py names the points):
       trainer      the trainer's model in the trainer's precision: the reference
@@ -76,28 +78,29 @@ class SelfGap:
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, s: Sampling,
             logp_pi: torch.Tensor, logp_s: torch.Tensor, mask: torch.Tensor,
-            cpu_fp16: str, chunk: int) -> None:
-        """Score `r` again in each other layout and add Δℓ against the audit's `logp_pi` (the
-        trainer's) and `logp_s` (the shadow's) on the tokens of `mask`."""
+            cpu_fp16: str, chunk: int, rows: int) -> None:
+        """Score the batch `r` again with its padding on the right, and its first `rows`
+        completions one at a time; add Δℓ against the audit's `logp_pi` (the trainer's) and
+        `logp_s` (the shadow's) on the tokens of `mask`."""
         dev = logp_pi.device
-        one_by_one = pieces(r, rows=1)
-        sides = [("trainer", self.trainer_dtype, logp_pi, model,
-                  autocast(self.trainer_dtype, dev, cpu_fp16))]
+        first = slice(0, min(rows, r.completion_ids.shape[0]))
+        sides = [("trainer", logp_pi, model, autocast(self.trainer_dtype, dev, cpu_fp16))]
         if shadow.model is not None:
-            sides.append(("shadow", self.engine_dtype, logp_s, shadow.model,
+            sides.append(("shadow", logp_s, shadow.model,
                           fp16_kernels(shadow.dtype, dev, cpu_fp16)))
         elif shadow.engine is not None:
             self.note = "the shadow is scored by the engine itself: its rows are absent"
         else:
             self.note = "the shadow is the trainer's own forward (fp32 on both sides)"
-        keep = mask > 0
-        for side, _, ref, m, ctx in sides:
+        alone = r.select(first)
+        for side, ref, m, ctx in sides:
             with ctx:
-                other = {"batch_1": score_pieces(m, r, s, one_by_one, chunk=chunk).logp,
-                         "right_pad": score_right_padded(m, r, s)}
-            for change, logp in other.items():
-                ok = keep & torch.isfinite(logp) & torch.isfinite(ref)
-                self.pairs.setdefault((side, change), _Pair()).add((logp - ref)[ok])
+                other = {"batch_1": (score_pieces(m, alone, s, pieces(alone, rows=1),
+                                                  chunk=chunk).logp, first),
+                         "right_pad": (score_right_padded(m, r, s), slice(None))}
+            for change, (logp, sl) in other.items():
+                ok = (mask[sl] > 0) & torch.isfinite(logp) & torch.isfinite(ref[sl])
+                self.pairs.setdefault((side, change), _Pair()).add((logp - ref[sl])[ok])
 
     def results(self) -> list[dict[str, Any]]:
         dtype = {"trainer": self.trainer_dtype, "shadow": self.engine_dtype}
