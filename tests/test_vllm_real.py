@@ -11,17 +11,18 @@ import math
 import pytest
 import torch
 
-from parity.audit.locate import relative_errors
 from parity.engines import Engine, Sampling
 from parity.engines.hf import HFEngine
-from parity.models import trace as tr
 from parity.models.forward import score, score_full
 from parity.models.loading import load_policy as load_model
 from vllm_helpers import (
+    NUDGES,
     moved_copy,
+    nudged_op_is_named,
     prompts_of,
     resume,
     row_seed,
+    trace_is_vllms_own,
     train,
     vllm_engine,
     whole_distribution,
@@ -202,49 +203,14 @@ def test_vllms_trace_is_its_own_forward_under_the_trainers_point_names(master, e
     """vLLM traced op by op (`parity audit --locate`): every point of the trainer's trace at
     the same shape, and the traced logits are the very ones vLLM scores the sequence with (its
     prompt log-probs)."""
-    model, tok = master
-    s = Sampling()
-    r = engine.generate(prompts_of(tok)[:3], 8, s, torch.Generator().manual_seed(5))
-    seqs = [p[m > 0].tolist() + c for p, m, c in zip(r.prompt_ids, r.prompt_mask,
-                                                     r.completions())]
-    traced = list(engine.trace(seqs))
-    scored = engine.score(model, r, s)
-    points = tr.point_names(tr.layer_count(model))
-    for b, (t, ids) in enumerate(zip(traced, seqs)):
-        ref = tr.trace(model, ids)
-        assert list(t) and set(t) == set(points)
-        assert all(t[p].shape == ref[p].shape for p in points)
-        n = int(r.completion_mask[b].sum())
-        P = len(ids) - len(r.completions()[b])
-        logp = torch.log_softmax(t["logits"][P - 1:P - 1 + n], -1)
-        mine = logp.gather(-1, torch.tensor(ids[P:P + n])[:, None]).squeeze(-1)
-        assert (mine - scored[b, :n]).abs().max() < 1e-5
+    trace_is_vllms_own(*master, engine)
 
 
-@pytest.mark.parametrize("name,first", [("layers.1.mlp.down_proj", "layers.1.mlp"),
-                                        ("layers.1.input_layernorm", "layers.1.input_norm"),
-                                        ("layers.0.post_attention_layernorm",
-                                         "layers.0.post_norm"),
-                                        ("layers.0.self_attn.o_proj", "layers.0.attention")])
+@pytest.mark.parametrize("name,first", NUDGES)
 def test_a_nudged_op_in_vllm_changes_its_trace_from_that_op_on(master, engine, name, first):
     """The hooks follow vLLM's residual adds, fused into the next norm, to the right names:
     one op's weights nudged change vLLM's own trace at that op and at no earlier point."""
-    model, _ = master
-    seqs = [[5, 9, 14, 3, 27, 8, 11, 40, 2, 19]]
-    plain = next(engine.trace(seqs))
-    moved = type(model)(model.config)
-    moved.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        dict(moved.named_parameters())[f"model.{name}.weight"].mul_(1.05)
-    try:
-        engine.sync(moved)
-        nudged = next(engine.trace(seqs))
-    finally:
-        engine.sync(model)
-    errs = relative_errors(nudged, plain)
-    points = tr.point_names(tr.layer_count(model))
-    assert [p for p in points if errs[p].max() > 0][0] == first
-    assert next(engine.trace(seqs))["logits"].equal(plain["logits"])   # back to the plain weights
+    nudged_op_is_named(master[0], engine, name, first)
 
 
 def test_scoring_follows_the_master_across_optimizer_steps(master, engine):
