@@ -109,17 +109,17 @@ class Measurement:
             sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
         logp_s = shadow.logprobs(model, r, s, logp_pi)
+        if self.self_gap is not None and not self.self_gap.pairs:   # the first batch
+            t0 = time.perf_counter()
+            self.traced = list(sequences_of(r, r.completion_mask, a.locate_sequences))
+            self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, r.completion_mask,
+                              a.cpu_fp16, a.logprob_chunk, a.locate_rows)
+            self.locate_s["self_gap"] = time.perf_counter() - t0
         self.has_adv &= adv is not None
         adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
         mask, (logp_pi, logp_s, mu), left_out = finite_tokens(r.completion_mask, logp_pi, logp_s,
                                                               r.engine_logprobs)
         self.left_out.add(left_out, _warning)
-        if self.self_gap is not None and not self.self_gap.pairs:   # the first batch
-            t0 = time.perf_counter()
-            self.traced = list(sequences_of(r, r.completion_mask, a.locate_sequences))
-            self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, mask, a.cpu_fp16,
-                              a.logprob_chunk, a.locate_rows)
-            self.locate_s["self_gap"] = time.perf_counter() - t0
         r = dataclasses.replace(r, completion_mask=mask, engine_logprobs=mu)
         # What the engine's own ratio ℓ_π − ℓ_μ would clip at θ = θ_old.
         att = measure(self.diag, logp_pi, logp_s, r.engine_logprobs, adv_t, mask, a.eps, a.eps)
