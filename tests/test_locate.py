@@ -270,3 +270,19 @@ def test_an_audit_without_locate_has_none_of_it(tmp_path, text_model):
     assert p.returncode == 0, p.stderr
     assert "locate" not in json.loads((out / "audit.json").read_text())
     assert "where the gap comes from" not in p.stdout and not (out / "locate.png").exists()
+
+
+def test_an_overflowing_forward_gives_numbers_and_counts_the_tokens():
+    """A traced point that overflowed (inf, or NaN after it) is counted per point, left out of
+    the median and max, and still names the point where the engine parts."""
+    located = loc.Located(["embed", "logits"])
+    located.add("engine_vs_precision", {"embed": torch.tensor([0.0, 0.0]),
+                                        "logits": torch.tensor([float("inf"), 0.5,
+                                                                float("nan")])})
+    c = located.curve("engine_vs_precision")
+    assert c == {"median": [0.0, 0.5], "max": [0.0, 0.5], "non_finite": [0, 2]}
+    assert loc.first_difference(located) == "logits"
+    located.add("engine_vs_precision", {"embed": torch.tensor([float("nan")])})
+    assert loc.first_difference(located) == "embed"
+    assert loc.Located(["embed"]).curve("engine") == {"median": [None], "max": [None],
+                                                      "non_finite": [0]}

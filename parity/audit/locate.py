@@ -136,23 +136,28 @@ class Located:
         for point, e in errs.items():
             into.setdefault(point, []).append(e)
 
-    def curve(self, comparison: str) -> dict[str, list[float | None]]:
-        """Median and max over tokens at each point (None where the point was not traced)."""
+    def curve(self, comparison: str) -> dict[str, list[float | int | None]]:
+        """Median and max over tokens at each point (None where the point was not traced, or
+        no token's error there is finite), and the tokens whose error is not: an fp16 forward
+        can overflow, and a figure stays a number."""
         errs = self.errors.get(comparison, {})
-        med, mx = [], []
+        med, mx, bad = [], [], []
         for p in self.points:
-            e = torch.cat(errs[p]) if p in errs else None
-            med.append(None if e is None else float(e.median()))
-            mx.append(None if e is None else float(e.max()))
-        return {"median": med, "max": mx}
+            e = torch.cat(errs[p]) if p in errs else torch.zeros(0)
+            ok = e[torch.isfinite(e)]
+            med.append(float(ok.median()) if ok.numel() else None)
+            mx.append(float(ok.max()) if ok.numel() else None)
+            bad.append(int(e.numel() - ok.numel()))
+        return {"median": med, "max": mx, "non_finite": bad}
 
 
 def first_difference(located: Located) -> str | None:
     """The first point, in forward order, where the engine's output differs at all from the
-    trainer's own model in the engine's dtype; None where they agree everywhere traced."""
+    trainer's own model in the engine's dtype (an overflow there counts); None where they
+    agree everywhere traced."""
     errs = located.errors.get("engine_vs_precision", {})
     for p in located.points:
-        if p in errs and float(torch.cat(errs[p]).max()) > 0:
+        if p in errs and bool((torch.cat(errs[p]) != 0).any()):
             return p
     return None
 
