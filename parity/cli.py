@@ -318,6 +318,7 @@ def _recipes_for(framework: str, names: list[str]) -> None:
 
 def cmd_audit(args: argparse.Namespace) -> None:
     from parity.audit import command as au
+    from parity.audit import scale as ladder
     from parity.config import TASK_DEFAULTS, Config, coerce, field_specs
     given = {k: coerce(k, getattr(args, k), au.AuditSettings)
              for k in field_specs(au.AuditSettings) if getattr(args, k) is not None}
@@ -334,8 +335,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
         a = au.AuditSettings(**given).validate()
         out = Path(args.out) if args.out else Path("audits") / (
             f"scale-{a.engine_dtype}-vs-{a.trainer_dtype}")
-        result = au.scale(a, out, models)
-        au.print_scale(result)
+        result = ladder.scale(a, out, models)
+        ladder.print_scale(result)
         print(f"wrote {out}/scale.json, {out}/scale.png, {out}/report.html")
         return
     if given.get("model") is None:  # a built-in task's own testbed model, as `train` picks it

@@ -32,8 +32,8 @@ from parity.errors import ParityError
 from parity.files import ensure_writable
 from parity.runs.dirs import lock_dir, metrics_lines, unreadable
 
-__all__ = ["Heading", "Plot", "Table", "audit_report", "html_page", "load_metrics", "run_report",
-           "scale_report", "sweep_report"]
+__all__ = ["Heading", "Plot", "Table", "audit_report", "finish", "html_page", "load_metrics",
+           "run_report", "scale_report", "sweep_report"]
 
 MAX_SCATTER = 20_000  # more points add nothing visible and make the PNG (and the page) huge
 
@@ -140,7 +140,8 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _finish(fig: Figure, ax: Any, path: Path, alt: str, loc: str = "best", **labels: Any) -> Plot:
+def finish(fig: Figure, ax: Any, path: Path, alt: str, loc: str = "best", **labels: Any) -> Plot:
+    """Labels, grid and legend on `ax`; `fig` saved to `path` and closed."""
     ax.set(**labels)
     ax.grid(alpha=0.3, which="both")
     # Faint scatter points make invisible legend keys: draw the keys bigger and opaque.
@@ -253,7 +254,7 @@ def _run_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Plot]
         ax.plot(*s, color=f"C{i % 10}", label=lab)
         _band(ax, s, _series(rows, mn.REWARD_STD), f"C{i % 10}")
     _steps_axis(ax)
-    plots.append(_finish(fig, ax, out / "reward.png",
+    plots.append(finish(fig, ax, out / "reward.png",
                          f"{mn.REWARD_MEAN} against step, one line per run", ylabel=mn.REWARD_MEAN,
                          title="Reward (band: ± reward/std)"))
 
@@ -372,7 +373,7 @@ def _prob_scatter(p_mu: np.ndarray, p_pi: np.ndarray, idx: np.ndarray, shown: st
     ax.scatter(p_mu[idx], p_pi[idx], s=3, alpha=0.3, linewidths=0, rasterized=True, zorder=2,
                label="tokens")
     ax.set_aspect("equal")
-    return _finish(fig, ax, out / "prob_scatter.png", "trainer against engine probability",
+    return finish(fig, ax, out / "prob_scatter.png", "trainer against engine probability",
                    "upper left", xlabel="engine probability exp(ℓ_μ)", xlim=(0, 1),
                    ylabel="trainer probability exp(ℓ_π)", ylim=(0, 1),
                    title=f"Token probabilities ({shown})")
@@ -386,7 +387,7 @@ def _beta_hist(beta: np.ndarray, out: Path) -> Plot:
     ax.text(0.98, 0.95, f"mean = {mean:.3g}\nstd = {std:.3g}\nn = {beta.size:,}",
             transform=ax.transAxes, ha="right", va="top", fontsize=9,
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#ccc"})
-    return _finish(fig, ax, out / "beta_hist.png", "histogram of beta", "upper left",
+    return finish(fig, ax, out / "beta_hist.png", "histogram of beta", "upper left",
                    xlabel="β = ℓ_π − ℓ_s (precision gap, nats)", ylabel="tokens (log)",
                    title="Precision gap per token")
 
@@ -405,7 +406,7 @@ def _beta_vs_prob(p_pi: np.ndarray, beta: np.ndarray, idx: np.ndarray, shown: st
     ax.plot(centres, [beta[which == b].mean() for b in filled], "s-", color="C0",
             label="binned mean β")
     ax.axhline(0, color="k", lw=0.6)
-    return _finish(fig, ax, out / "beta_vs_prob.png", "beta against token probability",
+    return finish(fig, ax, out / "beta_vs_prob.png", "beta against token probability",
                    xlabel="trainer probability exp(ℓ_π)", ylabel="β (nats)",
                    title="Precision gap against token probability")
 
@@ -420,7 +421,7 @@ def _seq_log_ratio(length: np.ndarray, seq_lr: np.ndarray, out: Path) -> Plot:
         ax.plot(xs, icpt + slope * xs, color="C3",
                 label=f"least squares: {1000 * slope:.3g} per 1k tokens")
     ax.axhline(0, color="k", lw=0.6)
-    return _finish(fig, ax, out / "seq_log_ratio.png", "sequence log-ratio against length",
+    return finish(fig, ax, out / "seq_log_ratio.png", "sequence log-ratio against length",
                    xlabel="completion length (tokens)", ylabel="Σ_t (ℓ_π − ℓ_μ)",
                    title="Sequence log-ratio against length")
 
@@ -432,16 +433,17 @@ def _phantom_vs_eps(table: list[dict], out: Path) -> Plot:
         ax.plot(eps, [r[key] for r in table], mk, label=key)
     if (eps > 0).all():
         ax.set_xscale("log")
-    return _finish(fig, ax, out / "phantom_vs_eps.png", "clip fractions against eps",
+    return finish(fig, ax, out / "phantom_vs_eps.png", "clip fractions against eps",
                    xlabel="clip range ε", ylabel="fraction of tokens", ylim=(0, None),
                    title="Clipped, phantom and hidden fractions against ε")
 
 
 def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps_table: list[dict],
                  summary: dict[str, float], out: Path, title: str,
-                 verdict: str | None = None, advice: dict[str, Any] | None = None) -> Path:
+                 verdict: str | None = None, advice: dict[str, Any] | None = None,
+                 extra: Sequence[Section] = ()) -> Path:
     """Token- and sequence-level pictures of the engine–trainer gap, and `out/report.html`;
-    `advice` (advice.what_to_do) opens the page."""
+    `advice` (advice.what_to_do) opens the page, `extra` closes it."""
     l_mu, l_pi, l_s, _pos = _arrays(tokens, ["engine_logprob", "trainer_logprob", "shadow_logprob",
                                              "position"], "audit tokens")
     length, seq_lr = _arrays(seqs, ["length", "log_ratio"], "audit seqs")
@@ -482,7 +484,7 @@ def audit_report(tokens: dict[str, np.ndarray], seqs: dict[str, np.ndarray], eps
                             for r in table])]
     else:
         sections.append("No ε table given: the clip-fraction plot is left out.")
-    return html_page(title, sections, out)
+    return html_page(title, [*sections, *extra], out)
 
 
 def _advice_sections(advice: dict[str, Any] | None) -> list[Section]:

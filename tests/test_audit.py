@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli_helpers import run_main
-from parity.audit.command import AuditSettings, audit, scale
+from parity.audit.command import AuditSettings, audit
+from parity.audit.scale import scale
 from parity.diagnostics import DUMP_COLUMNS
 
 pytestmark = pytest.mark.e2e

@@ -134,7 +134,7 @@ def test_correlation_and_size_verdicts():
 
 
 def test_loglog_fit_slope_error_against_a_hand_computation():
-    from parity.audit.command import fit_loglog
+    from parity.audit.scale import fit_loglog
     # log10 x = 0, 1, 2; log10 y = 0, 0.1, 0.4: slope 0.2, intercept -1/30, residuals 1/30,
     # -1/15, 1/30; RSS 1/150 on 1 dof; Sxx 2: SE = sqrt(1/300).
     f = fit_loglog([1, 10, 100], [1, 10 ** 0.1, 10 ** 0.4])

@@ -14,10 +14,13 @@ from parity.engines import EngineSpec, Sampling, make_engine
 from parity.engines.hf import HFEngine
 from parity.models.loading import load_policy
 from vllm_helpers import (
+    NUDGES,
     moved_copy,
+    nudged_op_is_named,
     prompts_of,
     resume,
     row_seed,
+    trace_is_vllms_own,
     train,
     vllm_engine,
     whole_distribution,
@@ -167,3 +170,14 @@ def test_a_vllm_run_on_cuda_resumes_as_one_run(tmp_path, text_model):
         for k, v in a.items():
             if isinstance(v, float):
                 assert v == pytest.approx(b[k], rel=1e-3, abs=1e-5), (a["step"], k)
+
+
+def test_vllms_trace_on_the_gpu_is_its_own_forward(master, engine):
+    """`parity audit --locate` on vLLM's CUDA build: its prefill runs eagerly (CUDA graphs are
+    decode-only), so the hooks see every op; the traced logits are those vLLM scores with."""
+    trace_is_vllms_own(*master, engine)
+
+
+@pytest.mark.parametrize("name,first", NUDGES)
+def test_a_nudged_op_in_vllm_on_the_gpu_is_named(master, engine, name, first):
+    nudged_op_is_named(master[0], engine, name, first)

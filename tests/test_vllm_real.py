@@ -16,10 +16,13 @@ from parity.engines.hf import HFEngine
 from parity.models.forward import score, score_full
 from parity.models.loading import load_policy as load_model
 from vllm_helpers import (
+    NUDGES,
     moved_copy,
+    nudged_op_is_named,
     prompts_of,
     resume,
     row_seed,
+    trace_is_vllms_own,
     train,
     vllm_engine,
     whole_distribution,
@@ -45,7 +48,7 @@ def test_both_engines_implement_the_engine_protocol(master, engine):
     for eng in (hf, engine):
         assert isinstance(eng, Engine)
         for name in ("sync", "load_state", "save_weights", "restore_weights", "weight_bytes",
-                     "generate", "score", "replica", "close"):
+                     "generate", "score", "trace", "replica", "close"):
             want = inspect.signature(getattr(Engine, name)).parameters
             got = inspect.signature(getattr(type(eng), name)).parameters
             assert list(got)[:len(want)] == list(want), (type(eng).__name__, name)
@@ -194,6 +197,20 @@ def test_engine_scored_shadow_is_the_samplers_own_arithmetic(master, engine):
     # the next rollout samples from the synced weights again, not the scored ones
     again = engine.generate(prompts_of(tok), 16, s, torch.Generator().manual_seed(4))
     assert again.completions() == r.completions()
+
+
+def test_vllms_trace_is_its_own_forward_under_the_trainers_point_names(master, engine):
+    """vLLM traced op by op (`parity audit --locate`): every point of the trainer's trace at
+    the same shape, and the traced logits are the very ones vLLM scores the sequence with (its
+    prompt log-probs)."""
+    trace_is_vllms_own(*master, engine)
+
+
+@pytest.mark.parametrize("name,first", NUDGES)
+def test_a_nudged_op_in_vllm_changes_its_trace_from_that_op_on(master, engine, name, first):
+    """The hooks follow vLLM's residual adds, fused into the next norm, to the right names:
+    one op's weights nudged change vLLM's own trace at that op and at no earlier point."""
+    nudged_op_is_named(master[0], engine, name, first)
 
 
 def test_scoring_follows_the_master_across_optimizer_steps(master, engine):

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from parity.engines import EngineSpec, make_engine
+from parity.audit.locate import relative_errors
+from parity.engines import EngineSpec, Sampling, make_engine
+from parity.models import trace as tr
 
 TEXTS = ["the cat", "a man went", "in the", "she said", "it was", "we", "on a", "and then"]
 
@@ -81,3 +83,51 @@ def whole_distribution(engine, prompt: list[int], s, seed: int, max_new_tokens: 
     for t, step in enumerate(out.logprobs):
         ref[t, list(step)] = torch.tensor([v.logprob for v in step.values()])
     return list(out.token_ids), ref
+
+
+# One op's weights nudged, and the first traced point that must move (parity/models/trace.py).
+NUDGES = [("layers.1.mlp.down_proj", "layers.1.mlp"),
+          ("layers.1.input_layernorm", "layers.1.input_norm"),
+          ("layers.0.post_attention_layernorm", "layers.0.post_norm"),
+          ("layers.0.self_attn.o_proj", "layers.0.attention")]
+
+
+def trace_is_vllms_own(model: torch.nn.Module, tok, engine) -> None:
+    """vLLM's trace holds every point of the trainer's, at its shape, and its logits are the
+    ones vLLM scores the sequences with."""
+    s = Sampling()
+    r = engine.generate(prompts_of(tok)[:3], 8, s, torch.Generator().manual_seed(5))
+    seqs = [p[m > 0].tolist() + c for p, m, c in zip(r.prompt_ids, r.prompt_mask,
+                                                     r.completions())]
+    traced = list(engine.trace(seqs))
+    scored = engine.score(model, r, s).cpu()
+    points = tr.point_names(tr.layer_count(model))
+    for b, (t, ids) in enumerate(zip(traced, seqs)):
+        ref = tr.trace(model, ids)
+        assert set(t) == set(points)
+        assert all(t[p].shape == ref[p].shape for p in points)
+        n = int(r.completion_mask[b].sum())
+        P = len(ids) - len(r.completions()[b])
+        logp = torch.log_softmax(t["logits"][P - 1:P - 1 + n].cpu(), -1)
+        mine = logp.gather(-1, torch.tensor(ids[P:P + n])[:, None]).squeeze(-1)
+        assert (mine - scored[b, :n]).abs().max() < 1e-5
+
+
+def nudged_op_is_named(model: torch.nn.Module, engine, name: str, first: str) -> None:
+    """vLLM's own trace with `name`'s weights scaled by 1.05 against it without: the first
+    point that moves is `first`; the plain weights restored give the plain trace back."""
+    seqs = [[5, 9, 14, 3, 27, 8, 11, 40, 2, 19]]
+    plain = next(engine.trace(seqs))
+    moved = type(model)(model.config).to(next(model.parameters()).device)
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        dict(moved.named_parameters())[f"model.{name}.weight"].mul_(1.05)
+    try:
+        engine.sync(moved)
+        nudged = next(engine.trace(seqs))
+    finally:
+        engine.sync(model)
+    errs = relative_errors(nudged, plain)
+    points = tr.point_names(tr.layer_count(model))
+    assert [p for p in points if errs[p].max() > 0][0] == first
+    assert next(engine.trace(seqs))["logits"].equal(plain["logits"])

@@ -4,5 +4,7 @@
     inputs.py     what it reads: another system's completions and log-probs, prompt files
     responses.py  saved answers of a serving engine (vLLM, SGLang, OpenAI-style) as audit input
     server.py     `--server URL`: the prompts sampled by a running server, then audited
+    scale.py      `--scale`: the audit over the testbed's size ladder, fitted against size
+    locate.py     `--locate`: the trainer against itself, and the gap located op by op
     advice.py     what the figures mean and what to do about them
 """

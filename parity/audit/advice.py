@@ -18,6 +18,7 @@ from typing import Any
 from rich.table import Table
 
 from parity import metric_names as mn
+from parity.audit import locate
 from parity.config import Config
 from parity.errors import ParityError
 from parity.files import read_json
@@ -178,6 +179,7 @@ def advise(result: dict[str, Any], fp16_check: str | None = None) -> Advice:
     if result["engine_dtype"] == "fp16":
         fits16, fp16_note = True, "the engine already runs fp16"
     reasons.append(f"fp16: {fp16_note}")
+    reasons += locate.advice(result)
 
     options = [
         {"fix": "bf16-shadow", "fits": "yes" if shadow_ok else "no",

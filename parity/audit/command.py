@@ -7,7 +7,7 @@
     → α, β, clip attribution at ε and over a sweep of ε, exact KL(μ‖π) where μ is known
     → audit.json, tokens.parquet, plots, report.html, a verdict table
 
-`scale` repeats the audit over the testbed's size ladder and fits the trend against size.
+`parity audit --scale` (scale.py) repeats it over the testbed's size ladder.
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import matplotlib.pyplot as plt
 import torch
 from rich.table import Table
 
 from parity import devices, testbed, ui
 from parity import metric_names as mn
+from parity.audit import locate as lc
 from parity.audit import server as server_audit
 from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
+from parity.audit.locate import SelfGap, locate, sequences_of
 from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
     EPS_SWEEP,
@@ -54,12 +57,13 @@ from parity.engines import (
 )
 from parity.engines.server import Server
 from parity.errors import ParityError
-from parity.models import lora
+from parity.models import lora, trace
 from parity.models.forward import score_full
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import autocast, fp32_head
 from parity.objectives import grpo_advantages
-from parity.reports import audit_report, scale_report
+from parity.reports import Heading, audit_report, finish
+from parity.reports import Table as PageTable
 from parity.runs.dirs import check_run_dir, free_dir, lock_dir
 from parity.runs.finite import NonFinite, finite_tokens
 from parity.tasks import PromptSampler, build_task, prompt_token_ids
@@ -89,6 +93,11 @@ class Measurement:
         self.seq_len: list[torch.Tensor] = []
         self.seq_lr: list[torch.Tensor] = []
         self.left_out = NonFinite("the engine (l_mu) or the trainer's forwards")
+        # --locate: the trainer against itself on the first batch, and the sequences traced
+        self.self_gap = SelfGap(a.trainer_dtype, a.engine_dtype) if a.locate else None
+        self.traced: list[list[int]] = []
+        self.layers: dict[str, Any] | None = None
+        self.locate_s = {"self_gap": 0.0, "layers": 0.0}
 
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, adv: torch.Tensor | None,
@@ -100,6 +109,12 @@ class Measurement:
             sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
         logp_s = shadow.logprobs(model, r, s, logp_pi)
+        if self.self_gap is not None and not self.self_gap.pairs:   # the first batch
+            t0 = time.perf_counter()
+            self.traced = list(sequences_of(r, r.completion_mask, a.locate_sequences))
+            self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, r.completion_mask,
+                              a.cpu_fp16, a.logprob_chunk, a.locate_rows)
+            self.locate_s["self_gap"] = time.perf_counter() - t0
         self.add_scored(r, logp_pi, logp_s, logits, rows, adv, s, prompt_ids, first_sample)
 
     def add_scored(self, r: Rollout, logp_pi: torch.Tensor, logp_s: torch.Tensor,
@@ -129,6 +144,21 @@ class Measurement:
         sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids), device=dev)
         self.tables.append(dump_table(0, len(self.tables), 0, sample_ids, prompt_ids, r, adv_t,
                                       logp_pi, logp_s, att, a.eps, a.eps))
+
+    def trace(self, model: torch.nn.Module, engine: Engine | None, name: str) -> None:
+        """--locate's layer-by-layer pass over the sequences kept by `add`."""
+        if self.self_gap is not None:
+            t0 = time.perf_counter()
+            self.layers = locate(model, engine, self.a, self.traced, name)
+            self.locate_s["layers"] = time.perf_counter() - t0
+
+    def located(self) -> dict[str, Any]:
+        """audit.json's `locate`: absent without --locate."""
+        if self.self_gap is None:
+            return {}
+        return {"locate": {"self_gap": self.self_gap.results(),
+                           "self_gap_note": self.self_gap.note, "layers": self.layers,
+                           "seconds": self.locate_s}}
 
     def results(self) -> dict[str, Any]:
         tok = self.diag.tokens()
@@ -202,7 +232,10 @@ def _sample(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBa
     if a.shadow_kernels == "scored":
         shadow.engine = engine   # the engine scores ℓ_s itself
     try:
-        return _sample_with(a, engine, prompt_ids, task, source, model, tok, meas, shadow, s, bar)
+        source = _sample_with(a, engine, prompt_ids, task, source, model, tok, meas, shadow, s,
+                              bar)
+        meas.trace(model, engine, f"engine={a.engine}")
+        return source
     finally:
         engine.close()
 
@@ -316,7 +349,7 @@ def _locked_audit(a: AuditSettings, out: Path, report: bool, device: torch.devic
               "max_new_tokens": a.max_new_tokens,
               "seed": a.seed, "device": devices.describe(device),
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
-              **meas.results(), **({"server": server} if server else {}),
+              **meas.results(), **meas.located(), **({"server": server} if server else {}),
               "seconds": time.perf_counter() - t0}
     result["verdict"] = verdict(result)
     result["advice"] = as_json(advise(result, a.fp16_check))
@@ -369,6 +402,8 @@ def _measure(a: AuditSettings, out: Path, model: torch.nn.Module, tok: PreTraine
             if a.rollouts or server:
                 source = _replay(a, saved if server else Path(a.rollouts), model, tok, meas,
                                  shadow, s, bar)
+                meas.trace(model, None, "answers from a server" if server else
+                           "answers from a file")
             else:
                 source = _sample(a, model, tok, model_dir, meas, shadow, s, bar)
         if server:
@@ -391,7 +426,54 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
         audit_report(tokens, seqs, result["phantom_vs_eps"], summary, out,
                      f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
                      f"trainer ({result['input']})", verdict=result["verdict"],
-                     advice=what_to_do(result))
+                     advice=what_to_do(result),
+                     extra=locate_sections(result, out) if "locate" in result else ())
+
+
+# ---- --locate in the report ------------------------------------------------------------------
+
+def _locate_plot(layers: dict[str, Any], out: Path, title: str) -> Any:
+    """Median relative error of the residual stream against layer, one line per comparison."""
+    points = layers["points"]
+    label = {"embed": "emb", "final_norm": "norm", "logits": "logits"}
+    at = [i for i, p in enumerate(points) if p.endswith(".output") or p in label]
+    ticks = [label.get(points[i]) or str(trace.layer_of(points[i])) for i in at]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for c, what in lc.COMPARISONS.items():
+        if c in layers["curves"]:
+            y = [layers["curves"][c]["median"][i] for i in at]
+            ax.plot(range(len(at)), [v if v else float("nan") for v in y], marker=".",
+                    label=what)
+    ax.set_yscale("log")
+    step = max(1, len(at) // 16)
+    ax.set_xticks(range(0, len(at), step), ticks[::step])
+    return finish(fig, ax, out / "locate.png", alt="relative error against layer",
+                  xlabel="residual stream after layer", ylabel="median relative error",
+                  title=title)
+
+
+def locate_sections(result: dict[str, Any], out: Path) -> list[Any]:
+    """report.html's part for `--locate`: the trainer against itself beside β, then the finding,
+    the plot and every point's errors."""
+    loc, layers = result["locate"], result["locate"]["layers"]
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    rows = [[r["forward"], r["dtype"], lc.CHANGES[r["change"]], r["tokens"], r["abs_mean"],
+             r["frac_outside"], r["abs_max"]] for r in loc["self_gap"]]
+    beside = f"; beside mean |β| = {beta:.4g}" if beta is not None else ""
+    curves = layers["curves"]
+    points = [[p, trace.kind(p), *(curves[c][s][i] for c in curves for s in ("median", "max"))]
+              for i, p in enumerate(layers["points"])]
+    return [Heading("The trainer against itself"),
+            PageTable(["forward", "dtype", "change", "tokens", "mean |Δℓ|",
+                       f"share |Δℓ| > {lc.OUTSIDE}", "max |Δℓ|"], rows,
+                      caption=f"the same tokens and weights in another layout{beside}"),
+            *([loc["self_gap_note"]] if loc.get("self_gap_note") else []),
+            Heading("Where the gap comes from"), f"Finding: {layers['finding']}",
+            _locate_plot(layers, out, f"{layers['sequences']} sequences, "
+                                      f"{layers['tokens']} tokens"),
+            PageTable(["point", "op", *(f"{c} {s}" for c in curves for s in ("median", "max"))],
+                      points, caption="relative error ‖x − x_ref‖ / ‖x_ref‖ per token; "
+                      + "; ".join(f"{c}: {lc.COMPARISONS[c]}" for c in curves))]
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -439,8 +521,29 @@ def print_audit(result: dict[str, Any]) -> None:
     if "server" in result:
         console.print(server_lines(result["server"]), highlight=False)
     console.print(f"verdict: {result['verdict']}")
+    if "locate" in result:
+        print_located(result, console)
     if "advice" in result:
         print_advice(result, console)
+
+
+def print_located(result: dict[str, Any], console: Any) -> None:
+    """The trainer against itself as a table beside β, then the finding in one line."""
+    loc = result["locate"]
+    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
+    t = Table(title="the trainer against itself: the same tokens and weights, another layout"
+                  + (f" (mean |beta| = {beta:.3g})" if beta is not None else ""),
+                  title_justify="left")
+    for h in ("forward", "change", "mean |dl|", f"|dl| > {lc.OUTSIDE}", "max |dl|"):
+        t.add_column(h, justify="left" if h in ("forward", "change") else "right")
+    for r in loc["self_gap"]:
+        t.add_row(f"{r['forward']} ({r['dtype']})", lc.CHANGES[r["change"]],
+                  *(("n/a",) * 3 if r["abs_mean"] is None else
+                    (f"{r['abs_mean']:.3g}", f"{r['frac_outside']:.2%}", f"{r['abs_max']:.3g}")))
+    console.print(t)
+    if loc.get("self_gap_note"):
+        console.print(f"  {loc['self_gap_note']}", highlight=False)
+    console.print(f"where the gap comes from: {loc['layers']['finding']}", highlight=False)
 
 
 def server_lines(v: dict[str, Any]) -> str:
@@ -456,138 +559,3 @@ def server_lines(v: dict[str, Any]) -> str:
     else:
         out.append(f"server log-probs: {v['logprobs']}")
     return "\n".join(out)
-
-
-# ---- the size ladder -------------------------------------------------------------------------
-
-SMALL_EPS = 0.01
-FIT_METRICS = ("beta_abs_mean", "kl_k3", "kl_exact", "phantom_frac")
-EXTRAPOLATE = (0.6e9, 1.5e9)
-
-
-def fit_loglog(xs: list[float], ys: list[float]) -> dict[str, float] | None:
-    """log10(y) = intercept + slope · log10(x) by least squares; None without two positive y."""
-    pts = [(math.log10(x), math.log10(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
-    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    intercept = my - slope * mx
-    fit = {"slope": slope, "intercept": intercept, "points": len(pts)}
-    if len(pts) > 2:  # the slope's standard error from the residuals, n − 2 degrees of freedom
-        rss = sum((y - intercept - slope * x) ** 2 for x, y in pts)
-        fit["slope_se"] = math.sqrt(rss / (len(pts) - 2) / sxx)
-    return fit
-
-
-def _same_audit(res: dict[str, Any], a: AuditSettings) -> bool:
-    keys = ("engine_dtype", "trainer_dtype", "eps", "max_new_tokens", "seed")
-    return (all(res.get(k) == getattr(a, k) for k in keys) and res.get("completions") == a.samples
-            and res.get("input") == f"task {a.task}")
-
-
-def _ladder_points(a: AuditSettings, out: Path, models: list[str],
-                   done: dict[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """One audit per model (or its earlier result from `done`), as a point of the fit."""
-    axis_of = {}
-    for axis, names in testbed.LADDER_AXES.items():
-        for n in names:
-            axis_of[n] = "base" if n in axis_of else axis
-    points = []
-    for name in models:
-        if name in testbed.SPECS:
-            testbed.ensure(name, progress=a.progress)
-        sub = dataclasses.replace(a, model=name)
-        res = (done or {}).get(name)
-        if res is None or not _same_audit(res, sub):
-            res = audit(sub, out / "models" / Path(name).name, report=False)
-        m = res["metrics"]
-        small = next((row["phantom_frac"] for row in res["phantom_vs_eps"]
-                      if row["eps"] == SMALL_EPS), None)
-        points.append({"model": name, "axis": axis_of.get(name, "other"),
-                       "n_params": res["n_params"],
-                       "beta_abs_mean": m.get(mn.BETA_ABS_MEAN, 0.0),
-                       "kl_k3": m.get(mn.KL_K3, 0.0),
-                       "kl_exact": m.get(mn.KL_EXACT, 0.0),
-                       "phantom_frac_at_eps": m.get(mn.PHANTOM_FRAC, 0.0),
-                       "phantom_frac_eps_0.01": small})
-    return points
-
-
-def scale(a: AuditSettings, out: Path, models: list[str] | None = None,
-          done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Audit every model of the size ladder on the same prompts and fit each metric against
-    parameter count, with the fit extrapolated to 0.6B and 1.5B parameters. `done`: audits
-    already run with these settings, by model name, used instead of running them again."""
-    check_run_dir(out)
-    models = models or list(testbed.LADDER)
-    for name in models:  # a mistyped path is refused before the first model's minutes
-        if name not in testbed.SPECS:
-            testbed.resolve_model(name)
-    with lock_dir(out, "audit --out", empty=True) as lock:
-        return _locked_scale(a, out, models, done, lock.created)
-
-
-def _locked_scale(a: AuditSettings, out: Path, models: list[str],
-                   done: dict[str, dict[str, Any]] | None, created: bool) -> dict[str, Any]:
-    try:
-        points = _ladder_points(a, out, models, done)
-    except ParityError:
-        # A refusal leaves nothing behind (docs/errors.md): the models audited before it too.
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    # The trend of the phantom fraction at the given ε, unless that is 0 everywhere (the small
-    # testbed at ε = 0.2): then at ε = 0.01, where it is measurable.
-    phantom_eps = a.eps if any(p["phantom_frac_at_eps"] > 0 for p in points) else SMALL_EPS
-    for p in points:
-        p["phantom_frac"] = (p["phantom_frac_at_eps"] if phantom_eps == a.eps
-                             else p["phantom_frac_eps_0.01"])
-    fits = {}
-    for key in FIT_METRICS:
-        f = fit_loglog([p["n_params"] for p in points], [p[key] for p in points])
-        if f is not None:
-            f["at"] = {f"{x:g}": 10 ** (f["intercept"] + f["slope"] * math.log10(x))
-                       for x in EXTRAPOLATE}
-            fits[key] = f
-    per_axis = {}
-    for axis, names in testbed.LADDER_AXES.items():
-        pts = [p for p in points if p["model"] in names]
-        f = fit_loglog([p["n_params"] for p in pts], [p["beta_abs_mean"] for p in pts])
-        if f is not None:
-            per_axis[axis] = f["slope"]
-    result = {"engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype, "eps": a.eps,
-              "phantom_eps": phantom_eps,
-              "samples": a.samples, "points": points, "fits": fits,
-              "beta_abs_slope_by_axis": per_axis}
-    (out / "scale.json").write_text(json.dumps(result, indent=1))
-    scale_report(points, fits, out, phantom_eps)
-    return result
-
-
-def print_scale(result: dict[str, Any]) -> None:
-    t = Table(title=f"mismatch against size: {result['engine_dtype']} engine vs "
-                    f"{result['trainer_dtype']} trainer, {result['samples']} completions each")
-    for col in ("model", "axis", "params", "|beta| mean", "KL k3", "KL exact",
-                f"phantom @{result['eps']:g}", "phantom @0.01"):
-        t.add_column(col, justify="left" if col in ("model", "axis") else "right")
-    for p in result["points"]:
-        small = p.get("phantom_frac_eps_0.01")
-        t.add_row(Path(p["model"]).name, p["axis"], f"{p['n_params'] / 1e6:.2f}M",
-                  f"{p['beta_abs_mean']:.3g}", f"{p['kl_k3']:.3g}", f"{p['kl_exact']:.3g}",
-                  f"{p['phantom_frac_at_eps']:.2%}", "" if small is None else f"{small:.2%}")
-    f = Table(title="log-log fit against parameter count, extrapolated")
-    for col in ("metric", "slope", "at 0.6B", "at 1.5B"):
-        f.add_column(col, justify="left" if col == "metric" else "right")
-    for key, fit in result["fits"].items():
-        at = list(fit["at"].values())
-        label = f"{key} (eps={result['phantom_eps']:g})" if key == "phantom_frac" else key
-        f.add_row(label, f"{fit['slope']:+.3f}", f"{at[0]:.3g}", f"{at[1]:.3g}")
-    console = ui.console(120)
-    console.print(t)
-    console.print(f)
-    if result.get("beta_abs_slope_by_axis"):
-        console.print("|beta| slope by axis (log-log, 3 points each): " + ", ".join(
-            f"{k} {v:+.3f}" for k, v in result["beta_abs_slope_by_axis"].items()))

@@ -45,7 +45,8 @@ def engine_needs(c: Any) -> EngineNeeds:
                        and not c.lora_merge, scores=c.shadow_kernels == "scored",
                        temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                        min_p=getattr(c, "min_p", 0.0),
-                       repetition_penalty=getattr(c, "repetition_penalty", 1.0))
+                       repetition_penalty=getattr(c, "repetition_penalty", 1.0),
+                       trace=bool(getattr(c, "locate", False)))
 
 
 @dataclass(kw_only=True)

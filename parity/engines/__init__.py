@@ -21,7 +21,7 @@ from __future__ import annotations
 # module loads when the engine is built or checked.
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
 
 from parity.engines.abilities import EngineCan, EngineNeeds, refuse_what_it_cannot
 from parity.registry import Registry
@@ -86,6 +86,10 @@ class Engine(Protocol):
         """ℓ of `r`'s completion tokens computed by the engine itself on the master's current
         weights in engine precision ([B, T]); the engine's sampled weights stay as they were."""
 
+    def trace(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each token sequence through the engine's own forward on its sampled weights, every
+        op's output as parity/models/trace.py names it (`parity audit --locate`)."""
+
     def replica(self) -> tuple[Callable[..., "Engine"], dict[str, Any]]:
         """(builder, kwargs): `builder(device=..., **kwargs)` makes the same engine in another
         process (the asynchronous engine)."""
@@ -148,12 +152,13 @@ def _vllm_check(config: Any, needs: EngineNeeds) -> None:
 register(EngineEntry(
     name="hf", summary="parity's own: the transformers model in engine precision with a KV "
                        "cache",
-    can=EngineCan(score_processed=True, lm_head_fp32=True, lora_unmerged=True), build=_hf))
+    can=EngineCan(score_processed=True, lm_head_fp32=True, lora_unmerged=True, trace=True),
+    build=_hf))
 register(EngineEntry(
     name="vllm", summary="vLLM in the trainer's process, its CPU or CUDA build; install: "
                          "README.md, figures: docs/vllm.md",
     can=EngineCan(score_processed=False, lm_head_fp32=False, lora_unmerged=False,
-                  min_p_after_top_p=False, min_temperature=0.01),
+                  min_p_after_top_p=False, min_temperature=0.01, trace=True),
     build=_vllm, check=_vllm_check))
 # A live server audited by `parity audit --server` is vLLM's (or SGLang's, whose greedy floor is
 # lower): its temperature floor is the vllm engine's.

@@ -24,6 +24,8 @@ class EngineCan:
     # to 0.01 and reports that distribution's log-probs, while the trainer scores the one asked
     # for: at 1e-6 its ℓ_μ is off by thousands (scripts/low_temperature.py, docs/vllm.md).
     min_temperature: float = 0.0
+    # `Engine.trace`: its forward can be followed op by op (`parity audit --locate`).
+    trace: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +35,7 @@ class EngineNeeds:
     lm_head_fp32: bool = False
     lora_unmerged: bool = False
     scores: bool = False          # `Engine.score` is called (shadow_kernels=scored)
+    trace: bool = False           # `Engine.trace` is called (`parity audit --locate`)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -57,6 +60,9 @@ def refuse_what_it_cannot(name: str, can: EngineCan, needs: EngineNeeds,
     if needs.lora_unmerged and not can.lora_unmerged:
         raise ParityError(f"engine={name} is given merged weights at each sync: an unmerged "
                           f"LoRA engine (--no-lora-merge) needs {able(lambda c: c.lora_unmerged)}")
+    if needs.trace and not can.trace:
+        raise ParityError(f"engine={name} cannot be traced op by op: --locate needs "
+                          f"{able(lambda c: c.trace)}")
     if needs.temperature < can.min_temperature:
         refuse_temperature(needs.temperature, can.min_temperature, f"engine={name}",
                            f" or {able(lambda c: c.min_temperature <= needs.temperature)}")

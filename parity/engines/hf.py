@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import StaticCache
@@ -33,6 +33,7 @@ from parity.models.precision import (
     restore_copy,
     save_copy,
 )
+from parity.models.trace import trace
 from parity.ui import Ticker
 
 
@@ -98,6 +99,14 @@ class HFEngine:
                                    ).logits[:, :-1]
         seen = seen_in(r, logits.shape[-1], s)
         return logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
+
+    @torch.no_grad()
+    def trace(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each sequence through the engine's own model on its sampled weights, whole, with its
+        attention and precision: every op's output (parity/models/trace.py)."""
+        for ids in sequences:
+            with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
+                yield trace(self.model, ids)
 
     def replica(self) -> tuple[Callable[..., HFEngine], dict[str, Any]]:
         return _hf_replica, dict(model=copy.deepcopy(self.model).cpu(), dtype=self.dtype,

@@ -264,7 +264,7 @@ class VLLMEngine:
         self.model = low_precision_copy(master, dtype)
         self._spec = dict(model_dir=model_dir, dtype=dtype, seed=seed, max_len=max_len,
                           rows=rows, gpu_memory=gpu_memory, cuda_graphs=cuda_graphs)
-        self._llm, self._stale, self._recorder = None, True, None
+        self._llm, self._stale, self._recorder, self._tracer = None, True, None, None
 
     @property
     def device(self) -> torch.device:
@@ -396,6 +396,31 @@ class VLLMEngine:
             steps = o.prompt_logprobs[len(p):]
             out[i, :len(c)] = torch.tensor([float(st[t].logprob) for st, t in zip(steps, c)])
         return out.to(r.completion_ids.device)
+
+    @torch.no_grad()
+    def trace(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each sequence through vLLM's own forward on its sampled weights (a prefill, with
+        `prompt_logprobs` so that every position's logits are computed), every op's output
+        under parity/models/trace.py's names (parity/engines/vllm_trace.py)."""
+        from vllm import SamplingParams
+
+        from parity.engines import vllm_trace
+        self._fresh()
+        if getattr(self, "_tracer", None) is None:
+            self._tracer = self.llm.collective_rpc(vllm_trace.install)[0]
+            if self._tracer is None:
+                raise ParityError("engine=vllm: this model's layers in vLLM are not of the Llama "
+                                  "family's shape, which --locate traces; use engine=hf")
+        t = self._tracer
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        for ids in sequences:
+            t.points, t.logits, t.on = {}, [], True
+            try:
+                self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            finally:
+                t.on = False
+            logits = vllm_trace.traced_logits(t.logits, len(ids))
+            yield {**t.points, **({"logits": logits} if logits is not None else {})}
 
     def replica(self) -> tuple[Any, dict[str, Any]]:
         """How another process builds this engine: `builder(device=..., **kwargs)`."""

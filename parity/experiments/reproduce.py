@@ -28,7 +28,8 @@ from rich.table import Table
 
 from parity import metric_names as mn
 from parity import testbed, ui
-from parity.audit.command import audit, fit_loglog, scale
+from parity.audit.command import audit
+from parity.audit.scale import fit_loglog, scale
 from parity.config import TASK_DEFAULTS, AuditSettings, Config
 from parity.errors import ParityError
 from parity.experiments import claims as C

@@ -110,6 +110,31 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     return Scored(logp, logits, h if hidden else None)
 
 
+def score_right_padded(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
+    """`score` with each row's tokens at the left and the padding at the right, as trainers that
+    pack without left padding lay a batch out: the same tokens at the same positions, another
+    layout of the batch ([B, T] fp32). The logits come from the model's own forward and head, as
+    in `score_full`, kept from the first position any row needs."""
+    plen = r.prompt_mask.sum(-1).long()
+    B, T = r.completion_ids.shape
+    P = int(plen.max())
+    ids = r.completion_ids.new_full((B, P + T), 0)
+    mask = torch.zeros_like(ids)
+    for b in range(B):
+        n = int(plen[b])
+        ids[b, :n] = r.prompt_ids[b, r.prompt_ids.shape[1] - n:]
+        ids[b, n:n + T] = r.completion_ids[b]
+        mask[b, :n], mask[b, n:n + T] = 1, r.completion_mask[b].long()
+    first = int(plen.min()) - 1        # the first position whose logits predict a completion token
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                use_cache=False, logits_to_keep=keep_last(P + T, P + T - first, ids.device))
+    # row b's completion token j is predicted at position plen[b] - 1 + j
+    at = (plen - 1 - first)[:, None] + torch.arange(T, device=ids.device)[None]
+    logits = out.logits.gather(1, at[..., None].expand(B, T, out.logits.shape[-1]))
+    seen = seen_in(r, logits.shape[-1], s)
+    return logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
+
+
 def score(model: torch.nn.Module, r: Rollout, s: Sampling, chunk: int = 0) -> torch.Tensor:
     """Log-probs of the completion tokens, [B, T] fp32 (see `score_full`)."""
     return score_full(model, r, s, chunk=chunk).logp

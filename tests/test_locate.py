@@ -1,0 +1,288 @@
+"""`parity audit --locate`: the trainer against itself and the gap located layer by layer, on
+known answers (a model against itself, a nudged layer, a norm in the other dtype) and against a
+float64 recomputation; then end to end through the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cli_helpers import run_main
+from parity.audit import locate as loc
+from parity.config import AuditSettings
+from parity.diagnostics import Shadow
+from parity.engines import ENGINES, EngineCan, EngineNeeds, Rollout, Sampling, engines_that
+from parity.engines.abilities import refuse_what_it_cannot
+from parity.engines.hf import HFEngine
+from parity.errors import ParityError
+from parity.models import trace as tr
+from parity.models.forward import score_full, score_right_padded
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def master():
+    """A random Llama whose norms have weights other than 1 (so the order of a norm's casts
+    shows), in fp32 with torch's SDPA attention, as the trainer loads a model."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def settings(**kw) -> AuditSettings:
+    return AuditSettings(model="m", task="neg-length", engine_dtype="bf16", **kw)
+
+
+def sequences(n: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 96, (int(L),), generator=g).tolist() for L in (9, 17, 12)[:n]]
+
+
+def same_kernels_engine(master) -> HFEngine:
+    """parity's bf16 engine with the trainer's own attention: the very forward the precision
+    curve runs."""
+    eng = HFEngine(master, "bf16", 1, 0)
+    eng.model.set_attn_implementation(master.config._attn_implementation)
+    return eng
+
+
+def test_a_model_against_itself_is_zero_at_every_point_and_names_no_op(master):
+    res = loc.locate(master, same_kernels_engine(master), settings(), sequences(), "engine=hf")
+    points = tr.point_names(LAYERS)
+    assert res["points"] == points
+    same = res["curves"]["engine_vs_precision"]
+    assert same["median"] == [0.0] * len(points) and same["max"] == [0.0] * len(points)
+    assert res["first_difference"] is None and res["op"] is None
+    assert "precision alone" in res["finding"]
+    # bf16 against fp32 is not zero: the comparison sees differences where there are some.
+    assert res["curves"]["precision"]["median"][points.index("logits")] > 1e-4
+    assert res["curves"]["engine"] == res["curves"]["precision"]
+
+
+def nudged(master, layer: int, module: str) -> HFEngine:
+    eng = same_kernels_engine(master)
+    with torch.no_grad():
+        w = dict(eng.model.named_parameters())[f"model.layers.{layer}.{module}.weight"]
+        w.mul_(1.05)
+    return eng
+
+
+@pytest.mark.parametrize("layer,module,point,op", [
+    (1, "mlp.down_proj", "mlp", "MLP"), (2, "self_attn.o_proj", "attention", "attention"),
+    (3, "input_layernorm", "input_norm", "norm")])
+def test_a_nudged_layer_is_named_and_nothing_before_it(master, layer, module, point, op):
+    res = loc.locate(master, nudged(master, layer, module), settings(), sequences(), "engine=hf")
+    first = f"layers.{layer}.{point}"
+    assert res["first_difference"] == first and res["op"] == op
+    i = res["points"].index(first)
+    ev = res["curves"]["engine_vs_precision"]
+    assert ev["max"][:i] == [0.0] * i and ev["median"][i] > 0
+    assert f"layer {layer}'s" in res["finding"] and f"({op})" in res["finding"]
+
+
+def rms_norm_weight_in_fp32(self, hidden_states):
+    """The cast order one serving release used: the weight multiplied in fp32, then the product
+    cast (transformers casts first, then multiplies in the weight's dtype)."""
+    x = hidden_states.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight.float() * x).to(hidden_states.dtype)
+
+
+def test_a_norm_in_the_other_dtype_is_named(master):
+    eng = same_kernels_engine(master)
+    norm = eng.model.model.layers[2].post_attention_layernorm
+    norm.forward = rms_norm_weight_in_fp32.__get__(norm)
+    res = loc.locate(master, eng, settings(), sequences(), "engine=hf")
+    assert res["first_difference"] == "layers.2.post_norm" and res["op"] == "norm"
+    assert "layer 2's post-attention norm (norm)" in res["finding"]
+
+
+def test_without_an_engine_only_the_precision_curve_is_drawn(master):
+    res = loc.locate(master, None, settings(), sequences(2), "answers from a file")
+    assert set(res["curves"]) == {"precision"} and res["first_difference"] is None
+    assert "not traced" in res["finding"]
+
+
+def rollout(lengths: list[tuple[int, int]], vocab: int = 96, seed: int = 2) -> Rollout:
+    """Left-padded prompts and right-padded completions of the given (prompt, completion)
+    lengths."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, T = len(lengths), max(p for p, _ in lengths), max(c for _, c in lengths)
+    pm = torch.tensor([[int(j >= P - p) for j in range(P)] for p, _ in lengths])
+    cm = torch.tensor([[float(j < c) for j in range(T)] for _, c in lengths])
+    ids = torch.randint(2, vocab, (B, P), generator=g) * pm
+    comp = torch.randint(2, vocab, (B, T), generator=g) * cm.long()
+    return Rollout(ids, pm, comp, cm, torch.zeros(B, T), torch.ones(B, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("s", [Sampling(), Sampling(0.7, 0.9, 20, repetition_penalty=1.3)])
+def test_right_padding_scores_the_same_tokens_as_left_padding_in_float64(master, s):
+    """Two layouts of the same tokens at the same positions: in float64 they agree to rounding,
+    so the layout code moves no token."""
+    model = LlamaForCausalLM(master.config).double().eval()
+    model.load_state_dict(master.state_dict())
+    r = rollout([(5, 7), (9, 3), (2, 8), (7, 7)])
+    with torch.no_grad():
+        left = score_full(model, r, s).logp
+        right = score_right_padded(model, r, s)
+    assert (left - right).abs().max() < 1e-9
+    assert right[r.completion_mask == 0].eq(0).all()
+
+
+def by_hand(model, r: Rollout, layout: str) -> torch.Tensor:
+    """ℓ of each completion token recomputed in float64 from one forward per layout, written
+    independently of parity's scoring: 'batch' (left padding, the whole batch), 'one' (each
+    row alone) or 'right' (the whole batch, padding on the right)."""
+    B, T = r.completion_ids.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    rows = [(r.prompt_ids[b][r.prompt_mask[b] > 0].tolist(),
+             r.completion_ids[b][r.completion_mask[b] > 0].tolist()) for b in range(B)]
+
+    def logp(logits, at: int, toks: list[int]) -> torch.Tensor:
+        lp = torch.log_softmax(logits.double(), -1)
+        return torch.stack([lp[at - 1 + j, t] for j, t in enumerate(toks)])
+
+    if layout == "one":
+        for b, (p, c) in enumerate(rows):
+            n = len(p) + len(c)
+            logits = model(input_ids=torch.tensor([p + c]), attention_mask=torch.ones(1, n),
+                           position_ids=torch.arange(n)[None]).logits[0]
+            out[b, :len(c)] = logp(logits, len(p), c)
+        return out
+    L = r.prompt_ids.shape[1] + T   # both layouts keep the batch's width
+    ids, mask = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, L, dtype=torch.long)
+    starts = []
+    for b, (p, c) in enumerate(rows):
+        a = 0 if layout == "right" else r.prompt_ids.shape[1] - len(p)
+        ids[b, a:a + len(p) + len(c)] = torch.tensor(p + c)
+        mask[b, a:a + len(p) + len(c)] = 1
+        starts.append(a)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    for b, (p, c) in enumerate(rows):
+        out[b, :len(c)] = logp(logits[b], starts[b] + len(p), c)
+    return out
+
+
+@torch.no_grad()
+def test_the_trainer_against_itself_reproduces_a_float64_recomputation(master):
+    """bf16 shadow and fp32 trainer, micro-batch 1 and right padding against the whole batch
+    with left padding: parity's figures are a float64 recomputation's, from the same forwards."""
+    r = rollout([(5, 7), (9, 3), (2, 8), (7, 7), (4, 1), (8, 6)])
+    s = Sampling()
+    shadow = Shadow(master, "bf16", "fp32", kernels="trainer")
+    gap = loc.SelfGap("fp32", "bf16")
+    mask = r.completion_mask
+    logp_pi = score_full(master, r, s).logp
+    logp_s = shadow.logprobs(master, r, s, logp_pi)
+    gap.add(master, shadow, r, s, logp_pi, logp_s, mask, "emulate", 0, rows=4)
+    got = {(x["forward"], x["change"]): x for x in gap.results()}
+    for side, model in (("trainer", master), ("shadow", shadow.model)):
+        ref = by_hand(model, r, "batch")
+        # micro-batch 1 on the first 4 completions; right padding on the whole batch
+        for change, layout, rows in (("batch_1", "one", 4), ("right_pad", "right", 6)):
+            keep = mask[:rows] > 0
+            d = (by_hand(model, r, layout)[:rows] - ref[:rows])[keep].abs()
+            x = got[(side, change)]
+            assert x["tokens"] == int(keep.sum())
+            # parity's ℓ are float32: a few of their ulps (about 5e-7 at |ℓ| = 4.5) apart
+            assert x["abs_mean"] == pytest.approx(float(d.mean()), rel=1e-3, abs=2e-6)
+            assert x["abs_max"] == pytest.approx(float(d.max()), rel=1e-3, abs=2e-6)
+            assert x["frac_outside"] == pytest.approx(float((d > loc.OUTSIDE).double().mean()),
+                                                      abs=1.5 / d.numel())
+    # bf16 moves with the layout, so the figures above compare numbers that are not all zero.
+    assert got[("shadow", "batch_1")]["abs_max"] > 0
+
+
+@torch.no_grad()
+def test_the_trainer_against_itself_is_zero_in_fp32_at_the_same_micro_batch(master):
+    """One unpadded completion: micro-batch 1 is the audit's micro-batch and there is no padding
+    to move, so an fp32 trainer agrees with itself exactly."""
+    r = rollout([(6, 5)])
+    s = Sampling()
+    shadow = Shadow(master, "fp32", "fp32")
+    gap = loc.SelfGap("fp32", "fp32")
+    logp_pi = score_full(master, r, s).logp
+    gap.add(master, shadow, r, s, logp_pi, logp_pi, r.completion_mask, "emulate", 0, rows=1)
+    rows = gap.results()
+    assert [x["forward"] for x in rows] == ["trainer", "trainer"]
+    assert all(x["abs_mean"] == 0 and x["abs_max"] == 0 and x["frac_outside"] == 0
+               for x in rows)
+    assert "fp32 on both sides" in gap.note
+
+
+def test_an_engine_that_cannot_be_traced_is_refused_in_one_line():
+    with pytest.raises(ParityError) as e:
+        refuse_what_it_cannot("other", EngineCan(False, False, False), EngineNeeds(trace=True),
+                              engines_that)
+    assert str(e.value) == ("engine=other cannot be traced op by op: --locate needs "
+                            "engine=hf or engine=vllm")
+    assert all(ENGINES[n].can.trace for n in ("hf", "vllm"))
+
+
+@pytest.mark.e2e
+def test_audit_locate_end_to_end(tmp_path, text_model):
+    out = tmp_path / "a"
+    p = run_main("audit", "--model", str(text_model), "--task", "neg-length", "--samples", "16",
+                 "--group", "4", "--max-new-tokens", "8", "--batch-size", "8", "--locate",
+                 "--locate-sequences", "3", "--no-progress", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "the trainer against itself" in p.stdout
+    assert "where the gap comes from: engine=hf" in p.stdout
+    res = json.loads((out / "audit.json").read_text())
+    located = res["locate"]
+    assert {(x["forward"], x["change"]) for x in located["self_gap"]} == {
+        (f, c) for f in ("trainer", "shadow") for c in ("batch_1", "right_pad")}
+    # the first batch of 8 completions: all 8 one at a time (--locate-rows 16 > 8)
+    counts = {x["tokens"] for x in located["self_gap"]}
+    assert len(counts) == 1 and 0 < counts.pop() < res["tokens"]
+    layers = located["layers"]
+    assert layers["sequences"] == 3 and set(layers["curves"]) == set(loc.COMPARISONS)
+    n = len(layers["points"])
+    assert all(len(c["median"]) == n and None not in c["median"]
+               for c in layers["curves"].values())
+    assert layers["finding"] in p.stdout.replace("\n", " ") or \
+        layers["finding"][:60] in p.stdout
+    assert any("trainer against itself" in r for r in res["advice"]["reasons"])
+    assert located["seconds"]["self_gap"] > 0 and located["seconds"]["layers"] > 0
+    page = (out / "report.html").read_text()
+    assert "Where the gap comes from" in page and 'alt="relative error against layer"' in page
+    assert "The trainer against itself" in page and (out / "locate.png").exists()
+
+
+@pytest.mark.e2e
+def test_an_audit_without_locate_has_none_of_it(tmp_path, text_model):
+    out = tmp_path / "a"
+    p = run_main("audit", "--model", str(text_model), "--task", "neg-length", "--samples", "8",
+                 "--group", "4", "--max-new-tokens", "6", "--no-progress", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "locate" not in json.loads((out / "audit.json").read_text())
+    assert "where the gap comes from" not in p.stdout and not (out / "locate.png").exists()
+
+
+def test_an_overflowing_forward_gives_numbers_and_counts_the_tokens():
+    """A traced point that overflowed (inf, or NaN after it) is counted per point, left out of
+    the median and max, and still names the point where the engine parts."""
+    located = loc.Located(["embed", "logits"])
+    located.add("engine_vs_precision", {"embed": torch.tensor([0.0, 0.0]),
+                                        "logits": torch.tensor([float("inf"), 0.5,
+                                                                float("nan")])})
+    c = located.curve("engine_vs_precision")
+    assert c == {"median": [0.0, 0.5], "max": [0.0, 0.5], "non_finite": [0, 2]}
+    assert loc.first_difference(located) == "logits"
+    located.add("engine_vs_precision", {"embed": torch.tensor([float("nan")])})
+    assert loc.first_difference(located) == "embed"
+    assert loc.Located(["embed"]).curve("engine") == {"median": [None], "max": [None],
+                                                      "non_finite": [0]}
