@@ -354,7 +354,7 @@ def _audited(b: Batch, eps: float, mask_dtype=torch.float32, junk=True) -> tuple
     import contextlib
     import io
 
-    from parity.audit.command import Measurement
+    from parity.audit.measurement import Measurement
     from parity.config import AuditSettings
     from parity.engines import Rollout, Sampling
     B, T = len(b.valid), len(b.valid[0])
@@ -485,3 +485,28 @@ def test_the_verl_plugins_figures_are_finite_and_exact(b, clip):
     for again in [figures(junk=False)] + [figures(mask_dtype) for mask_dtype in MASKS]:
         again.pop(mn.NON_FINITE_TOKENS, None)
         assert again == got
+
+
+# ---- the loss ---------------------------------------------------------------------------------
+
+def test_the_ppo_loss_and_its_gradient_stay_finite_past_any_gap():
+    """PPO's ratio at a gap of 1e4 nats, for A < 0, A = 0 and A > 0: the loss and the gradient
+    are finite, the token past the bound has no gradient, and the tokens below it get the
+    unbounded formula's loss and gradient bit for bit."""
+    from parity.objectives.losses import LOG_RATIO_CAP, ppo_clip_loss, ppo_clip_token_loss
+    for a in (-1.0, 0.0, 1.0):
+        log_r = torch.tensor([[1e4, 0.03, -0.4, LOG_RATIO_CAP - 1]], requires_grad=True)
+        adv = torch.tensor([a])
+        loss, _ = ppo_clip_loss(log_r, adv, torch.ones(1, 4), 0.2, 0.2)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(log_r.grad).all()
+        assert log_r.grad[0, 0] == 0
+        below = log_r.detach()[:, 1:].clone().requires_grad_(True)
+        r = torch.exp(below)   # the formula without the bound, where it cannot overflow
+        plain = -torch.minimum(r * a, torch.clamp(r, 0.8, 1.2) * a)
+        plain.sum().backward()
+        mine = log_r.detach()[:, 1:].clone().requires_grad_(True)
+        ppo_clip_token_loss(mine, torch.tensor([[a]]), 0.2, 0.2).sum().backward()
+        assert torch.equal(mine.grad, below.grad)
+        assert torch.equal(ppo_clip_token_loss(log_r.detach()[:, 1:], torch.tensor([[a]]), 0.2,
+                                               0.2), plain.detach())

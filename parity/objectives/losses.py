@@ -149,9 +149,12 @@ def clip_predicate(log_ratio: torch.Tensor, adv: torch.Tensor, eps_low: float | 
 
 def ppo_clip_token_loss(log_ratio: torch.Tensor, adv: torch.Tensor, eps_low: float | None,
                         eps_high: float | None) -> torch.Tensor:
-    """Per-token PPO-clip loss  −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A),  r = exp(log r).
-    `adv` broadcasts over tokens ([B, 1] for sequence-level GRPO advantages)."""
-    r = torch.exp(log_ratio)
+    """Per-token PPO-clip loss  −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A),  r = exp(log r),
+    with log r taken at min(log r, LOG_RATIO_CAP): past it r·A would be inf, or NaN at A = 0,
+    and one such token would void the update. There the token's gradient is 0, as the clip
+    already makes it for A > 0. `adv` broadcasts over tokens ([B, 1] for sequence-level GRPO
+    advantages)."""
+    r = torch.exp(log_ratio.clamp(max=LOG_RATIO_CAP))
     lo = 1 - eps_low if eps_low is not None else 0.0
     hi = 1 + eps_high if eps_high is not None else math.inf
     return -torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
