@@ -245,7 +245,7 @@ def test_audit_locate_end_to_end(tmp_path, text_model):
     located = res["locate"]
     assert {(x["forward"], x["change"]) for x in located["self_gap"]} == {
         (f, c) for f in ("trainer", "shadow") for c in ("batch_1", "right_pad")}
-    # the first batch of 8 completions: all 8 one at a time (--locate-rows 16 > 8)
+    # the first batch of 8 completions, all 8 of them also one at a time (--locate-rows 8)
     counts = {x["tokens"] for x in located["self_gap"]}
     assert len(counts) == 1 and 0 < counts.pop() < res["tokens"]
     layers = located["layers"]

@@ -72,7 +72,7 @@ class AuditSettings:
                        "(the first batch scored again with right padding, and completions one "
                        "at a time) and every layer's and op's output of the engine against the "
                        "trainer's model (docs/diagnostics.md, Where the gap comes from).")
-    locate_rows: int = own(16, "With --locate: completions of the first batch scored again one "
+    locate_rows: int = own(8, "With --locate: completions of the first batch scored again one "
                            "at a time (micro-batch 1).", gt=0)
     locate_sequences: int = own(4, "With --locate: completions traced layer by layer.", gt=0)
     fp16_check: str | None = own(None, "A `parity fp16-check` result (its fp16_check.json or "
