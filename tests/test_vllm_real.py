@@ -83,7 +83,16 @@ def test_top_p_0_keeps_the_likeliest_token_in_vllm_as_in_parity(master, engine):
     mask = r.completion_mask > 0
     assert mask.sum() > 20
     assert (r.engine_logprobs == 0).all()
-    assert (score(model, r, s)[mask] == 0).all()
+    sc = score_full(model, r, s, keep_logits=list(range(len(r.completion_ids))))
+    logits, sampled = sc.logits[mask], r.completion_ids[mask]
+    mine = logits.argmax(-1) == sampled
+    assert (sc.logp[mask][mine] == 0).all() and mine.float().mean() > 0.9
+    # Where the fp32 trainer's likeliest token is another, vLLM's bf16 forward ordered two
+    # tokens whose logits lie within bf16's rounding of each other (a CPU with AMX rounds
+    # otherwise than one without: both happen on the testbed's model).
+    top = logits.max(-1).values[~mine]
+    gap = top - logits[~mine].gather(-1, sampled[~mine, None]).squeeze(-1)
+    assert (gap < 0.02 * top.abs()).all(), gap
 
 
 def test_seeds_make_rows_reproducible_in_any_piece(master, engine):
