@@ -286,3 +286,14 @@ def test_an_overflowing_forward_gives_numbers_and_counts_the_tokens():
     assert loc.first_difference(located) == "embed"
     assert loc.Located(["embed"]).curve("engine") == {"median": [None], "max": [None],
                                                       "non_finite": [0]}
+
+
+@pytest.mark.parametrize("moved,told,not_told", [
+    (0.03, "no engine recipe removes that part", "not the trainer's own"),
+    (1e-6, "the gap is not the trainer's own", "no engine recipe")])
+def test_the_advice_acts_on_the_trainers_own_gap_only_where_it_matters(moved, told, not_told):
+    row = {"forward": "shadow", "dtype": "bf16", "change": "batch_1", "tokens": 10,
+           "abs_mean": moved, "abs_max": moved, "frac_outside": 0.0}
+    lines = loc.advice({"metrics": {"mismatch/beta_abs_mean": 0.04},
+                        "locate": {"self_gap": [row], "layers": None}})
+    assert len(lines) == 1 and told in lines[0] and not_told not in lines[0]

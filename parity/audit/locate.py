@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 # The measure users quote for a trainer against itself: tokens whose ratio leaves about
 # [0.9, 1.1], |Δℓ| > 0.1.
 OUTSIDE = 0.1
+# The trainer's own gap is worth acting on from this share of mean |β|.
+SELF_GAP_SHARE = 0.1
 CHANGES = {"batch_1": "micro-batch 1 against the audit's micro-batch",
            "right_pad": "padding on the right against the left"}
 COMPARISONS = {"engine": "engine against the trainer",
@@ -261,11 +263,14 @@ def advice(result: dict[str, Any]) -> list[str]:
     worst = max((r for r in loc["self_gap"] if r["abs_mean"] is not None),
                 key=lambda r: r["abs_mean"], default=None)
     if worst is not None and beta:
-        out.append(f"the trainer against itself ({worst['forward']}, {worst['dtype']}, "
-                   f"{CHANGES[worst['change']]}): mean |Δℓ| {worst['abs_mean']:.3g}, "
-                   f"{worst['abs_mean'] / beta:.0%} of mean |β|, {worst['frac_outside']:.1%} of "
-                   f"tokens beyond {OUTSIDE}: no engine recipe removes that part; keep one "
-                   f"micro-batch and padding for ℓ_old and ℓ_π, or train in fp32")
+        said = (f"the trainer against itself ({worst['forward']}, {worst['dtype']}, "
+                f"{CHANGES[worst['change']]}): mean |Δℓ| {worst['abs_mean']:.3g}, "
+                f"{worst['abs_mean'] / beta:.0%} of mean |β|, {worst['frac_outside']:.1%} of "
+                f"tokens beyond {OUTSIDE}")
+        out.append(said + (": no engine recipe removes that part; keep one micro-batch and "
+                           "padding for ℓ_old and ℓ_π, or train in fp32"
+                           if worst["abs_mean"] >= SELF_GAP_SHARE * beta
+                           else ": the gap is not the trainer's own"))
     layers = loc.get("layers") or {}
     op = layers.get("op")
     if op:
