@@ -176,21 +176,21 @@ def describe(point: str) -> str:
     return f"layer {layer}'s {names[point.rsplit('.', 1)[-1]]}"
 
 
-def finding(located: Located, engine: str, engine_dtype: str, trainer_dtype: str) -> str:
-    """The one-line finding for `engine`."""
-    if "engine" not in located.errors:
+def finding(points: list[str], curves: dict[str, Any], first: str | None, engine: str,
+            engine_dtype: str, trainer_dtype: str) -> str:
+    """The one-line finding for `engine`, from the curves and the first point where it parts."""
+    if "engine" not in curves:
         return (f"the engine was not traced ({engine}): only the precision curve, "
                 f"{engine_dtype} against {trainer_dtype}, is shown")
-    first = first_difference(located)
-    eng, prec = located.curve("engine"), located.curve("precision")
-    last = located.points.index("logits")
+    eng, prec = curves["engine"], curves["precision"]
+    last = points.index("logits")
     at_logits = (f"; at the logits the engine is {_g(eng['median'][last])} from the "
                  f"{trainer_dtype} trainer, precision alone {_g(prec['median'][last])}")
     if first is None:
         return (f"{engine} in {engine_dtype} computes what the trainer's own model computes in "
                 f"{engine_dtype} at every traced point: the gap is precision alone{at_logits}")
-    i = located.points.index(first)
-    ev = located.curve("engine_vs_precision")
+    i = points.index(first)
+    ev = curves["engine_vs_precision"]
     return (f"{engine}'s kernels first part from the trainer's own {engine_dtype} forward at "
             f"{describe(first)} ({tr.kind(first)}): median relative error "
             f"{_g(ev['median'][i])} (max {_g(ev['max'][i])}) there, where {engine_dtype} alone "
@@ -227,7 +227,8 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
     return {"points": located.points, "sequences": len(sequences),
             "tokens": sum(len(s) for s in sequences), "curves": curves,
             "first_difference": first, "op": tr.kind(first) if first else None,
-            "finding": finding(located, engine_name, a.engine_dtype, a.trainer_dtype)}
+            "finding": finding(located.points, curves, first, engine_name, a.engine_dtype,
+                               a.trainer_dtype)}
 
 
 def sequences_of(r: Rollout, mask: torch.Tensor, n: int) -> Iterable[list[int]]:

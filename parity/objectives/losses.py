@@ -74,6 +74,12 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
 LOG_RATIO_CAP = 80.0
 
 
+def bounded_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(min(x, LOG_RATIO_CAP)): a ratio or weight from a log-ratio, finite for any finite x
+    and exactly exp(x) below the cap."""
+    return log_ratio.clamp(max=LOG_RATIO_CAP).exp()
+
+
 def log_ratio(source: str, logp_pi: torch.Tensor, logp_mu: torch.Tensor,
               logp_s: torch.Tensor | None = None, logp_old: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -108,7 +114,7 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
     if correction == "none":
         return mask.to(logp_old.dtype), {}
     if correction.startswith("token"):
-        raw = d.clamp(max=LOG_RATIO_CAP).exp()
+        raw = bounded_exp(d)
         if correction == "token-tis":
             w = raw.clamp(max=cap)
         elif correction == "token-icepop":
@@ -119,11 +125,11 @@ def behaviour_weights(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch
         raw_sel, w_sel = raw[sel], w[sel]
     else:
         if correction == "geo-rs":
-            geo = (d.sum(-1) / mask.sum(-1).clamp(min=1)).abs().clamp(max=LOG_RATIO_CAP).exp()
+            geo = bounded_exp((d.sum(-1) / mask.sum(-1).clamp(min=1)).abs())
             raw, keep = geo, (geo <= geo_cap).double()
             w_seq = keep
         else:
-            raw = d.sum(-1).clamp(max=LOG_RATIO_CAP).exp()
+            raw = bounded_exp(d.sum(-1))
             w_seq = raw.clamp(max=cap) if correction == "seq-tis" else raw * (raw <= cap)
         w = w_seq[:, None].expand_as(d) * mask
         raw_sel, w_sel = raw, w_seq
@@ -154,7 +160,7 @@ def ppo_clip_token_loss(log_ratio: torch.Tensor, adv: torch.Tensor, eps_low: flo
     and one such token would void the update. There the token's gradient is 0, as the clip
     already makes it for A > 0. `adv` broadcasts over tokens ([B, 1] for sequence-level GRPO
     advantages)."""
-    r = torch.exp(log_ratio.clamp(max=LOG_RATIO_CAP))
+    r = bounded_exp(log_ratio)
     lo = 1 - eps_low if eps_low is not None else 0.0
     hi = 1 + eps_high if eps_high is not None else math.inf
     return -torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
@@ -242,8 +248,7 @@ def pg_is_loss(logp_pi: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, ma
         L = agg_t( −sg(min(ρ_i, C)) · w_t · A_i · ℓ_π,it ),   ρ_i = exp(Σ_t log r_it)
     so ∇L = −min(ρ_i, C) A_i ∇ log π(y_i) (per token, aggregated); w are the behaviour weights
     of a `recompute` correction (1 without one)."""
-    log_rho = _masked(log_r.detach(), mask).sum(-1).clamp(max=LOG_RATIO_CAP)
-    rho = log_rho.exp()
+    rho = bounded_exp(_masked(log_r.detach(), mask).sum(-1))
     w = rho.clamp(max=cap)
     per_token = -(w * adv)[:, None] * logp_pi
     if weights is not None:
