@@ -76,7 +76,7 @@ def breakdown(engine, rows: int, lengths: list[int], title: str, steps: int = 5,
     from torch.profiler import profile
     from transformers import StaticCache
 
-    from parity.engines import keep_last
+    from parity.logprobs import keep_last
     model, kw = engine.model, engine.cache_kw
     t = Table("breakdown", title + ", single decode steps at each cache length",
               [("cache length", "{}"), ("step ms", "{:.1f}"), ("tokens/s", "{:.0f}"),
@@ -131,8 +131,8 @@ def main() -> None:
     a = json_option(ap, "decode_length").parse_args()
 
     from parity import testbed
-    from parity.engines import Sampling
     from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling
     from parity.models.attention import ENGINE_ATTENTION
     from parity.models.loading import load_policy
     from parity.tasks.data import text_prompts

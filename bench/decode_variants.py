@@ -18,15 +18,8 @@ from transformers import DynamicCache, StaticCache
 from bench.report import Table, json_option, publish
 from bench.timing import measure
 from parity import testbed
-from parity.engines import (
-    Sampling,
-    keep_last,
-    left_pad,
-    positions,
-    processed_logits,
-    sample_rows,
-    uniforms,
-)
+from parity.engines import sample_rows, uniforms
+from parity.logprobs import Sampling, keep_last, left_pad, positions, processed_logits
 from parity.models.loading import load_policy
 from parity.models.precision import low_precision_copy
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from bench.report import Table, json_option, publish
 from bench.timing import measure
 from parity import testbed
-from parity.engines import Sampling
 from parity.engines.hf import HFEngine
+from parity.logprobs import Sampling
 from parity.models.forward import score
 from parity.models.loading import load_policy
 from parity.models.precision import FP16MatmulOnCPU, autocast

@@ -34,7 +34,8 @@ from bench.report import Table, json_option, publish
 from bench.timing import measure
 from parity import testbed
 from parity.diagnostics import Shadow
-from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
+from parity.engines import EngineSpec, make_engine, stop_token_ids
+from parity.logprobs import Sampling
 from parity.models.forward import score
 from parity.models.loading import load_policy
 from parity.tasks.data import text_prompts

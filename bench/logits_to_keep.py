@@ -19,7 +19,7 @@ import torch
 from bench.report import Table, json_option, publish
 from bench.timing import alternate
 from parity import testbed
-from parity.engines import keep_last, positions
+from parity.logprobs import keep_last, positions
 from parity.models.loading import load_policy
 from parity.models.precision import low_precision_copy
 

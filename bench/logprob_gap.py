@@ -16,7 +16,8 @@ import torch
 
 from bench.report import Table, engines_option, json_option, publish
 from parity import testbed
-from parity.engines import EngineSpec, Sampling, make_engine, stop_token_ids
+from parity.engines import EngineSpec, make_engine, stop_token_ids
+from parity.logprobs import Sampling
 from parity.models.forward import score
 from parity.models.loading import load_policy
 from parity.tasks.data import text_prompts

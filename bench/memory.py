@@ -8,9 +8,10 @@ memory settings (micro-batches, chunked log-probs, gradient checkpointing).
 Each cell is its own process running `--steps` steps of neg-length (the task that makes
 completions as long as the model likes), so its peak resident memory (ru_maxrss) is that
 step's alone, model loading included. Modes:
-    whole        one forward and backward over the step's completions (the default)
+    whole        one forward and backward over the step's completions (the defaults: log-probs
+                 a chunk of tokens at a time, parity/logprobs/scoring.py)
     microN       micro_batch=N
-    microN+      micro_batch=N, logprob_chunk=64, gradient checkpointing
+    microN+      micro_batch=N, gradient checkpointing
 The estimate is what `parity train` checks before it starts (parity/runs/memory.py, worst case:
 every completion at max tokens). Update time is `time/train_s` of the last step (forward,
 backward, optimizer step; the rollout is not in it). Cells run one after another in the order
@@ -38,7 +39,7 @@ def _mode(name: str) -> dict:
     plus = name.endswith("+")
     out = {"micro_batch": int(name[5:].rstrip("+"))}
     if plus:
-        out |= {"logprob_chunk": 64, "gradient_checkpointing": True}
+        out |= {"gradient_checkpointing": True}
     return out
 
 

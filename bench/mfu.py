@@ -28,8 +28,8 @@ import torch
 from bench.report import Table, json_option, publish
 from bench.timing import CPU, measure
 from parity import devices, testbed
-from parity.engines import Rollout, Sampling
 from parity.engines.hf import HFEngine
+from parity.logprobs import Rollout, Sampling
 from parity.models.forward import score_full
 from parity.models.loading import load_policy
 from parity.models.precision import autocast

@@ -34,8 +34,8 @@ def main() -> None:
     a = json_option(ap, "micro_batch_time").parse_args()
 
     from parity import testbed
-    from parity.engines import Sampling
     from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling
     from parity.models.forward import pieces, score_full, trimmed
     from parity.models.loading import load_policy
     from parity.tasks.data import text_prompts

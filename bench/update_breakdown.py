@@ -42,8 +42,9 @@ from bench.report import Table, json_option, publish
 from parity import testbed
 from parity.config import Config
 from parity.diagnostics import Shadow, exact_kl_rows
-from parity.engines import Rollout, Sampling, stop_token_ids
+from parity.engines import stop_token_ids
 from parity.engines.hf import HFEngine
+from parity.logprobs import Rollout, Sampling
 from parity.models.forward import disable_dropout
 from parity.models.loading import load_policy
 from parity.models.precision import LossScaler

@@ -29,7 +29,8 @@ def measure(side: str, model: str, n: int, tokens: int, repeats: int) -> dict:
     import torch
 
     from parity import testbed
-    from parity.engines import EngineSpec, Sampling, make_engine
+    from parity.engines import EngineSpec, make_engine
+    from parity.logprobs import Sampling
     from parity.models.loading import load_policy
     from parity.tasks.data import text_prompts
     model_dir = str(testbed.resolve_model(model))

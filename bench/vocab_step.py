@@ -114,7 +114,8 @@ def parts_table(a: argparse.Namespace) -> Table:
     from parity import testbed
     from parity.config import Config
     from parity.diagnostics import exact_kl_of_rows, exact_kl_rows
-    from parity.engines import EngineSpec, Sampling, make_engine
+    from parity.engines import EngineSpec, make_engine
+    from parity.logprobs import Sampling
     from parity.models.forward import score_full
     from parity.models.loading import load_policy
     from parity.tasks import build_task

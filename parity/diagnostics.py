@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from parity import metric_names as mn
-from parity.engines import Engine, Rollout, Sampling, processed_logits, row_chunk
+from parity.engines import Engine
+from parity.logprobs import Rollout, Sampling, processed_logits, row_chunk
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import score
 from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy

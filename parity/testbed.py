@@ -455,8 +455,8 @@ def solve_rates(model_or_dir, problems: list[tuple[str, str]], samples: int = 40
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from parity.engines import Sampling
     from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling
 
     model = model_or_dir
     if isinstance(model_or_dir, (str, Path)):

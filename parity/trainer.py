@@ -51,17 +51,10 @@ from parity.diagnostics import (
     measure,
     write_dump,
 )
-from parity.engines import (
-    Engine,
-    EngineSpec,
-    Rollout,
-    Sampling,
-    check_engine,
-    make_engine,
-    stop_token_ids,
-)
+from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_token_ids
 from parity.errors import ParityError
 from parity.files import LineLog, write_failure
+from parity.logprobs import Rollout, Sampling
 from parity.models import lora
 from parity.models.forward import (
     disable_dropout,

@@ -30,7 +30,8 @@ def main() -> int:
     import torch
 
     from parity import testbed
-    from parity.engines import EngineSpec, Sampling, make_engine
+    from parity.engines import EngineSpec, make_engine
+    from parity.logprobs import Sampling
     from parity.models.loading import load_policy
     from test_low_temperature import TEMPERATURES, reference_logprobs
     from vllm_helpers import prompts_of

@@ -16,7 +16,7 @@ from parity.diagnostics import (
     exact_kl,
     kl_estimates,
 )
-from parity.engines import Rollout, Sampling
+from parity.logprobs import Rollout, Sampling
 from parity.models.forward import score
 from parity.objectives import clip_predicate
 
@@ -120,14 +120,14 @@ def test_kl_estimates_against_formulas():
 
 
 def test_exact_kl_against_loops(monkeypatch):
-    from parity.engines import rollout
-    monkeypatch.setattr(rollout, "CHUNK_BYTES", 4 * 7 * 8)
-    c = rollout.row_chunk(7)
+    from parity.logprobs import scoring
+    monkeypatch.setattr(scoring, "CHUNK_BYTES", 4 * 7 * 8)
+    c = scoring.row_chunk(7)
     g = torch.Generator().manual_seed(2)
     N = 2 * c + 5  # positions in three chunks, the last one short
     mu_logits, pi_logits = torch.randn(N, 7, generator=g), torch.randn(N, 7, generator=g)
     for s in (Sampling(), Sampling(temperature=0.7, top_k=3), Sampling(top_p=0.8)):
-        from parity.engines import processed_logits
+        from parity.logprobs import processed_logits
         mu = torch.log_softmax(processed_logits(mu_logits, s), -1)
         got = exact_kl(mu, pi_logits, s)
         assert got.shape == (N,)
@@ -148,7 +148,7 @@ def _kl_float64(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> 
     """The direct sum Σ_S μ (log μ − log π) in float64, μ renormalised over its support in
     float64 too: an fp32 log-normaliser over a real vocabulary is off by about 1e-6, more than a
     KL of 1e-7, so the reference must not inherit the engine's."""
-    from parity.engines import processed_logits
+    from parity.logprobs import processed_logits
     x = processed_logits(pi_logits, s).double()
     support = torch.isfinite(mu_logp)
     x = torch.where(support & ~torch.isfinite(x), pi_logits.double() / s.temperature, x)
@@ -162,7 +162,7 @@ def _kl_float64(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> 
 def test_exact_kl_at_a_real_vocabulary_against_float64(s):
     """Gaps from bf16-sized down to fp16-against-fp32-sized, at Qwen3's vocabulary: the
     float32 sum holds each KL to 5e-4 of itself, down to KLs of 1e-7."""
-    from parity.engines import processed_logits
+    from parity.logprobs import processed_logits
     g = torch.Generator().manual_seed(3)
     V = 151_936
     base = torch.randn(4, V, generator=g) * 3

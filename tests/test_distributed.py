@@ -174,6 +174,22 @@ def test_two_ranks_with_micro_batches_give_the_one_process_step(text_model, tmp_
 
 
 @pytest.mark.e2e
+def test_fsdp_scoring_in_chunks_gives_the_whole_logits_step(text_model, tmp_path, one_process):
+    """FSDP2 over two ranks, each scoring its tokens 5 at a time from the sharded model's last
+    hidden state (the head's weight gathered for the forward, each chunk's logits recomputed in
+    the backward, its gradient reduced with the rest), against one process that holds the whole
+    [tokens, vocabulary] logits: the same steps. SGD without clipping, as above."""
+    cfg = COMMON + ["--recipe", "fp32", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                    "--loss-agg", "token-mean", "--max-new-tokens", "12", "--steps", "2",
+                    "--optimizer", "sgd", "--lr", "0.05", "--max-grad-norm", "0"]
+    one = one_process([*cfg, "--logprob-chunk", "-1"])
+    two = launch_fsdp(["train", *cfg, "--parallel", "fsdp", "--logprob-chunk", "5",
+                       "--out", str(tmp_path / "two")], tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_metrics(metrics(one), metrics(tmp_path / "two"), 1e-4)
+
+
+@pytest.mark.e2e
 def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path, one_process):
     """The default recipe: the first step's rollout, rewards, α/β split and clip attribution
     across two ranks equal one process's. (After an update, fp32 sums in another order can move

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from parity.engines import Sampling, processed_logits
 from parity.engines.hf import HFEngine
+from parity.logprobs import Sampling, processed_logits
 from parity.models.forward import score
 
 PROMPT = [3, 4, 5]
@@ -171,21 +171,20 @@ def test_logprobs_without_gradient_run_in_chunks_to_the_same_values(s, monkeypat
     log-probs as the whole [B, T, V] tensor at once, and as a float64 sum. At the default chunk
     (a position per thread at least) bit for bit; forced to chunks of 3 positions, within
     float32 rounding."""
-    from parity.engines import logprobs_from_logits, rollout
-    from parity.engines.rollout import seen_before
+    from parity.logprobs import logprobs_from_logits, scoring, seen_before
     g = torch.Generator().manual_seed(1)
     B, T, V = 3, 40, 5000
     logits = (torch.randn(B, T + 1, V, generator=g) * 3).bfloat16()[:, :T]  # a model's slice
     prompt = torch.randint(0, V, (B, 5), generator=g)
     tokens = torch.randint(0, V, (B, T), generator=g)
     seen = seen_before(prompt, torch.ones_like(prompt), tokens, torch.ones(B, T), V)
-    whole = rollout._logprobs(logits, tokens, s, True, seen)
+    whole = scoring._logprobs(logits, tokens, s, True, seen)
     with torch.no_grad():
         assert torch.equal(logprobs_from_logits(logits, tokens, s, seen=seen), whole)
         assert torch.equal(logprobs_from_logits(logits[0], tokens[0], s, seen=seen[0]), whole[0])
-        monkeypatch.setattr(rollout, "CHUNK_BYTES", 3 * 4 * V)
+        monkeypatch.setattr(scoring, "CHUNK_BYTES", 3 * 4 * V)
         monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-        assert rollout.row_chunk(V) == 3
+        assert scoring.row_chunk(V) == 3
         chunked = logprobs_from_logits(logits, tokens, s, seen=seen)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
     x = processed_logits(logits, s, keep=tokens, seen=seen).double()
@@ -194,7 +193,7 @@ def test_logprobs_without_gradient_run_in_chunks_to_the_same_values(s, monkeypat
 
 
 def test_seen_before_counts_the_prompt_and_the_completion_so_far():
-    from parity.engines.rollout import seen_before
+    from parity.logprobs import seen_before
     prompt = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 3]])
     pmask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     comp = torch.tensor([[2, 5, 1, 0], [4, 4, 2, 1]])

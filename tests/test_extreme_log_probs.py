@@ -356,7 +356,7 @@ def _audited(b: Batch, eps: float, mask_dtype=torch.float32, junk=True) -> tuple
 
     from parity.audit.measurement import Measurement
     from parity.config import AuditSettings
-    from parity.engines import Rollout, Sampling
+    from parity.logprobs import Rollout, Sampling
     B, T = len(b.valid), len(b.valid[0])
     r = Rollout(prompt_ids=torch.ones(B, 1, dtype=torch.long),
                 prompt_mask=torch.ones(B, 1, dtype=torch.long),

@@ -138,18 +138,17 @@ def test_two_ranks_train_on_nccl(tmp_path, text_model, cache):
 def test_logprobs_without_gradient_in_chunks_on_cuda():
     """On a GPU the chunks are larger (the caching allocator reuses memory) but the log-probs
     are still the whole tensor's, within float32 rounding, with a repetition penalty's rows."""
-    from parity.engines import Sampling, logprobs_from_logits, rollout
-    from parity.engines.rollout import seen_before
+    from parity.logprobs import Sampling, logprobs_from_logits, scoring, seen_before
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(1)
     B, T, V = 3, 700, 151_936
-    assert rollout.row_chunk(V, dev) < T  # more than one chunk a row
+    assert scoring.row_chunk(V, dev) < T  # more than one chunk a row
     logits = (torch.randn(B, T, V, generator=g) * 3).bfloat16().to(dev)
     tokens = torch.randint(0, V, (B, T), generator=g).to(dev)
     prompt = torch.randint(0, V, (B, 5), generator=g).to(dev)
     s = Sampling(0.9, top_k=50, repetition_penalty=1.3)
     seen = seen_before(prompt, torch.ones_like(prompt), tokens, torch.ones(B, T, device=dev), V)
-    whole = rollout._logprobs(logits, tokens, s, True, seen)
+    whole = scoring._logprobs(logits, tokens, s, True, seen)
     with torch.no_grad():
         chunked = logprobs_from_logits(logits, tokens, s, seen=seen)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)

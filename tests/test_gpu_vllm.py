@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from parity.config import RECIPES
-from parity.engines import EngineSpec, Sampling, make_engine
+from parity.engines import EngineSpec, make_engine
 from parity.engines.hf import HFEngine
+from parity.logprobs import Sampling
 from parity.models.loading import load_policy
 from vllm_helpers import (
     NUDGES,

@@ -141,8 +141,9 @@ def test_engine_stops_at_any_end_of_turn_token(text_model, tmp_path):
     completion at either."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from parity.engines import Sampling, stop_token_ids
+    from parity.engines import stop_token_ids
     from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling
     d = _build("qwen2", text_model, tmp_path / "qwen2")
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d)

@@ -14,10 +14,11 @@ from cli_helpers import run_main
 from parity.audit import locate as loc
 from parity.config import AuditSettings
 from parity.diagnostics import Shadow
-from parity.engines import ENGINES, EngineCan, EngineNeeds, Rollout, Sampling, engines_that
+from parity.engines import ENGINES, EngineCan, EngineNeeds, engines_that
 from parity.engines.abilities import refuse_what_it_cannot
 from parity.engines.hf import HFEngine
 from parity.errors import ParityError
+from parity.logprobs import Rollout, Sampling
 from parity.models import trace as tr
 from parity.models.forward import score_full, score_right_padded
 

@@ -14,8 +14,9 @@ import torch
 
 from cli_helpers import assert_user_error
 from parity.config import AuditSettings, make_config
-from parity.engines import EngineNeeds, EngineSpec, Sampling, check_engine, make_engine
+from parity.engines import EngineNeeds, EngineSpec, check_engine, make_engine
 from parity.errors import ParityError
+from parity.logprobs import Sampling
 from parity.models.loading import load_policy
 from vllm_helpers import prompts_of
 

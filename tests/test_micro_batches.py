@@ -131,38 +131,61 @@ def test_a_token_budget_packs_whole_groups_within_it(text_model, tmp_path, case)
 
 
 @pytest.mark.e2e
-def test_chunked_logprobs_and_checkpointing_give_the_same_step(text_model, tmp_path):
-    whole, m0 = _run(tmp_path, "whole", recipe="bf16-engine")
-    chunked, m1 = _run(tmp_path, "chunked", recipe="bf16-engine", logprob_chunk=5,
-                       gradient_checkpointing=True)
-    d0, d1 = whole.delta(), chunked.delta()
-    assert (d1 - d0).norm() <= 2e-4 * d0.norm()
-    _same_metrics(*_comparable(m0, m1, {"recipe": "bf16-engine"}), 2e-3)
+@pytest.mark.parametrize("case", ["bf16-engine, checkpointing", "fp16 loss scaling", "lora",
+                                  "top-p, top-k"])
+def test_chunked_logprobs_give_the_whole_logits_step(text_model, tmp_path, case):
+    """The default chunks (and chunks of 5 tokens) against one [tokens, vocabulary] tensor per
+    forward (logprob_chunk=-1): the same update and metrics, with fp16's dynamic loss scaling,
+    LoRA adapters, gradient checkpointing and a sampling distribution a chunk must truncate."""
+    kw = {"bf16-engine, checkpointing": {"recipe": "bf16-engine",
+                                         "gradient_checkpointing": True},
+          "fp16 loss scaling": {"recipe": "fp16"},
+          "lora": {"lora_rank": 4, "lr": 0.5},
+          "top-p, top-k": {"top_k": 40, "top_p": 0.9,
+                                        "temperature": 0.8}}[case]
+    # Under fp16 autocast each chunk's head gradient is an fp16 product rounded on its own
+    # (fp16's relative rounding is 4.9e-4) before the chunks are summed in fp32.
+    rel = 2e-3 if case.startswith("fp16") else 2e-4
+    whole, m0 = _run(tmp_path, "whole", logprob_chunk=-1, **kw)
+    for name, chunk in (("default", 0), ("five", 5)):
+        chunked, m1 = _run(tmp_path, name, logprob_chunk=chunk, **kw)
+        d0, d1 = whole.delta(), chunked.delta()
+        assert d0.norm() > 0
+        assert (d1 - d0).norm() <= rel * d0.norm(), (name, float((d1 - d0).norm() / d0.norm()))
+        _same_metrics(*_comparable(m0, m1, kw), 2e-3)
 
 
 @pytest.mark.e2e
 def test_chunked_scoring_never_makes_the_whole_vocabulary_tensor(text_model):
-    """The LM head sees at most `chunk` positions of a forward with gradient at a time."""
-    from parity.engines import Sampling
+    """The LM head sees at most `chunk` tokens of a forward with gradient at a time, in the
+    forward and in the backward, and the default never the whole batch's; both give the log-probs
+    of the model's own whole logits."""
     from parity.engines.hf import HFEngine
-    from parity.models.forward import score_full
+    from parity.logprobs import Sampling
+    from parity.models.forward import WHOLE, score_full
     from parity.models.loading import load_policy
     model, tok = load_policy(text_model)
     r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
         [tok("the cat")["input_ids"]] * 3, 10, Sampling(), torch.Generator().manual_seed(0))
     seen = []
-    model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    ref = score_full(model, r, Sampling()).logp
+    model.get_output_embeddings().register_forward_hook(
+        lambda m, i, o: seen.append(math.prod(o.shape[:-1])))
+    ref = score_full(model, r, Sampling(), chunk=WHOLE).logp
+    assert max(seen) == 3 * (r.completion_ids.shape[1] + 1)   # the whole path: all at once
     seen.clear()
     logp = score_full(model, r, Sampling(), chunk=4).logp
     logp.sum().backward()  # recomputes each chunk's logits in the backward
-    assert max(s[1] for s in seen) <= 4
-    assert len(seen) >= 2 * math.ceil(r.completion_ids.shape[1] / 4)
+    tokens = int(r.completion_mask.sum())
+    assert max(seen) <= 4
+    assert sum(seen) == 2 * tokens      # each valid token once forward, once in the backward
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
+    seen.clear()
+    torch.testing.assert_close(score_full(model, r, Sampling()).logp, ref, atol=1e-5, rtol=0)
+    assert sum(seen) == tokens          # the default: no padding position is ever projected
 
 
 def test_pieces_cover_the_batch_in_order():
-    from parity.engines import Rollout
+    from parity.logprobs import Rollout
     B, P, T = 10, 3, 6
     clen = torch.tensor([6, 1, 2, 6, 3, 3, 1, 1, 5, 2])
     r = Rollout(torch.ones(B, P, dtype=torch.long), torch.ones(B, P, dtype=torch.long),
@@ -216,8 +239,8 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
     """A bounded engine batch decodes the same completions with the same ℓ_μ and recorded
     distributions, and leaves the generator where the whole batch leaves it (the next step's
     rollout depends on it)."""
-    from parity.engines import Sampling
     from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling
     from parity.models.loading import load_policy
     model, tok = load_policy(text_model)
     eng = HFEngine(model, dtype, tok.eos_token_id, tok.pad_token_id)
@@ -273,8 +296,8 @@ def test_a_bounded_engine_batch_trains_the_same_run(text_model, tmp_path):
 def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from parity.engines import Rollout, Sampling
     from parity.errors import ParityError
+    from parity.logprobs import Rollout, Sampling
     from parity.models.forward import score_full
     with pytest.raises(ParityError, match="micro_batch=3: objective=online-dpo pairs completions "
                                           "of one prompt"):
@@ -311,3 +334,27 @@ def test_arith_refuses_a_model_that_cannot_do_it_after_its_first_problems(text_m
     n = int(re.search(r"first (\d+) problems", str(e.value)).group(1))
     assert ARITH_PROBE <= n < ARITH_CANDIDATES
     assert not list(tmp_path.glob("tasks/*.json"))  # nothing cached for a refused model
+
+
+@pytest.mark.e2e
+def test_the_memory_estimate_follows_the_logprob_chunks(text_model, monkeypatch):
+    """The check before a run prices the logits the scoring holds at once: a chunk's by default,
+    every position's with logprob_chunk=-1, and to such a run it suggests the chunks first."""
+    import dataclasses
+
+    from parity.logprobs import head_chunk
+    from parity.models.loading import load_policy
+    from parity.runs import memory
+    cfg = make_config({**BASE, "prompts_per_step": 64, "samples_per_prompt": 8,
+                       "max_new_tokens": 256, "minibatches": 1}).validate()
+    whole = dataclasses.replace(cfg, logprob_chunk=-1)
+    model, _ = load_policy(text_model)
+    V = model.config.vocab_size
+    chunked, e = memory.estimate(cfg, model, 20), memory.estimate(whole, model, 20)
+    assert head_chunk(V) < 512 * 256
+    assert e.forward - chunked.forward == 3 * (512 * 256 - head_chunk(V)) * V * 4
+    free = (chunked.total / 0.9 + e.total) / 2   # the chunks fit with the advice's margin
+    assert chunked.total / 0.9 < free < e.total
+    monkeypatch.setattr(memory, "available", lambda device=None: free)
+    assert memory.check(cfg, model, 20) is None
+    assert "--logprob-chunk 0" in memory.check(whole, model, 20)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from parity.config import Config, SamplingArgs, make_config
-from parity.engines import Sampling, logprobs_from_logits, processed_logits
 from parity.errors import ParityError
+from parity.logprobs import Sampling, logprobs_from_logits, processed_logits
 from parity.runs.finite import Skips, finite_tokens
 
 

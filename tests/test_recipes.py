@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parity.config import RECIPES, make_config
-from parity.engines import Rollout, Sampling
+from parity.logprobs import Rollout, Sampling
 from parity.models.forward import score
 from parity.objectives import OBJECTIVES, log_ratio
 from parity.trainer import train

@@ -102,14 +102,8 @@ class NoCacheEngine:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, s, generator, record_rows=None, shard=None,
                  max_batch=0):
-        from parity.engines import (
-            Rollout,
-            left_pad,
-            positions,
-            processed_logits,
-            sample_rows,
-            uniforms,
-        )
+        from parity.engines import sample_rows, uniforms
+        from parity.logprobs import Rollout, left_pad, positions, processed_logits
         ids, mask = left_pad(prompts, self.pad_id)
         B, P = ids.shape
         done = torch.zeros(B, dtype=torch.bool)

@@ -517,7 +517,7 @@ def test_trls_sampling_arguments_are_the_engines_and_the_ratios(text_model, tmp_
     mass and the penalty into ℓ_π − ℓ_μ; parity scores ℓ_π, and ℓ_s, under the engine's
     distribution. At step 1 (θ = θ_old) an fp32 trainer's ℓ_π is then the fp32 engine's ℓ_μ up to
     kernel noise, and the bf16 shadow's ℓ_s the bf16 engine's."""
-    from parity.engines import Sampling
+    from parity.logprobs import Sampling
     sampling = dict(temperature=0.9, top_p=0.95, top_k=30, min_p=0.02, repetition_penalty=1.3)
     t = _trainer(text_model, tmp_path / "fp32", recipe="fp32", steps=1, lr=1e-6, **sampling)
     assert t.sampling == Sampling(0.9, 0.95, 30, 0.02, 1.3)

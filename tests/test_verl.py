@@ -250,7 +250,7 @@ SAME_AS_THE_AUDIT = {"clip/frac": "clip/frac",
 def _rollout_file(path, model, tok, model_dir) -> None:
     """16 completions of SmolLM2 sampled by vLLM's CPU build in bf16, 4 per prompt, with GRPO
     advantages: another system's rollout, as `parity audit --rollouts` reads one."""
-    from parity.engines import Sampling
+    from parity.logprobs import Sampling
     from parity.tasks.data import text_prompts
     from vllm_helpers import vllm_engine
     prompts = [tok(p)["input_ids"] for p in text_prompts(4)]

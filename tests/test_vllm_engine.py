@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cli_helpers import assert_user_error
-from parity.engines import Sampling
 from parity.engines.hf import HFEngine
 from parity.engines.vllm import rollout_from_outputs, row_seeds, sampling_kwargs
+from parity.logprobs import Sampling
 
 
 def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob_with_parity_settings():

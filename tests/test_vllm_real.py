@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from parity.engines import Engine, Sampling
+from parity.engines import Engine
 from parity.engines.hf import HFEngine
+from parity.logprobs import Sampling
 from parity.models.forward import score, score_full
 from parity.models.loading import load_policy as load_model
 from vllm_helpers import (

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from parity.audit.locate import relative_errors
-from parity.engines import EngineSpec, Sampling, make_engine
+from parity.engines import EngineSpec, make_engine
+from parity.logprobs import Sampling
 from parity.models import trace as tr
 
 TEXTS = ["the cat", "a man went", "in the", "she said", "it was", "we", "on a", "and then"]

@@ -38,16 +38,10 @@ from parity.diagnostics import (
     exact_kl_rows,
     write_dump,
 )
-from parity.engines import (
-    Engine,
-    EngineSpec,
-    Sampling,
-    check_engine,
-    make_engine,
-    stop_token_ids,
-)
+from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_token_ids
 from parity.engines.server import Server
 from parity.errors import ParityError
+from parity.logprobs import Sampling
 from parity.models import lora, trace
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import fp32_head

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from parity.audit.responses import is_server_line, server_rows
-from parity.engines import Rollout, left_pad
 from parity.errors import ParityError
 from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
+from parity.logprobs import Rollout, left_pad
 from parity.tasks import load_rows
 from parity.tasks.rewards import REWARD_LIMIT
 

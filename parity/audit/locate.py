@@ -36,7 +36,8 @@ from parity.models.precision import autocast, fp16_kernels, low_precision_copy
 if TYPE_CHECKING:
     from parity.config import AuditSettings
     from parity.diagnostics import Shadow
-    from parity.engines import Engine, Rollout, Sampling
+    from parity.engines import Engine
+    from parity.logprobs import Rollout, Sampling
 
 # The measure users quote for a trainer against itself: tokens whose ratio leaves about
 # [0.9, 1.1], |Δℓ| > 0.1.

@@ -24,7 +24,8 @@ from parity.diagnostics import (
     kept_rows,
     measure,
 )
-from parity.engines import Engine, Rollout, Sampling
+from parity.engines import Engine
+from parity.logprobs import Rollout, Sampling
 from parity.models.forward import score_full
 from parity.models.precision import autocast
 from parity.runs.finite import NonFinite, finite_tokens

@@ -31,9 +31,10 @@ from parity import ui
 from parity.audit.inputs import to_rollout
 from parity.audit.responses import server_rows
 from parity.config import AuditSettings
-from parity.engines import Sampling, logprobs_from_logits, stop_token_ids
+from parity.engines import stop_token_ids
 from parity.engines.server import Server, chat_request, completion_request
 from parity.errors import ParityError
+from parity.logprobs import Sampling, logprobs_from_logits
 from parity.models.forward import score_full
 from parity.models.precision import autocast
 from parity.objectives import grpo_advantages

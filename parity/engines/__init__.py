@@ -12,7 +12,8 @@ engine is its module and one registry entry (`register`): its description, what 
 (`EngineCan`), its checks and its builder. Config validation, `--help` and every refusal about
 an engine's abilities read the entry (parity/engines/abilities.py). This module imports without
 torch, so that the command line starts, and refuses bad settings, in a fraction of a second;
-the shared pieces (`Rollout`, `Sampling`, ...) come from parity/engines/rollout.py on first use.
+the shared pieces (`Rollout`, `Sampling`, ...) come from parity/logprobs and
+parity/engines/rollout.py on first use.
 """
 
 from __future__ import annotations
@@ -29,22 +30,23 @@ from parity.registry import Registry
 if TYPE_CHECKING:
     import torch
 
-    from parity.engines.rollout import Rollout, Sampling, Shard
+    from parity.engines.rollout import Shard
+    from parity.logprobs import Rollout, Sampling
 
 __all__ = ["ENGINES", "Engine", "EngineCan", "EngineEntry", "EngineNeeds", "EngineSpec",
-           "Rollout", "Sampling", "Shard", "check_engine", "keep_last", "left_pad",
-           "logprobs_from_logits", "make_engine", "positions", "processed_logits", "register",
-           "row_chunk", "sample_rows", "stop_token_ids", "uniforms"]
-# What rollout.py shares (it imports torch), reachable from here.
-_SHARED = {"Rollout", "Sampling", "Shard", "keep_last", "left_pad", "logprobs_from_logits",
-           "positions", "processed_logits", "row_chunk", "sample_rows", "stop_token_ids",
-           "uniforms"}
+           "Rollout", "Sampling", "Shard", "check_engine", "make_engine", "register",
+           "sample_rows", "stop_token_ids", "uniforms"]
+# What the engines speak in, which imports torch, reachable from here: the batch and the
+# sampling distribution (parity/logprobs), and what sampling needs beside them (rollout.py).
+_SHARED = {"Rollout": "parity.logprobs", "Sampling": "parity.logprobs",
+           "Shard": "parity.engines.rollout", "sample_rows": "parity.engines.rollout",
+           "stop_token_ids": "parity.engines.rollout", "uniforms": "parity.engines.rollout"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _SHARED:
-        import parity.engines.rollout as rollout
-        return getattr(rollout, name)
+        import importlib
+        return getattr(importlib.import_module(_SHARED[name]), name)
     raise AttributeError(f"module 'parity.engines' has no attribute {name!r}")
 
 

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from parity.engines import Engine, Rollout, Sampling, Shard
+from parity.engines import Engine, Shard
 from parity.errors import ParityError
+from parity.logprobs import Rollout, Sampling
 
 
 @dataclass(kw_only=True)

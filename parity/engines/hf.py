@@ -11,20 +11,19 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import StaticCache
 
-from parity.engines.rollout import (
+from parity.engines.rollout import Shard, sample_rows, uniforms
+from parity.logprobs import (
     Rollout,
     Sampling,
-    Shard,
     keep_last,
     left_pad,
-    logprobs_from_logits,
     positions,
     processed_logits,
-    sample_rows,
-    uniforms,
+    prompt_tokens,
+    see,
 )
 from parity.models.attention import ENGINE_ATTENTION
-from parity.models.forward import seen_in
+from parity.models.forward import score
 from parity.models.precision import (
     cast_weights_into,
     copy_bytes,
@@ -88,17 +87,8 @@ class HFEngine:
         if getattr(self, "_scratch", None) is None:
             self._scratch = copy.deepcopy(self.model)
         cast_weights_into(master, self._scratch, count=False)
-        ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
-        mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
-        T = r.completion_ids.shape[1]
         with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
-            # the logits that predict each completion token: positions P-1 .. P+T-2
-            logits = self._scratch(input_ids=ids, attention_mask=mask,
-                                   position_ids=positions(mask),
-                                   logits_to_keep=keep_last(ids.shape[1], T + 1, ids.device)
-                                   ).logits[:, :-1]
-        seen = seen_in(r, logits.shape[-1], s)
-        return logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
+            return score(self._scratch, r, s)
 
     @torch.no_grad()
     def trace(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
@@ -211,7 +201,7 @@ class HFEngine:
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         attn, last_pos = mask, pos[:, -1:]
         recorded = []
-        seen = _prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
+        seen = prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
         cdf = torch.empty((B, out.logits.shape[-1]), dtype=torch.float64, device=dev)
         tick = Ticker("rollout", max_new_tokens, "positions")
         for t in range(max_new_tokens):
@@ -226,7 +216,7 @@ class HFEngine:
             logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
             valid[:, t] = alive.float()
             done |= alive & torch.isin(tok, self.eos_ids)
-            _see(seen, alive, tok)
+            see(seen, alive, tok)
             if shard.all_done(bool(done.all())) or t == max_new_tokens - 1:
                 break
             # Finished rows keep decoding a pad token; their output is discarded above. Stopping
@@ -246,20 +236,6 @@ class HFEngine:
             r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
             r.dists = torch.stack(recorded[:T], dim=1)
         return r, t + 1
-
-
-def _prompt_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] bool: the tokens of each prompt, its padding excepted (what a repetition penalty
-    counts before the first sampled token)."""
-    seen = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.bool, device=ids.device)
-    seen.scatter_(1, ids.clamp(max=vocab).masked_fill(mask == 0, vocab), True)
-    return seen[:, :vocab].contiguous()
-
-
-def _see(seen: torch.Tensor | None, alive: torch.Tensor, tok: torch.Tensor) -> None:
-    """Each live row's new token counts as seen from the next position on."""
-    if seen is not None:
-        seen[alive, tok[alive]] = True
 
 
 def _hf_replica(model: torch.nn.Module, device: torch.device, **kw: Any) -> HFEngine:

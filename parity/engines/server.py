@@ -27,8 +27,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from parity.engines import Sampling
 from parity.errors import ParityError, one_line
+from parity.logprobs import Sampling
 
 # vLLM fills every sampling field a request leaves out from the model's generation_config.json
 # (a SmolLM2 or Qwen checkpoint ships top_p, top_k, repetition_penalty there): each is sent, so

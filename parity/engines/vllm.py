@@ -34,8 +34,9 @@ from typing import Any, Iterator
 import torch
 
 from parity.engines.abilities import EngineNeeds
-from parity.engines.rollout import Rollout, Sampling, Shard, left_pad
+from parity.engines.rollout import Shard
 from parity.errors import ParityError, one_line
+from parity.logprobs import Rollout, Sampling, left_pad
 from parity.models import lora
 from parity.models.precision import (
     cast_weights_into,

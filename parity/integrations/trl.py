@@ -72,16 +72,7 @@ from parity.config import (
     shared,
 )
 from parity.diagnostics import StepDiagnostics, measure
-from parity.engines import (
-    VLLM,
-    EngineSpec,
-    Rollout,
-    Sampling,
-    check_engine,
-    make_engine,
-    positions,
-    refuse_unable,
-)
+from parity.engines import VLLM, EngineSpec, check_engine, make_engine, refuse_unable
 from parity.errors import ParityError
 from parity.integrations import trl_config, trl_vllm
 from parity.integrations.trl_sampling import (
@@ -92,6 +83,7 @@ from parity.integrations.trl_sampling import (
     warn_bypassed,
 )
 from parity.integrations.trl_updates import UpdateGuard
+from parity.logprobs import Rollout, Sampling, positions
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import disable_dropout
 from parity.models.loading import max_positions

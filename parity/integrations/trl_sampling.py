@@ -16,9 +16,8 @@ from dataclasses import replace
 import torch
 from transformers import GenerationConfig, GenerationMixin
 
-from parity.engines import Sampling, processed_logits
-from parity.engines.rollout import seen_before
 from parity.errors import ParityError
+from parity.logprobs import Sampling, processed_logits, seen_before
 
 logger = logging.getLogger(__name__)
 

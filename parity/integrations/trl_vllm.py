@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from parity.engines import Sampling
-from parity.engines.rollout import TOP_TOKEN_ONLY
 from parity.errors import ParityError
 from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
+from parity.logprobs import TOP_TOKEN_ONLY, Sampling
 from parity.models.precision import low_precision_copy
 from parity.runs.memory import kv_cache_bytes
 

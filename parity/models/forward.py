@@ -1,24 +1,33 @@
 """A model's log-probs of a rollout's completion tokens: the trainer's forward (ℓ_π, with
-gradient), the shadow's (ℓ_s) and the audit's. Scoring uses the sampling distribution the engine
-drew from (repetition penalty, temperature, top-k, top-p, min-p), so ℓ_π and ℓ_μ are log-probs
-of the same distribution."""
+gradient), the shadow's (ℓ_s), ℓ_old's, the reference's and the audit's. Scoring uses the
+sampling distribution the engine drew from (repetition penalty, temperature, top-k, top-p,
+min-p), so ℓ_π and ℓ_μ are log-probs of the same distribution. By default the model's forward
+stops at its last hidden state and the log-probs come from it a chunk of tokens at a time
+(parity/logprobs/scoring.py): no [tokens, vocabulary] logits for a whole micro-batch."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from parity.engines.rollout import (
+from parity.errors import ParityError
+from parity.logprobs import (
     Rollout,
     Sampling,
+    Seen,
+    first_seen,
+    head_logprobs,
     keep_last,
     logprobs_from_logits,
     positions,
     seen_before,
 )
-from parity.errors import ParityError
+
+# logprob_chunk's value that scores a whole forward's logits at once, as the model returns them.
+WHOLE = -1
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,17 +58,13 @@ def _check_chunkable(model: torch.nn.Module) -> None:
     cfg = _unwrapped(model).config
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
         raise ParityError(f"logprob_chunk: {type(_unwrapped(model)).__name__} transforms its "
-                          f"logits after the output projection; score it with logprob_chunk=0")
-
-
-def _chunk_logp(head: torch.nn.Module, h: torch.Tensor, tokens: torch.Tensor,
-                s: Sampling, seen: torch.Tensor | None) -> torch.Tensor:
-    return logprobs_from_logits(head(h), tokens, s, seen=seen)
+                          f"logits after the output projection; score it with "
+                          f"logprob_chunk={WHOLE}")
 
 
 def seen_in(r: Rollout, vocab: int, s: Sampling) -> torch.Tensor | None:
-    """What a repetition penalty counts at each completion position of `r` (`seen_before`);
-    None when `s` has none."""
+    """What a repetition penalty counts at each completion position of `r`, [B, T, V] bool, for
+    logits that exist whole anyway; None when `s` has none."""
     if not s.penalises:
         return None
     return seen_before(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, vocab)
@@ -72,49 +77,88 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     state that predicted each completion token (for a value head). Runs with whatever grad mode
     and autocast the caller set.
 
-    chunk > 0: the output projection runs `chunk` positions at a time and each chunk's
-    vocabulary-wide logits are recomputed in the backward rather than kept, so no [B, T, V]
-    tensor ever exists (the LM head's input is the last hidden state, as in the model's own
-    forward)."""
+    chunk >= 0: the forward stops at the last hidden state and the log-probs of the valid
+    completion tokens come from the model's output projection `chunk` tokens at a time (0: as
+    many as parity/logprobs/scoring.py's budget holds), recomputed in the backward. chunk =
+    WHOLE: the model's own logits for every position at once, [B, T, V]."""
+    if chunk == WHOLE:
+        return _score_whole(model, r, s, hidden, keep_logits or [])
+    ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
+    L, T = ids.shape[1], r.completion_ids.shape[1]
+    h = last_hidden(model, ids, torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1))
+    h = h[:, L - T - 1:L - 1]   # position t predicts token t + 1
+    logp = _from_hidden(model, h, r, s, chunk)
+    with torch.no_grad():
+        logits = _head(model)(h[keep_logits]) if keep_logits else None
+    return Scored(logp, logits, h if hidden else None)
+
+
+def _from_hidden(model: torch.nn.Module, h: torch.Tensor, r: Rollout, s: Sampling,
+                 chunk: int) -> torch.Tensor:
+    """[B, T] fp32 log-probs of `r`'s valid completion tokens (0 elsewhere) from `h` [B, T, d],
+    the last hidden state that predicts each."""
+    head = _head(model)
+    valid = r.completion_mask > 0
+    rows, pos = valid.nonzero(as_tuple=True)
+    seen = (Seen(first_seen(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                            head.weight.shape[0]), rows, pos) if s.penalises else None)
+    flat = head_logprobs(h[rows, pos], head, r.completion_ids[rows, pos], s, seen, chunk)
+    return torch.zeros(valid.shape, dtype=flat.dtype, device=flat.device).index_put(
+        (rows, pos), flat)
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Module:
+    _check_chunkable(model)
+    return _unwrapped(model).get_output_embeddings()
+
+
+def _score_whole(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool,
+                 rows: list[int]) -> Scored:
     ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
     mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
     L, T = ids.shape[1], r.completion_ids.shape[1]
-    rows = keep_logits or []
-    if not chunk:
-        # logits at position t predict token t+1: keep only those that predict completion tokens.
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                    use_cache=False, logits_to_keep=keep_last(L, T + 1, ids.device),
-                    output_hidden_states=hidden)
-        logits = out.logits[:, :T]
-        seen = seen_in(r, logits.shape[-1], s)
-        logp = logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
-        h = out.hidden_states[-1][:, L - T - 1:L - 1] if hidden else None
-        return Scored(logp, logits[rows].detach() if rows else None, h)
-    _check_chunkable(model)
+    # logits at position t predict token t+1: keep only those that predict completion tokens.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                use_cache=False, logits_to_keep=1, output_hidden_states=True)
-    h = out.hidden_states[-1][:, L - T - 1:L - 1]
-    head = _unwrapped(model).get_output_embeddings()
-    seen = seen_in(r, head.weight.shape[0], s)
-    parts = []
-    for a in range(0, T, chunk):
-        hc, tc = h[:, a:a + chunk], r.completion_ids[:, a:a + chunk]
-        sc = None if seen is None else seen[:, a:a + chunk]
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logp, head, hc, tc, s, sc, use_reentrant=False))
-        else:
-            parts.append(_chunk_logp(head, hc, tc, s, sc))
-    logp = torch.cat(parts, dim=1) * r.completion_mask
-    with torch.no_grad():
-        logits = head(h[rows]) if rows else None
-    return Scored(logp, logits, h if hidden else None)
+                use_cache=False, logits_to_keep=keep_last(L, T + 1, ids.device),
+                output_hidden_states=hidden)
+    logits = out.logits[:, :T]
+    seen = seen_in(r, logits.shape[-1], s)
+    logp = logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
+    h = out.hidden_states[-1][:, L - T - 1:L - 1] if hidden else None
+    return Scored(logp, logits[rows].detach() if rows else None, h)
+
+
+def last_hidden(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, d]: the last hidden state (after the final norm) at every position, from the
+    model's own forward, which computes no logits."""
+    with _decoder_output(model) as out:
+        # The forward goes through the model itself (DDP, FSDP and peft see their own call);
+        # keeping no position's logits leaves its head an empty product.
+        model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+              use_cache=False, logits_to_keep=keep_last(ids.shape[1], 0, ids.device))
+    return out[0]
+
+
+@contextmanager
+def _decoder_output(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """A list that holds, after the forward inside the block, the output of the model's
+    decoder (transformers' `get_decoder()`: the body the head reads)."""
+    got: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: tuple, out: object) -> None:
+        got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+
+    handle = _unwrapped(model).get_decoder().register_forward_hook(keep)
+    try:
+        yield got
+    finally:
+        handle.remove()
 
 
 def score_right_padded(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
     """`score` with each row's tokens at the left and the padding at the right, as trainers that
     pack without left padding lay a batch out: the same tokens at the same positions, another
-    layout of the batch ([B, T] fp32). The logits come from the model's own forward and head, as
-    in `score_full`, kept from the first position any row needs."""
+    layout of the batch ([B, T] fp32), scored from the last hidden state as `score_full` does."""
     plen = r.prompt_mask.sum(-1).long()
     B, T = r.completion_ids.shape
     P = int(plen.max())
@@ -125,14 +169,11 @@ def score_right_padded(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch
         ids[b, :n] = r.prompt_ids[b, r.prompt_ids.shape[1] - n:]
         ids[b, n:n + T] = r.completion_ids[b]
         mask[b, :n], mask[b, n:n + T] = 1, r.completion_mask[b].long()
-    first = int(plen.min()) - 1        # the first position whose logits predict a completion token
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                use_cache=False, logits_to_keep=keep_last(P + T, P + T - first, ids.device))
+    h = last_hidden(model, ids, mask)
     # row b's completion token j is predicted at position plen[b] - 1 + j
-    at = (plen - 1 - first)[:, None] + torch.arange(T, device=ids.device)[None]
-    logits = out.logits.gather(1, at[..., None].expand(B, T, out.logits.shape[-1]))
-    seen = seen_in(r, logits.shape[-1], s)
-    return logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
+    at = (plen - 1)[:, None] + torch.arange(T, device=ids.device)[None]
+    h = h.gather(1, at[..., None].expand(B, T, h.shape[-1]))
+    return _from_hidden(model, h, r, s, 0)
 
 
 def score(model: torch.nn.Module, r: Rollout, s: Sampling, chunk: int = 0) -> torch.Tensor:

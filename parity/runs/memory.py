@@ -106,7 +106,7 @@ def _which(device: Any, free: float) -> str:
 
 
 def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
-             micro_batch: int | None = None) -> Estimate:
+             micro_batch: int | None = None, device: Any = None) -> Estimate:
     c = model.config
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)  # LoRA: adapters
@@ -137,9 +137,8 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     act = layers * width * _ACT_PER_LAYER * _BYTES[cfg.trainer_dtype]
     if cfg.gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
         act = layers * width * 4 + width * _ACT_PER_LAYER * 4
-    positions = (min(cfg.logprob_chunk, cfg.max_new_tokens) if cfg.logprob_chunk
-                 else cfg.max_new_tokens)
-    logits = 3 * rows * positions * vocab * 4  # logits, log-softmax, its gradient (fp32)
+    # fp32 logits, their processed copy and their gradient, for the tokens scored at once
+    logits = 3 * _scored_at_once(cfg, rows * cfg.max_new_tokens, vocab, device) * vocab * 4
     # Held through the update: the engine's whole distribution at every position of the rows
     # kept for the exact KL, fp32.
     dists = cfg.kl_exact_rows * cfg.max_new_tokens * vocab * 4 if cfg.diagnostics else 0
@@ -158,6 +157,15 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
 REFUSE_FACTOR = 2.0
 
 
+def _scored_at_once(cfg: Config, tokens: int, vocab: int, device: Any) -> int:
+    """Completion tokens whose vocabulary-wide logits exist at once in a forward of `tokens`."""
+    # torch is loaded by now: the model is
+    from parity.logprobs import head_chunk
+    if cfg.logprob_chunk == -1:
+        return tokens
+    return min(tokens, cfg.logprob_chunk or head_chunk(vocab, device))
+
+
 def check(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
           device: Any = None) -> str | None:
     """None when the run fits the memory free to it now on `device` (the CPU when None: the
@@ -168,7 +176,7 @@ def check(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     if free is None:
         return None
     where = _which(device, free)
-    e = estimate(cfg, model, longest_prompt, world)
+    e = estimate(cfg, model, longest_prompt, world, device=device)
     gb = 2 ** 30
     if e.weights > free:
         lower = (f"lower --lora-rank (rank {cfg.lora_rank} adds {e.adapters:,} adapter "
@@ -179,7 +187,7 @@ def check(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
                           f"{lower}")
     if e.total <= free:
         return None
-    advice = _advice(cfg, model, longest_prompt, world, e, free)
+    advice = _advice(cfg, model, longest_prompt, world, e, free, device)
     need = (f"this run may need about {e.total / gb:.1f} GB (its largest "
             + (f"batch of sampling decodes {_decoding(cfg, world)} rows"
                if e.sampling else f"forward holds {e.rows} completions")
@@ -196,7 +204,7 @@ def _decoding(cfg: Config, world: int) -> int:
 
 
 def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimate,
-            free: float) -> str:
+            free: float, device: Any = None) -> str:
     """The setting to lower, and the value that fits where one does."""
     fits = lambda total: total <= 0.9 * free
     if e.sampling:
@@ -206,12 +214,15 @@ def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimat
         if ok:
             return f"--rollout-batch {ok[0]}"
         return "fewer --prompts-per-step or --samples-per-prompt, or shorter --max-new-tokens"
+    chunked = dataclasses.replace(cfg, logprob_chunk=0)
+    if cfg.logprob_chunk == -1 and fits(estimate(chunked, model, longest_prompt, world,
+                                                 device=device).total):
+        return "--logprob-chunk 0 (the log-probs a chunk of tokens at a time)"
     ok = [n for n in (64, 32, 16, 8, 4, 2, 1) if n < e.rows and
-          fits(estimate(cfg, model, longest_prompt, world, micro_batch=n).total)]
+          fits(estimate(cfg, model, longest_prompt, world, micro_batch=n, device=device).total)]
     if ok:
         return f"--micro-batch {ok[0]}"
-    return ("--micro-batch 1 with --logprob-chunk 64 --gradient-checkpointing, or shorter "
-            "--max-new-tokens")
+    return "--micro-batch 1 with --gradient-checkpointing, or shorter --max-new-tokens"
 
 
 def kv_cache_bytes(config: Any, dtype: str, rows: int, max_len: int) -> int:
@@ -248,5 +259,5 @@ def oom_message(cfg: Config, e: BaseException) -> str:
     lower.append(f"--max-new-tokens {cfg.max_new_tokens}")
     kind = "the GPU" if type(e).__name__ == "OutOfMemoryError" else "memory"
     return (f"the run ran out of {kind} ({type(e).__name__}); lower one of: {', '.join(lower)}, "
-            f"or add --gradient-checkpointing --logprob-chunk 64. The steps written so far are in "
+            f"or add --gradient-checkpointing. The steps written so far are in "
             f"metrics.jsonl and `parity train --resume RUN` continues from the newest checkpoint")

@@ -17,8 +17,9 @@ import torch
 
 from parity import metric_names as mn
 from parity.config import Config
-from parity.engines import Engine, Rollout, Sampling, Shard
+from parity.engines import Engine, Shard
 from parity.engines.async_process import AsyncEngine, Request
+from parity.logprobs import Rollout, Sampling
 from parity.runs.checkpoints import Restored, engine_versions
 from parity.runs.distributed import Dist
 from parity.tasks import PromptSampler, Task

@@ -1,0 +1,123 @@
+"""Log-probs of tokens under the sampling distribution, from logits or from a model's last hidden
+state, a chunk of tokens at a time.
+
+From the hidden state (`head_logprobs`), which is how the trainer, the shadow, ℓ_old, the
+reference and the audit score: the output projection runs on a chunk of tokens, the chunk's
+[tokens, vocabulary] logits become log-probs and are dropped, and with gradient each chunk's
+logits are recomputed in its backward rather than kept. So the logits of a whole micro-batch
+never exist, at 151,936 tokens of vocabulary 0.6 MB per token in fp32 and two or three times
+that in the autograd graph. TRL (`trl/kernels/chunked_logprob.py`) and verl
+(`use_fused_kernels`) do the same for a plain softmax; parity's chunks run over tokens and keep
+the whole vocabulary in each, because top-k, top-p and min-p need a row's whole distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from parity.logprobs.penalty import Seen
+from parity.logprobs.sampling import Sampling, processed_logits
+
+# Without gradient, vocabulary-wide work over logits that exist already takes a few positions at
+# a time: a float32 temporary of 8 MiB is memory the allocator hands back at once, where one over
+# a whole micro-batch is fresh memory each time, on a CPU slower to fill than the arithmetic is
+# to run (docs/performance.md). At least a position per thread: each position's reductions then
+# run as they do over the whole tensor, to the bit.
+CHUNK_BYTES = 8 << 20
+# On a GPU the caching allocator reuses memory anyway, and each chunk is several kernel launches:
+# chunks there only bound the temporaries' memory.
+DEVICE_CHUNK_BYTES = 256 << 20
+# fp32 logits per chunk of tokens scored from the hidden state. Each chunk streams the head's
+# whole weight ([V, d]) through the product and, with gradient, through its gradient too: below
+# ~64 tokens a chunk on the CPU is bound by that traffic, and chunks of 64-256 tokens at Qwen3's
+# vocabulary ran 2-3 times faster than the whole micro-batch's logits at once
+# (`python -m bench.logprob_chunks`, docs/performance.md). A GPU gets larger chunks: its products
+# want more rows, and its allocator reuses the memory.
+HEAD_CHUNK_BYTES = 128 << 20
+DEVICE_HEAD_CHUNK_BYTES = 1 << 30
+
+
+def row_chunk(vocab: int, device: torch.device | None = None) -> int:
+    """Positions of a vocabulary-wide computation without gradient that run at once on
+    `device` (the CPU when None)."""
+    if device is not None and device.type != "cpu":
+        return max(DEVICE_CHUNK_BYTES // (4 * vocab), 1)
+    return max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
+
+
+def head_chunk(vocab: int, device: torch.device | None = None) -> int:
+    """Tokens scored at once from the hidden state by default on `device` (the CPU when None):
+    as many as `HEAD_CHUNK_BYTES` of fp32 logits hold (220 at Qwen3's vocabulary on the CPU)."""
+    budget = DEVICE_HEAD_CHUNK_BYTES if device is not None and device.type != "cpu" else \
+        HEAD_CHUNK_BYTES
+    return max(budget // (4 * vocab), 1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling,
+                         keep_sampled: bool = True, seen: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """log p(token) under the sampling distribution defined by `s`; fp32, shape of `tokens`.
+    `seen`: as `processed_logits` needs it with a repetition penalty. Without gradient the
+    positions run `row_chunk` at a time, with the same result."""
+    if (torch.is_grad_enabled() and logits.requires_grad) or tokens.dim() == 0:
+        return _logprobs(logits, tokens, s, keep_sampled, seen)
+    x, tok = logits.reshape(-1, *logits.shape[-2:]), tokens.reshape(-1, tokens.shape[-1])
+    sn = None if seen is None else seen.reshape(x.shape)
+    out = torch.empty(tok.shape, dtype=torch.float32, device=logits.device)
+    c = row_chunk(logits.shape[-1], logits.device)
+    for b in range(x.shape[0]):
+        for a in range(0, x.shape[1], c):
+            out[b, a:a + c] = _logprobs(x[b, a:a + c], tok[b, a:a + c], s, keep_sampled,
+                                        None if sn is None else sn[b, a:a + c])
+    return out.reshape(tokens.shape)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling, keep_sampled: bool,
+              seen: torch.Tensor | None) -> torch.Tensor:
+    x = processed_logits(logits, s, keep=tokens if keep_sampled else None, seen=seen)
+    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor,
+                  s: Sampling, seen: Seen | None = None, chunk: int = 0) -> torch.Tensor:
+    """log p(token) of N tokens, [N] fp32, from the last hidden states that predict them
+    ([N, d]) and the model's output projection `head`, `chunk` tokens at a time (0:
+    `head_chunk`). With gradient (to `hidden` or to the head), each chunk's logits are
+    recomputed in the backward; nothing vocabulary-wide outlives its chunk either way. Runs
+    under whatever autocast the caller set, as the model's own head would."""
+    n = hidden.shape[0]
+    chunk = chunk or head_chunk(head.weight.shape[0], hidden.device)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(
+        p.requires_grad for p in head.parameters()))
+    parts = []
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        args = (head, hidden[a:b], tokens[a:b], s, seen, a, b)
+        parts.append(checkpoint(_chunk, *args, use_reentrant=False, context_fn=_forward_modes)
+                     if grad else _chunk(*args))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, s: Sampling,
+           seen: Seen | None, a: int, b: int) -> torch.Tensor:
+    return _logprobs(head(hidden), tokens, s, True, None if seen is None else seen.at(a, b))
+
+
+def _forward_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's contexts: the recomputation runs under the torch-function modes the chunk's
+    forward ran under. The backward starts where torch has popped them, so the fp16 products a
+    CPU emulates in float64 (parity/models/precision.py) would otherwise be recomputed natively,
+    and differ from the tensors the forward saved."""
+    return contextlib.nullcontext(), _entered(torch.overrides._get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def _entered(modes: list) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
