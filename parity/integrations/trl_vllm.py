@@ -38,7 +38,7 @@ from parity.engines.rollout import TOP_TOKEN_ONLY
 from parity.errors import ParityError
 from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
 from parity.models.precision import low_precision_copy
-from parity.runs.memory import kv_cache_bytes
+from parity.models.sizes import kv_cache_bytes
 
 try:
     from trl.generation import vllm_generation as trl_vllm_generation
