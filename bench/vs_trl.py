@@ -220,7 +220,7 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
     if a.engine == "vllm":
         from transformers import AutoConfig, AutoTokenizer
 
-        from parity.runs.memory import kv_cache_bytes
+        from parity.models.sizes import kv_cache_bytes
         from parity.tasks import build_task
         model_dir = testbed.ensure(a.model, progress=False)
         tok = AutoTokenizer.from_pretrained(model_dir)

@@ -88,7 +88,7 @@ def test_kv_cache_is_every_row_at_its_longest_in_whole_blocks():
     16 MiB of vLLM's own."""
     from types import SimpleNamespace
 
-    from parity.engines.vllm import kv_cache_bytes
+    from parity.models.sizes import kv_cache_bytes
     cfg = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                           hidden_size=64, head_dim=16)
     assert kv_cache_bytes(cfg, "bf16", rows=4, max_len=70) == int(4 * 96 * 384 * 1.25) + (16 << 20)

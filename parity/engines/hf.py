@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -170,7 +171,6 @@ class HFEngine:
                                    for _, r in kept])
         return out
 
-    # long: one decode loop; split, its state (cache, tokens, draws) would pass between pieces
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
                   generator: torch.Generator, record_rows: list[int], shard: Shard
                   ) -> tuple[Rollout, int]:
@@ -179,63 +179,98 @@ class HFEngine:
         ids, mask = left_pad(prompts, self.pad_id, shard.width, dev)
         B = ids.shape[0]
         rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
-        # Preallocated: a growing cache copies every layer's keys and values at every token
-        # (what that costs an fp32 decode step: docs/performance.md).
-        with dev:  # the cache's bookkeeping tensors too, not only the keys and values
-            cache = StaticCache(config=self.model.config,
-                                max_cache_len=ids.shape[1] + max_new_tokens)
-        pos = positions(mask)
+        draw = lambda: uniforms(generator, shard.batch, rows, dev)
+        cache = self._cache(ids.shape[1] + max_new_tokens)
+        attn, pos = mask, positions(mask)
         # Each position's random numbers are drawn and copied to the device before the forward
         # that precedes them is queued: a copy from the host waits for the device's queue, which
-        # is empty there (after the stopping check), not in the middle of a forward.
-        u = uniforms(generator, shard.batch, rows, dev)
+        # is empty there (after the stopping check), not in the middle of a forward. The rows to
+        # record are copied before it for the same reason.
+        u = draw()
         keep = torch.tensor(record_rows, dtype=torch.long, device=dev) if record_rows else None
         scratch: dict = {}   # engine_attention's key buffer, freed with this rollout
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         **{self.cache_kw: cache}, use_cache=True,
-                         logits_to_keep=keep_last(ids.shape[1], 1, dev),
-                         parity_kv_len=ids.shape[1], parity_scratch=scratch)
-        tokens = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
-        logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
-        valid = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        attn, last_pos = mask, pos[:, -1:]
-        recorded = []
-        seen = prompt_tokens(ids, mask, out.logits.shape[-1]) if s.penalises else None
-        cdf = torch.empty((B, out.logits.shape[-1]), dtype=torch.float64, device=dev)
+        logits = self._forward(ids, attn, pos, cache, scratch,
+                               logits_to_keep=keep_last(ids.shape[1], 1, dev))
+        d = _Decoding.start(ids, mask, max_new_tokens, logits.shape[-1], s, keep, self)
+        pos = pos[:, -1:]
         tick = Ticker("rollout", max_new_tokens, "positions")
         for t in range(max_new_tokens):
             tick(t)
-            x = processed_logits(out.logits[:, -1], s, seen=seen)
-            logp = torch.log_softmax(x, dim=-1)
-            if keep is not None:
-                recorded.append(logp[keep])
-            tok = sample_rows(logp, u, cdf)
-            alive = ~done
-            tokens[:, t] = torch.where(alive, tok, self.pad_id)
-            logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
-            valid[:, t] = alive.float()
-            done |= alive & torch.isin(tok, self.eos_ids)
-            see(seen, alive, tok)
-            if shard.all_done(bool(done.all())) or t == max_new_tokens - 1:
+            d.sample(t, logits, s, u)
+            if shard.all_done(bool(d.done.all())) or t == max_new_tokens - 1:
                 break
-            # Finished rows keep decoding a pad token; their output is discarded above. Stopping
-            # is the decode loop's one wait for the device (`done.all()` above).
-            u = uniforms(generator, shard.batch, rows, dev)
+            # Finished rows keep decoding a pad token; their output is discarded in `sample`.
+            # Stopping is the decode loop's one wait for the device (`done.all()` above).
+            u = draw()
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
-            last_pos = last_pos + 1
-            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn,
-                             position_ids=last_pos, **{self.cache_kw: cache}, use_cache=True,
-                             parity_kv_len=attn.shape[1], parity_scratch=scratch)
+            pos = pos + 1
+            logits = self._forward(d.tokens[:, t:t + 1], attn, pos, cache, scratch)
         if shard.fixed_draws:
             for _ in range(t + 1, max_new_tokens):
                 uniforms(generator, shard.batch)
-        T = int(valid.sum(0).nonzero().max()) + 1
-        r = Rollout(ids, mask, tokens[:, :T], valid[:, :T], logps[:, :T], done)
-        if record_rows:
-            r.dist_rows = torch.tensor(record_rows, dtype=torch.long, device=dev)
-            r.dists = torch.stack(recorded[:T], dim=1)
-        return r, t + 1
+        return d.rollout(ids, mask), t + 1
+
+    def _cache(self, length: int) -> StaticCache:
+        # Preallocated: a growing cache copies every layer's keys and values at every token
+        # (what that costs an fp32 decode step: docs/performance.md).
+        with self.device:  # the cache's bookkeeping tensors too, not only the keys and values
+            return StaticCache(config=self.model.config, max_cache_len=length)
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
+                 cache: StaticCache, scratch: dict, **kw: Any) -> torch.Tensor:
+        """[B, V]: the logits after the last of `ids`, their keys and values added to `cache`."""
+        return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                          **{self.cache_kw: cache}, use_cache=True, parity_kv_len=attn.shape[1],
+                          parity_scratch=scratch, **kw).logits[:, -1]
+
+
+@dataclass
+class _Decoding:
+    """A batch being decoded: what each position has sampled so far, and the buffers the next
+    one samples with."""
+    tokens: torch.Tensor        # [B, T] long: pad where a row had already finished
+    logps: torch.Tensor         # [B, T] the sampled tokens' log-probs, 0 where finished
+    valid: torch.Tensor         # [B, T] 1.0 where the row was still alive
+    done: torch.Tensor          # [B] bool: the row has sampled an end token
+    seen: torch.Tensor | None   # [B, V] bool: what a repetition penalty counts; None without one
+    cdf: torch.Tensor           # [B, V] float64: sample_rows's buffer, reused at every position
+    keep: torch.Tensor | None   # the rows whose whole distribution is recorded
+    pad_id: int
+    eos_ids: torch.Tensor
+    recorded: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, vocab: int,
+              s: Sampling, keep: torch.Tensor | None, engine: HFEngine) -> _Decoding:
+        B, dev = ids.shape[0], engine.device
+        zeros = lambda: torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+        return cls(torch.full((B, max_new_tokens), engine.pad_id, dtype=torch.long, device=dev),
+                   zeros(), zeros(), torch.zeros(B, dtype=torch.bool, device=dev),
+                   prompt_tokens(ids, mask, vocab) if s.penalises else None,
+                   torch.empty((B, vocab), dtype=torch.float64, device=dev), keep,
+                   engine.pad_id, engine.eos_ids)
+
+    def sample(self, t: int, logits: torch.Tensor, s: Sampling, u: torch.Tensor) -> None:
+        """Position t's token for every row from `logits` [B, V] and the uniforms `u`."""
+        logp = torch.log_softmax(processed_logits(logits, s, seen=self.seen), dim=-1)
+        if self.keep is not None:
+            self.recorded.append(logp[self.keep])
+        tok = sample_rows(logp, u, self.cdf)
+        alive = ~self.done
+        self.tokens[:, t] = torch.where(alive, tok, self.pad_id)
+        self.logps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+        self.valid[:, t] = alive.float()
+        self.done |= alive & torch.isin(tok, self.eos_ids)
+        see(self.seen, alive, tok)
+
+    def rollout(self, ids: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        """The positions up to the last one any row sampled."""
+        T = int(self.valid.sum(0).nonzero().max()) + 1
+        r = Rollout(ids, mask, self.tokens[:, :T], self.valid[:, :T], self.logps[:, :T], self.done)
+        if self.keep is not None:
+            r.dist_rows = self.keep
+            r.dists = torch.stack(self.recorded[:T], dim=1)
+        return r
 
 
 def _hf_replica(model: torch.nn.Module, device: torch.device, **kw: Any) -> HFEngine:

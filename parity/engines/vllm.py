@@ -46,7 +46,7 @@ from parity.models.precision import (
     save_copy,
     torch_dtype,
 )
-from parity.runs.memory import kv_cache_bytes
+from parity.models.sizes import kv_cache_bytes
 from parity.ui import Ticker, say
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -37,7 +37,7 @@ from parity.errors import ParityError
 from parity.integrations.weight_sync import DirectoryWeightTransfer, Server
 from parity.logprobs import TOP_TOKEN_ONLY, Sampling
 from parity.models.precision import low_precision_copy
-from parity.runs.memory import kv_cache_bytes
+from parity.models.sizes import kv_cache_bytes
 
 try:
     from trl.generation import vllm_generation as trl_vllm_generation

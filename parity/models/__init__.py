@@ -6,4 +6,5 @@
     precision.py   dtypes, the trainer's autocast, loss scaling, weight casts
     lora.py        fp32 adapters on a frozen base
     pretrained.py  real pretrained models shipped inside Python packages
+    sizes.py       bytes a dtype takes, vLLM's KV cache: from a model's config, without torch
 """

@@ -12,13 +12,13 @@ from __future__ import annotations
 # Imports inside functions: torch loads when a device's memory is asked for: the estimate itself
 # runs before any model is loaded (start-up time).
 import dataclasses
-import math
 import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from parity.errors import ParityError
 from parity.models import lora
+from parity.models.sizes import DTYPE_BYTES
 from parity.objectives import OBJECTIVES
 
 if TYPE_CHECKING:
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 # residual stream, norms, projections, MLP and attention outputs. 32 fits SmolLM2-135M's
 # measured 2.1 MB a token (30 layers, width 576) for short completions.
 _ACT_PER_LAYER = 32
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The process before any model: Python, torch, transformers and their allocators (measured
 # 0.4-0.5 GB on the testbed's smallest runs).
 _RUNTIME = 0.5 * 2 ** 30
@@ -114,12 +113,12 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     adapters = 0
     if getattr(cfg, "lora_rank", 0) and not lora.is_lora(model):  # the adapters to come
         adapters = lora.planned_adapters(model, cfg.lora_rank, cfg.lora_targets)
-        stored = n_params * _BYTES[cfg.base_dtype] + 4 * adapters
+        stored = n_params * DTYPE_BYTES[cfg.base_dtype] + 4 * adapters
         n_params, n_train = n_params + adapters, adapters
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 1)
     width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 1)
     vocab = c.vocab_size
-    engine = _BYTES[cfg.engine_dtype] * n_params
+    engine = DTYPE_BYTES[cfg.engine_dtype] * n_params
     adam = 8 if cfg.optimizer in ("adam", "adamw") else 0  # two fp32 moments
     weights = _RUNTIME + stored + n_train * (4 + adam) + engine  # + gradients, optimizer state
     if cfg.diagnostics or cfg.ratio_source == "shadow":
@@ -134,7 +133,7 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     length = longest_prompt + cfg.max_new_tokens
     if cfg.micro_batch_tokens:
         rows = max(1, min(rows, cfg.micro_batch_tokens // length))
-    act = layers * width * _ACT_PER_LAYER * _BYTES[cfg.trainer_dtype]
+    act = layers * width * _ACT_PER_LAYER * DTYPE_BYTES[cfg.trainer_dtype]
     if cfg.gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
         act = layers * width * 4 + width * _ACT_PER_LAYER * 4
     # fp32 logits, their processed copy and their gradient, for the tokens scored at once
@@ -147,7 +146,7 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     decoding = min(sampled, cfg.rollout_batch) if cfg.rollout_batch else sampled
     kv_width = getattr(c, "num_key_value_heads", None) or getattr(c, "n_head", 1)
     head = width // (getattr(c, "num_attention_heads", None) or getattr(c, "n_head", 1))
-    kv = 2 * layers * decoding * kv_width * head * length * _BYTES[cfg.engine_dtype]
+    kv = 2 * layers * decoding * kv_width * head * length * DTYPE_BYTES[cfg.engine_dtype]
     return Estimate(weights=weights + dists, forward=max(rows * length * act + logits, kv),
                     rows=rows, sampling=kv >= rows * length * act + logits, adapters=adapters)
 
@@ -223,17 +222,6 @@ def _advice(cfg: Config, model: Any, longest_prompt: int, world: int, e: Estimat
     if ok:
         return f"--micro-batch {ok[0]}"
     return "--micro-batch 1 with --gradient-checkpointing, or shorter --max-new-tokens"
-
-
-def kv_cache_bytes(config: Any, dtype: str, rows: int, max_len: int) -> int:
-    """The KV cache every row of a vLLM batch needs at its full length at once, with room for
-    vLLM's block rounding. Asked for explicitly: vLLM's CPU backend would otherwise reserve a
-    share of the machine's whole memory (and refuse to start when that much is not free)."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * heads * head_dim * _BYTES[dtype]
-    blocks = math.ceil(max_len / 16) + 1
-    return int(rows * blocks * 16 * per_token * 1.25) + (16 << 20)
 
 
 def out_of_memory(e: BaseException) -> bool:
