@@ -9,6 +9,8 @@
     python -m bench.vs_trl --device cuda --model smollm2-135m --task neg-length --max-new-tokens 128
     python -m bench.vs_trl --vllm --device cuda --model qwen3-0.6b-shape --task neg-length \
         --max-new-tokens 256 --steps 3 --repeats 1 --micro-batch 16 --trainer-dtype bf16
+    python -m bench.vs_trl --model qwen3-narrow-shape --task neg-length \
+        --parity bf16-shadow,bf16-shadow:logprob_chunk=-1   # a change's after and before
 
 Both sides train the same testbed model on the same task rows with the same reward function
 (`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with
@@ -19,16 +21,19 @@ GRPOConfig(bf16=False), parity's `fp32` recipe) and one optimizer step per gener
 without vLLM (`use_cpu=True`) and, to its advantage, without gradient checkpointing (its
 default), which only costs time on a model this size.
 
-Each run is its own process; runs alternate (TRL, parity, TRL, ...) so drift on a shared
-machine hits both. Step time is the median over the steps after the first two (warm-up): for
-TRL the wall time between consecutive `on_step_end` callbacks, for parity `time/step_s` (rollout
-plus update). The table gives step time, completions/s, completion tokens/s, their ratio, and
-the mean reward over the first and the last five steps, so "as fast" is judged at similar
-learning. The update alone is each side's step minus its generation (TRL: the time inside
+Each run is its own process; runs alternate over every side, in order then reversed (TRL, parity A,
+parity B, parity B, parity A, TRL, ...), so drift on a shared machine hits all. A `--parity`
+variant may set config fields over the workload (`RECIPE:KEY=VALUE`), so one run puts a change's
+before and after beside the same TRL runs. `peak_gb` is each side's process at its peak: resident
+memory (ru_maxrss) on the CPU, the allocator's peak on a GPU. A worker offers itself first to the
+kernel's OOM killer. Step time is the median over the steps after the first two (warm-up): for TRL
+the wall time between consecutive `on_step_end` callbacks, for parity `time/step_s` (rollout plus
+update). The table gives step time, completions/s, completion tokens/s, their ratio, and the mean
+reward over the first and the last five steps, so "as fast" is judged at similar learning. The
+update alone is each side's step minus its generation (TRL: the time inside
 `_generate_and_score_completions`, which also computes rewards and advantages; parity:
-`time/train_s`). The last line bounds what any engine could achieve: parity's update alone
-(forward with grad, backward, AdamW over the same tokens, which TRL must do too) against TRL's
-step.
+`time/train_s`). The last line bounds what any engine could achieve: parity's update alone (forward
+with grad, backward, AdamW over the same tokens, which TRL must do too) against TRL's step.
 
 `--vllm`: both sides sample with vLLM, as users run them on a GPU. TRL uses its colocated vLLM
 (`use_vllm=True, vllm_mode="colocate"`) with its other defaults: vLLM in bf16 (vLLM's choice for
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import statistics
 import subprocess
@@ -198,35 +204,62 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
             "memory_sites": _memory_sites(a)}
 
 
+FLAGS = ("scored", "eager")
+
+
+def parse_variant(variant: str) -> tuple[str, list[str], dict[str, str]]:
+    """RECIPE[:scored][:eager][:KEY=VALUE...]: the recipe, its flags, and config fields set last
+    (so that one run differs from another in one field: `bf16-shadow:logprob_chunk=-1`)."""
+    recipe, *rest = variant.split(":")
+    flags = [f for f in rest if "=" not in f]
+    if bad := [f for f in flags if f not in FLAGS]:
+        raise ValueError(f"--parity {variant}: unknown flag {', '.join(bad)} (flags: "
+                         f"{', '.join(FLAGS)}; a config field is KEY=VALUE)")
+    return recipe, flags, dict(f.split("=", 1) for f in rest if "=" in f)
+
+
+def parity_config(a: argparse.Namespace, out: Path):
+    """The Config of parity's side `a.variant`: the same workload as TRL's, the variant's fields
+    over it."""
+    from parity.config import make_config
+    recipe, flags, fields = parse_variant(a.variant)
+    return make_config({"task": a.task, "recipe": recipe, "model": a.model, "steps": a.steps,
+                        "lr": a.lr, "prompts_per_step": a.prompts, "samples_per_prompt": a.group,
+                        "max_new_tokens": a.max_new_tokens, "seed": a.seed,
+                        "optimizer": "adamw", "weight_decay": 0.0, "max_grad_norm": 1.0,
+                        "loss_agg": "seq-mean", "out": str(out / "parity"), "progress": False,
+                        "save_every": 0, "report_to": "none", "micro_batch": a.micro_batch,
+                        "device": a.device, "engine": a.engine,
+                        "vllm_gpu_memory": a.vllm_gpu_memory,
+                        **({"shadow_kernels": "scored"} if "scored" in flags else {}),
+                        "vllm_cuda_graphs": "eager" not in flags, **fields})
+
+
+def longest_prompt(a: argparse.Namespace, model_dir: Path) -> int:
+    """The task's longest prompt in tokens, as parity tokenizes it."""
+    from transformers import AutoTokenizer
+
+    from parity import testbed
+    from parity.tasks import build_task
+    task = build_task(a.task, None, model_dir, None, AutoTokenizer.from_pretrained(model_dir),
+                      a.max_new_tokens, None, a.seed, 1.0, solve_rates=testbed.solve_rates)
+    return max(map(len, task.prompt_ids))
+
+
 def parity_worker(a: argparse.Namespace, out: Path) -> dict:
     from parity import testbed
-    from parity.config import make_config
     from parity.reports import load_metrics
     from parity.trainer import train
-    recipe, *flags = a.variant.split(":")
     _memory_start(a)
-    cfg = make_config({"task": a.task, "recipe": recipe, "model": a.model, "steps": a.steps,
-                       "lr": a.lr, "prompts_per_step": a.prompts, "samples_per_prompt": a.group,
-                       "max_new_tokens": a.max_new_tokens, "seed": a.seed, "optimizer": "adamw",
-                       "weight_decay": 0.0, "max_grad_norm": 1.0, "loss_agg": "seq-mean",
-                       "out": str(out / "parity"), "progress": False, "save_every": 0,
-                       "report_to": "none", "micro_batch": a.micro_batch,
-                       "device": a.device, "engine": a.engine,
-                       "vllm_gpu_memory": a.vllm_gpu_memory,
-                       **({"shadow_kernels": "scored"} if "scored" in flags else {}),
-                       "vllm_cuda_graphs": "eager" not in flags})
+    cfg = parity_config(a, out)
     rows = load_metrics(train(cfg) / "metrics.jsonl")
     kv = None
     if a.engine == "vllm":
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         from parity.models.sizes import kv_cache_bytes
-        from parity.tasks import build_task
         model_dir = testbed.ensure(a.model, progress=False)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        task = build_task(a.task, None, model_dir, None, tok, a.max_new_tokens, None, a.seed,
-                          1.0, solve_rates=testbed.solve_rates)
-        longest = max(map(len, task.prompt_ids)) + a.max_new_tokens + 1
+        longest = longest_prompt(a, model_dir) + a.max_new_tokens + 1
         # what parity asks vLLM to reserve (parity/engines/vllm.py), not a reading
         kv = kv_cache_bytes(AutoConfig.from_pretrained(model_dir), cfg.engine_dtype,
                             a.prompts * a.group, longest) / GIB
@@ -236,23 +269,61 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
             "peak_gb": _peak_gb(a.device), "kv_gb": kv, "memory_sites": _memory_sites(a)}
 
 
-def run_worker(side: str, a: argparse.Namespace) -> dict:
-    """`side`: trl, or parity-ENGINE VARIANT. A side whose process fails is reported as such."""
-    who, _, rest = side.partition("-")
+def _side(side: str) -> tuple[str, str]:
+    """`side`'s parity engine and variant (`parity-ENGINE VARIANT`)."""
+    _, _, rest = side.partition("-")
     engine, _, variant = rest.partition(" ")
+    return engine or "hf", variant or "fp32"
+
+
+def proc_gb(path: str, key: str) -> float | None:
+    """The figure a /proc file gives as `KEY: N kB`, in GiB; None where the file or key is absent
+    (a process that has gone, a system without /proc)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return None
+
+
+def _wait(proc: subprocess.Popen, cap_gb: float | None) -> bool:
+    """Wait for the worker; True where its resident memory passed `cap_gb` and the bench stopped
+    it: on a shared machine a run that outgrows its share is ended by the bench, not by the
+    kernel's OOM killer, which might pick someone else's process."""
+    if cap_gb is None:
+        proc.wait()
+        return False
+    while proc.poll() is None:
+        if (proc_gb(f"/proc/{proc.pid}/status", "VmRSS") or 0.0) > cap_gb:
+            proc.kill()
+            proc.wait()
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def run_worker(side: str, a: argparse.Namespace, cap_gb: float | None = None) -> dict:
+    """`side`: trl, or parity-ENGINE VARIANT. A side whose process fails, or passes `cap_gb` of
+    resident memory, is reported as such; `run_s` is the process's wall time, start-up
+    included."""
+    engine, variant = _side(side)
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "bench.vs_trl", "--worker", who, "--result", str(res),
-               f"--engine={engine or 'hf'}", f"--variant={variant or 'fp32'}",
+        cmd = [sys.executable, "-m", "bench.vs_trl", "--worker", side.partition("-")[0],
+               "--result", str(res), f"--engine={engine}", f"--variant={variant}",
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                  if k not in ("worker", "result", "repeats", "engines", "engine", "parity",
                               "variant", "vllm")),
                *(["--vllm"] if a.vllm else [])]
         t = time.perf_counter()
-        rc = subprocess.run(cmd).returncode
-        if rc != 0 or not res.exists():
-            return {"error": f"exit {rc} after {time.perf_counter() - t:.0f} s"}
-        return json.loads(res.read_text())
+        proc = subprocess.Popen(cmd)
+        capped = _wait(proc, cap_gb)
+        if proc.returncode != 0 or not res.exists():
+            why = f", stopped past {cap_gb:.1f} GB resident" if capped else ""
+            return {"error": f"exit {proc.returncode} after {time.perf_counter() - t:.0f} s{why}"}
+        return {**json.loads(res.read_text()), "run_s": time.perf_counter() - t}
 
 
 def summarize(r: dict, a: argparse.Namespace, params: int | None,
@@ -283,7 +354,7 @@ def _parity_variants(a: argparse.Namespace) -> list[str]:
     return ["bf16-shadow", "bf16-shadow:scored"] if a.trainer_dtype == "fp32" else ["bf16"]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="arith")
     ap.add_argument("--task", default="arith", choices=("arith", "neg-length"))
@@ -305,8 +376,10 @@ def main() -> None:
                     help="the trainer's arithmetic on both sides: fp32, or bf16 autocast over "
                     "fp32 weights (TRL bf16=True, parity's bf16 recipe)")
     ap.add_argument("--parity", default="", help="parity's runs, comma-separated, a row each: "
-                    "RECIPE[:scored][:eager] (default: fp32 or bf16 without --vllm; with it "
-                    "bf16-shadow,bf16-shadow:scored for an fp32 trainer, bf16 for bf16)")
+                    "RECIPE[:scored][:eager][:KEY=VALUE...], KEY a config field set over the "
+                    "bench's workload, e.g. bf16-shadow,bf16-shadow:logprob_chunk=-1 (default: "
+                    "fp32 or bf16 without --vllm; with it bf16-shadow,bf16-shadow:scored for an "
+                    "fp32 trainer, bf16 for bf16)")
     ap.add_argument("--vllm-gpu-memory", type=float, default=0.3, help="with --vllm on a GPU: "
                     "TRL's vllm_gpu_memory_utilization and parity's vllm_gpu_memory (both "
                     "default to 0.3)")
@@ -321,22 +394,57 @@ def main() -> None:
     ap.add_argument("--variant", default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    a = json_option(ap, "vs_trl").parse_args()
+    return json_option(ap, "vs_trl")
+
+
+def sides(a: argparse.Namespace) -> list[str]:
+    """The runs' names, a row each: trl, then parity-ENGINE VARIANT for each engine and variant."""
+    engines = (a.engines or ("vllm" if a.vllm else "hf")).split(",")
+    return ["trl"] + [f"parity-{e} {v}" for e in engines for v in _parity_variants(a)]
+
+
+def check_sides(ap: argparse.ArgumentParser, a: argparse.Namespace, names: list[str]) -> None:
+    """Every parity side's config, built before any run: a mistyped field is an error now, not
+    after the runs before its own."""
+    from parity.errors import ParityError
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in names[1:]:
+            engine, variant = _side(side)
+            try:
+                parity_config(argparse.Namespace(**{**vars(a), "engine": engine,
+                                                    "variant": variant}), Path(tmp))
+            except (ValueError, ParityError) as e:
+                ap.error(f"{side}: {e}")
+
+
+def _oom_first() -> None:
+    """Offer this worker to the kernel's OOM killer before any other process: on a shared
+    machine a bench's run, not someone's work, is what should go."""
+    try:
+        Path("/proc/self/oom_score_adj").write_text("1000")
+    except OSError:
+        pass
+
+
+def main() -> None:
+    ap = parser()
+    a = ap.parse_args()
     if a.worker:
+        _oom_first()
         fn = trl_worker if a.worker == "trl" else parity_worker
         with tempfile.TemporaryDirectory() as tmp:
             Path(a.result).write_text(json.dumps(fn(a, Path(tmp))))
         return
 
+    names = sides(a)
+    check_sides(ap, a, names)
     from parity import testbed
     model_dir = testbed.ensure(a.model)  # built once, before any timed run
-    engines = (a.engines or ("vllm" if a.vllm else "hf")).split(",")
-    sides = ["trl"] + [f"parity-{e} {v}" for e in engines for v in _parity_variants(a)]
     params = _matmul_params(model_dir)
     tflops = _matmul_tflops(a.trainer_dtype, a.device)
-    results: dict[str, list[dict]] = {w: [] for w in sides}
+    results: dict[str, list[dict]] = {w: [] for w in names}
     for i in range(a.repeats):
-        for who in (sides if i % 2 == 0 else sides[::-1]):
+        for who in (names if i % 2 == 0 else names[::-1]):
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a, params, tflops))
             # written after every run: a bench stopped at a time limit keeps the runs it made
@@ -357,7 +465,8 @@ def site_tables(results: dict[str, list[dict]]) -> list[Table]:
         sites = next((r["memory_sites"] for r in runs if r.get("memory_sites")), None)
         if sites is None:
             continue
-        t = Table(f"memory_sites_{side.replace(' ', '_')}",
+        name = re.sub(r"[^\w.-]", "_", side)  # a table name a docs marker can give
+        t = Table(f"memory_sites_{name}",
                   f"{side}: GPU memory at its peak ({sites['peak_gib']:.2f} GiB) by allocation "
                   f"site", [("site", None), ("via", None), ("GiB", "{:.3f}"),
                             ("blocks", "{:.0f}")])
@@ -415,6 +524,9 @@ def table(results: dict[str, list[dict]], a: argparse.Namespace, params: int,
     if gpu:
         t.notes.append("peak: torch's peak GPU allocation in the side's process; KV cache: "
                        "read from TRL's vLLM worker, parity's the size it asks vLLM for")
+    else:
+        t.notes.append("peak_gb: the side's process at its peak resident memory (ru_maxrss), "
+                       "GiB" + (", without the processes vLLM starts" if a.vllm else ""))
     return t
 
 

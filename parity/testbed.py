@@ -36,7 +36,8 @@ class ModelSpec:
     n_layer, d_model, n_head: depth, width and attention heads.
     vocab_size: byte-level BPE vocab size for text models (a shape model's is padded to it with
         tokens no text encodes to); ignored for arith (fixed char vocab).
-    seq_len: training sequence length in tokens (max_position_embeddings is at least 256).
+    seq_len: training sequence length in tokens (max_position_embeddings is at least 256, 4096
+        for qwen3); a shape model's context.
     train_steps, batch_size, lr: optimiser steps, sequences per step, peak AdamW learning rate.
     seed: seeds data order, initialisation and corpus shuffle.
     description: one line for listings.
@@ -97,6 +98,10 @@ _ALL = [
     # model's while the layers cost little (bench/vocab_step.py).
     ModelSpec("qwen3-narrow-shape", "shape", "qwen3", 2, 256, 2, 151_936, 512, 0, 0, 0.0, 0,
               "Qwen3's vocabulary on a narrow 2-layer body, random weights (speed benches)"),
+    # The same body and weights with 32,768 positions: long enough that memory, not the context,
+    # ends the longest completions a side trains at (bench/longest.py).
+    ModelSpec("qwen3-narrow-long", "shape", "qwen3", 2, 256, 2, 151_936, 32_768, 0, 0, 0.0, 0,
+              "qwen3-narrow-shape with Qwen3's 32,768-token context (memory benches)"),
 ]
 SPECS: dict[str, ModelSpec] = {s.name: s for s in _ALL}
 
@@ -212,7 +217,8 @@ def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
                              num_attention_heads=spec.n_head,
                              num_key_value_heads=spec.n_head // 2, head_dim=128,
                              intermediate_size=3 * spec.d_model,
-                             max_position_embeddings=4096, tie_word_embeddings=True, **ids)
+                             max_position_embeddings=max(4096, spec.seq_len),
+                             tie_word_embeddings=True, **ids)
     elif spec.arch in ("llama", "qwen2"):
         cls = tf.LlamaConfig if spec.arch == "llama" else tf.Qwen2Config
         # Untied head: the head's precision behaviour is one of the things parity studies.

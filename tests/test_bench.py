@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
+import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +18,7 @@ BENCH = ROOT / "bench"
 HELPERS = {"__init__", "timing", "report", "tables", "memory_sites"}
 
 
-from bench import report, tables, timing  # noqa: E402  (pyproject's pythonpath: the root)
+from bench import longest, report, tables, timing, vs_trl  # noqa: E402  (pyproject's pythonpath: the root)
 
 
 class FakeClock:
@@ -217,8 +220,6 @@ def test_the_vocabulary_bench_prices_each_setting_in_its_own_process(tmp_path):
     """`bench/vocab_step.py` at a tiny size: every setting runs (each in a fresh process), the
     table has the default step, its three comparisons and their shares, and the shares are what
     the step times say."""
-    import subprocess
-    import sys
     out = tmp_path / "v.json"
     subprocess.run([sys.executable, "-m", "bench.vocab_step", "--model", "text-xs", "--steps",
                     "2", "--rounds", "1", "--prompts", "2", "--group", "2", "--max-new-tokens",
@@ -234,3 +235,77 @@ def test_the_vocabulary_bench_prices_each_setting_in_its_own_process(tmp_path):
     for name in ("kl_exact_rows 0", "diagnostics off"):
         assert rows[name][6] == pytest.approx((full - step[name]) / full)
     assert rows["sampling alone"][6] == pytest.approx(rows["diagnostics off"][3] / full)
+
+
+def test_a_parity_variant_sets_config_fields_over_the_benchs_workload(tmp_path):
+    """`--parity RECIPE:FLAG:KEY=VALUE`: the recipe, its flags, and fields set last; a mistyped
+    flag or field is refused before any run."""
+    assert vs_trl.parse_variant("bf16-shadow:scored:logprob_chunk=2:micro_batch=4") == (
+        "bf16-shadow", ["scored"], {"logprob_chunk": "2", "micro_batch": "4"})
+    with pytest.raises(ValueError, match="scorde"):
+        vs_trl.parse_variant("bf16-shadow:scorde")
+    a = vs_trl.parser().parse_args(["--task", "neg-length", "--model", "text-xs",
+                                    "--micro-batch", "2", "--variant",
+                                    "fp32:logprob_chunk=2:micro_batch=1"])
+    cfg = vs_trl.parity_config(a, tmp_path)
+    assert (cfg.recipe, cfg.logprob_chunk, cfg.micro_batch, cfg.lr) == ("fp32", 2, 1, 3e-4)
+    p = subprocess.run([sys.executable, "-m", "bench.vs_trl", "--parity",
+                        "fp32,fp32:logprob_chunkk=2", "--json", ""], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "logprob_chunkk" in p.stderr and "run 1" not in p.stdout
+
+
+def test_the_longest_fit_takes_a_curvature_only_where_the_growth_speeds_up():
+    ts = [512, 1024, 2048]
+    line = [1 + 0.002 * t for t in ts]
+    assert longest.fit(ts, line) == pytest.approx((1, 0.002, 0))
+    assert longest.reach(longest.fit(ts, line), 21) == pytest.approx(10_000)
+    curved = [1 + 0.002 * t + 1e-6 * t * t for t in ts]
+    assert longest.fit(ts, curved) == pytest.approx((1, 0.002, 1e-6))
+    noisy = [1.0, 2.1, 4.0]   # the middle peak 0.1 high: slopes 2.1e-3 and 1.9e-3 per token
+    assert longest.fit(ts, noisy)[2] == 0
+    assert longest.reach((30, 0.002, 0), 21) == 0 and longest.reach((1, -1, 0), 21) == math.inf
+
+
+def _rows(table: dict) -> dict[str, dict]:
+    cols = [c["name"] for c in table["columns"]]
+    return {r[0]: dict(zip(cols, r)) for r in table["rows"]}
+
+
+@pytest.mark.e2e
+@pytest.mark.budget(60)
+def test_vs_trl_puts_parity_before_and_after_beside_trl(tmp_path):
+    """bench/vs_trl.py at a tiny size with two parity variants, one of them setting a config
+    field: a row per side, in the order named, each with finite step time, update-alone time and
+    peak resident memory."""
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, "-m", "bench.vs_trl", "--model", "text-xs", "--task",
+                    "neg-length", "--prompts", "1", "--group", "2", "--max-new-tokens", "4",
+                    "--steps", "1", "--repeats", "1", "--parity", "fp32,fp32:logprob_chunk=2",
+                    "--json", str(out)], cwd=ROOT, check=True, capture_output=True, text=True)
+    rows = _rows(json.loads(out.read_text())["tables"][0])
+    assert list(rows) == ["trl", "parity-hf fp32", "parity-hf fp32:logprob_chunk=2"]
+    for r in rows.values():
+        assert all(math.isfinite(r[c]) and r[c] > 0 for c in ("step_s", "update alone s",
+                                                               "peak_gb")), r
+
+
+@pytest.mark.e2e
+@pytest.mark.budget(120)
+def test_the_longest_completion_probe_fits_each_side_and_checks_its_prediction(tmp_path):
+    """bench/longest.py at a tiny size: each side's trials, a fit with a finite growth per token,
+    a longest length within the model's context (text-xs: 256 positions), and the run that
+    checks it."""
+    out = tmp_path / "l.json"
+    subprocess.run([sys.executable, "-m", "bench.longest", "--model", "text-xs", "--lengths",
+                    "4,8", "--parity", "fp32", "--json", str(out)], cwd=ROOT, check=True,
+                   capture_output=True, text=True)
+    tables = {t["name"]: t for t in json.loads(out.read_text())["tables"]}
+    rows = _rows(tables["longest"])
+    assert list(rows) == ["trl", "parity-hf fp32"]
+    for r in rows.values():
+        assert math.isfinite(r["MiB per token"]) and 0 < r["longest T"] < 256, r
+        assert r["verify"] == "ran" and 0 < r["verified peak GiB"] < 21, r
+    trials = tables["longest_trials"]["rows"]
+    assert [(r[0], r[1]) for r in trials] == [(s, t) for s in rows for t in (4, 8)]
+    assert all(math.isfinite(r[2]) and r[5] is None for r in trials)
