@@ -28,9 +28,9 @@ LAYERS = [
               "parity.metric_names", "parity.registry"]),
     # what the rest speaks in: task data, the rollout batch, the registries' entries, the
     # run directory; none of them samples or trains
-    ("data", ["parity.tasks", "parity.engines.rollout", "parity.engines.abilities",
-              "parity.objectives", "parity.runs.distributed", "parity.runs.dirs",
-              "parity.runs.loggers"]),
+    ("data", ["parity.tasks", "parity.logprobs", "parity.engines.rollout",
+              "parity.engines.abilities", "parity.objectives", "parity.runs.distributed",
+              "parity.runs.dirs", "parity.runs.loggers"]),
     ("models", ["parity.models", "parity.runs.memory", "parity.runs.checkpoints"]),
     ("engines and settings", ["parity.engines", "parity.testbed", "parity.config"]),
     ("measurement and run parts", ["parity.diagnostics", "parity.runs", "parity.reports"]),
@@ -173,7 +173,7 @@ def test_every_module_named_here_exists():
 
 def test_the_layer_check_finds_an_upward_import():
     assert layer("parity.tasks.data") < layer("parity.engines.hf")
-    assert layer("parity.engines.rollout") < layer("parity.models.forward") < layer(
+    assert layer("parity.logprobs.scoring") < layer("parity.models.forward") < layer(
         "parity.engines.hf")
 
 
