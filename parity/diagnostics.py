@@ -210,12 +210,12 @@ def kept_rows(r: Rollout, sl: slice) -> list[int]:
 def exact_kl_of_rows(r: Rollout, logits: torch.Tensor, rows: list[int], mask: torch.Tensor,
                      s: Sampling) -> torch.Tensor:
     """Exact KL(μ‖π) at the valid positions of `rows` of `r` (each one whose distribution the
-    engine kept), from the trainer's logits of those rows, [k, T, V] with `mask` [k, T]: no
-    extra forward."""
+    engine kept) that the engine recorded, from the trainer's logits of those rows at those
+    positions, [k, n, V], with `mask` [k, T]: no extra forward."""
     where = {row: j for j, row in enumerate(r.dist_rows.tolist())}
     kls = []
     for i, row in enumerate(rows):
-        n = int(mask[i].sum())
+        n = min(int(mask[i].sum()), r.dists.shape[1], logits.shape[1])
         kls.append(exact_kl(r.dists[where[row], :n], logits[i, :n], s))
     return torch.cat(kls) if kls else torch.empty(0, device=mask.device)
 

@@ -160,7 +160,8 @@ ROWS: tuple[Row, ...] = (
     _row("\\|ℓ_π − ℓ_μ\\| = \\|α + β\\| at θ = θ_old, the engine's whole gap to the trainer",
          (LOG_RATIO_ABS_MEAN, TOKENS_NATS, AUDIT_ONLY),
          (LOG_RATIO_ABS_MAX, TOKENS_NATS, AUDIT_ONLY)),
-    _row("KL(μ‖π) over the whole vocabulary at each position of `kl_exact_rows` completions (the "
+    _row("KL(μ‖π) over the whole vocabulary at the first positions of `kl_exact_rows` "
+         "completions, as many as 64 MiB of fp32 hold a row (110 at Qwen3's vocabulary; the "
          "engine keeps the distribution it sampled from as a tensor, vLLM's read from its "
          "sampler; the trainer's come from its own forward); the number of positions",
          (KL_EXACT, "nats per position", "`kl_exact_rows: 0`; vLLM's Model Runner V2"),

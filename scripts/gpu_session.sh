@@ -12,8 +12,9 @@
 #
 # setup: unpack the packages, record the environment, check CUDA graphs and the exact KL's
 # rows against vLLM's own output (tests/test_gpu_vllm.py), build the models. bench: the
-# Qwen3-0.6B-shape workload with an fp32 trainer, TRL then parity. memory: the same pair again
-# for 2 steps recording every allocation (bench/memory_sites.py). more: the bf16 trainer, then
+# Qwen3-0.6B-shape workload with an fp32 trainer, TRL then parity. memory: the same for 2 steps
+# recording every allocation (bench/memory_sites.py), parity with its default chunked log-probs
+# and with the whole logits (logprob_chunk=-1). more: the bf16 trainer, then
 # SmolLM2 (when its wheel was staged). sanity: the sanity check's runs at once.
 # STAGE: the staged parts (scripts/gpu_stage.sh): vLLM's CUDA build and the packages the GPU
 # image lacks, as one zstd tar in parts, SmolLM2's wheel in parts (optional), the zstandard wheel
@@ -25,7 +26,7 @@ SMALL=${SMALL:-0}
 STAGED=${STAGED:-1}
 STAGE=${STAGE:-/tmp/parts}
 BENCH_S=${BENCH_S:-300}
-MEMORY_S=${MEMORY_S:-240}
+MEMORY_S=${MEMORY_S:-330}
 MORE_S=${MORE_S:-240}
 SANITY_S=${SANITY_S:-230}
 RES=${RES:-/tmp/res}
@@ -141,8 +142,10 @@ if [[ "$STAGES" == *" bench "* ]]; then
     bench $((SECONDS + BENCH_S)) "$BIG-fp32" --model "$BIG" --parity "bf16-shadow$EAGER"
 fi
 if [[ "$STAGES" == *" memory "* ]]; then
-    bench $((SECONDS + MEMORY_S)) "$BIG-fp32-memory" --model "$BIG" \
-        --parity "bf16-shadow$EAGER" --steps 2 --memory-sites 15
+    # parity's default (log-probs in chunks of tokens) and the whole [tokens, vocabulary]
+    # logits it held before (logprob_chunk=-1), beside the same TRL run
+    bench $((SECONDS + MEMORY_S)) "$BIG-fp32-memory" --model "$BIG" --steps 2 --memory-sites 15 \
+        --parity "bf16-shadow$EAGER,bf16-shadow$EAGER:logprob_chunk=-1"
 fi
 if [[ "$STAGES" == *" more "* ]]; then
     END=$((SECONDS + MORE_S))

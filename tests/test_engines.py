@@ -313,3 +313,39 @@ def test_engine_attention_against_a_float64_reference():
     got, _ = engine_attention(module, q, k, v, causal, d ** -0.5)
     torch.testing.assert_close(got.double(), _attention_reference(q, k, v, causal, d ** -0.5),
                                atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.e2e
+def test_the_hf_engine_records_the_first_positions_of_a_row_only(text_model, monkeypatch):
+    """With a bound of 3 positions a row, the exact KL's rows hold what an unbounded recording
+    holds there, in pieces too, and the trainer's exact KL of them is the unbounded one's over
+    those positions."""
+    from parity.diagnostics import exact_kl_of_rows
+    from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling, scoring
+    from parity.models.forward import score_full
+    from parity.models.loading import load_policy
+    model, tok = load_policy(text_model)
+    engine = HFEngine(model, "bf16", tok.eos_token_id, tok.pad_token_id)
+    prompts = [tok(t)["input_ids"] for t in ("the cat", "once upon", "a", "why is")]
+    s = Sampling(top_p=0.9)
+    run = lambda **kw: engine.generate(prompts, 10, s, torch.Generator().manual_seed(4),
+                                       record_rows=[0, 3], **kw)
+    whole = run()
+    monkeypatch.setattr(scoring, "RECORDED_BYTES_PER_ROW", 3 * 4 * model.config.vocab_size)
+    for r in (run(), run(max_batch=2)):
+        assert r.completions() == whole.completions()
+        assert r.dists.shape[1] == 3 and torch.equal(r.dists, whole.dists[:, :3])
+    with torch.no_grad():
+        sc = score_full(model, r, s, keep_logits=[0, 3])
+    assert sc.logits.shape[1] == 3
+    mask = r.completion_mask[[0, 3]]
+    short = exact_kl_of_rows(r, sc.logits, [0, 3], mask, s)
+    monkeypatch.undo()
+    with torch.no_grad():
+        full = score_full(model, whole, s, keep_logits=[0, 3])
+    long = exact_kl_of_rows(whole, full.logits, [0, 3], mask, s)
+    n = mask.sum(-1).long().tolist()
+    assert short.numel() == sum(min(k, 3) for k in n)
+    torch.testing.assert_close(short, torch.cat([long[:min(n[0], 3)],
+                                                 long[n[0]:n[0] + min(n[1], 3)]]))

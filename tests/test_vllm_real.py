@@ -131,6 +131,22 @@ def test_recorded_rows_are_the_distribution_vllm_samples_from(master, engine, s)
             assert (torch.isfinite(ref).sum(-1) <= 20).all()
 
 
+def test_rows_are_recorded_at_their_first_positions_only(master, engine, monkeypatch):
+    """The exact KL's rows hold the first `recorded_positions` positions (3 here), the same
+    values as a recording without the bound, and a longer row is not dropped for it."""
+    from parity.logprobs import scoring
+    model, tok = master
+    prompts = prompts_of(tok)
+    whole = engine.generate(prompts, 12, Sampling(), torch.Generator().manual_seed(2),
+                            record_rows=[1, 6])
+    monkeypatch.setattr(scoring, "RECORDED_BYTES_PER_ROW", 3 * 4 * model.config.vocab_size)
+    r = engine.generate(prompts, 12, Sampling(), torch.Generator().manual_seed(2),
+                        record_rows=[1, 6])
+    assert r.completions() == whole.completions() and r.dist_rows.tolist() == [1, 6]
+    assert r.dists.shape == (2, 3, model.config.vocab_size)
+    assert torch.equal(r.dists, whole.dists[:, :3])
+
+
 @torch.no_grad()
 def test_exact_kl_of_both_engines_against_float64(master, engine):
     """mismatch/kl_exact's arithmetic on what each engine keeps, against KL(μ‖π) summed in

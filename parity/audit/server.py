@@ -34,8 +34,8 @@ from parity.config import AuditSettings
 from parity.engines import stop_token_ids
 from parity.engines.server import Server, chat_request, completion_request
 from parity.errors import ParityError
-from parity.logprobs import Sampling, logprobs_from_logits
-from parity.models.forward import score_full
+from parity.logprobs import Sampling
+from parity.models.forward import score
 from parity.models.precision import autocast
 from parity.objectives import grpo_advantages
 from parity.tasks import PromptSampler
@@ -155,12 +155,9 @@ def logprobs_kind(model: torch.nn.Module, tok: PreTrainedTokenizerBase,
     chunk = rows[:CHECK_ROWS]
     r = to_rollout(chunk, tok.pad_token_id, tok.eos_token_id).to(device)
     with autocast(a.trainer_dtype, device, a.cpu_fp16):
-        logits = score_full(model, r, s, keep_logits=list(range(len(chunk))),
-                            chunk=a.logprob_chunk).logits.float()
+        processed, raw = (score(model, r, how, chunk=a.logprob_chunk) for how in (s, Sampling()))
     m = r.completion_mask > 0
-    mu = r.engine_logprobs[m]
-    processed = logprobs_from_logits(logits, r.completion_ids, s)[m]
-    raw = logprobs_from_logits(logits, r.completion_ids, Sampling())[m]
+    mu, processed, raw = r.engine_logprobs[m], processed[m], raw[m]
     d_proc = (mu - processed).abs().mean().item()
     d_raw = (mu - raw).abs().mean().item()
     found = {"tokens": int(m.sum()), "mean_abs_diff_to_processed": d_proc,

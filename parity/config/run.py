@@ -211,7 +211,8 @@ class Config:
                            "precision): alpha/beta per token and every clip attributed to "
                            "policy change or numerics. Off: clip/frac and the KL estimates only.")
     kl_exact_rows: int = _f(4, "Completions per step whose whole engine distribution is kept for "
-                            "the exact KL(mu||pi) (rows x length x vocab floats; 0: off).", ge=0)
+                            "the exact KL(mu||pi), at their first positions: 64 MiB of fp32 a "
+                            "row (110 positions at Qwen3's vocabulary); 0: off.", ge=0)
     dump_rollouts: int = _f(0, "Write rollouts/step-N.parquet (one row per token per update) "
                             "every N steps; `--dump-rollouts` alone means every step; 0: off.",
                             const=1, ge=0)

@@ -82,7 +82,8 @@ class Engine(Protocol):
                  generator: torch.Generator, record_rows: list[int] | None = None,
                  shard: Shard | None = None, max_batch: int = 0) -> Rollout:
         """One completion per prompt with ℓ_μ per token; `record_rows` also get the whole
-        sampling distribution (Rollout.dists); at most `max_batch` prompts at a time."""
+        sampling distribution at their first `recorded_positions` positions (Rollout.dists);
+        at most `max_batch` prompts at a time."""
 
     def score(self, master: torch.nn.Module, r: Rollout, s: Sampling) -> torch.Tensor:
         """ℓ of `r`'s completion tokens computed by the engine itself on the master's current

@@ -21,6 +21,7 @@ from parity.logprobs import (
     positions,
     processed_logits,
     prompt_tokens,
+    recorded_positions,
     see,
 )
 from parity.models.attention import ENGINE_ATTENTION
@@ -121,7 +122,8 @@ class HFEngine:
                  generator: torch.Generator, record_rows: list[int] | None = None,
                  shard: Shard | None = None, max_batch: int = 0) -> Rollout:
         """Sample one completion per prompt. For the batch rows in `record_rows` the whole
-        sampling distribution at every position is kept as well (`Rollout.dists`). With a
+        sampling distribution at the first positions (`recorded_positions`) is kept as well
+        (`Rollout.dists`). With a
         `shard` the prompts are some rows of a batch sampled across ranks. `max_batch` > 0
         decodes at most that many prompts at a time (the KV cache and the logits scale with
         it), with the same results."""
@@ -167,7 +169,8 @@ class HFEngine:
         kept = [(a, r) for a, r in parts if r.dists is not None]
         if kept:
             out.dist_rows = torch.cat([r.dist_rows + a for a, r in kept])
-            out.dists = torch.cat([torch.nn.functional.pad(r.dists, (0, 0, 0, T - r.dists.shape[1]))
+            n = max(r.dists.shape[1] for _, r in kept)   # recorded positions, at most T
+            out.dists = torch.cat([torch.nn.functional.pad(r.dists, (0, 0, 0, n - r.dists.shape[1]))
                                    for _, r in kept])
         return out
 
@@ -253,7 +256,7 @@ class _Decoding:
     def sample(self, t: int, logits: torch.Tensor, s: Sampling, u: torch.Tensor) -> None:
         """Position t's token for every row from `logits` [B, V] and the uniforms `u`."""
         logp = torch.log_softmax(processed_logits(logits, s, seen=self.seen), dim=-1)
-        if self.keep is not None:
+        if self.keep is not None and t < recorded_positions(logp.shape[-1]):
             self.recorded.append(logp[self.keep])
         tok = sample_rows(logp, u, self.cdf)
         alive = ~self.done

@@ -36,7 +36,7 @@ import torch
 from parity.engines.abilities import EngineNeeds
 from parity.engines.rollout import Shard
 from parity.errors import ParityError, one_line
-from parity.logprobs import Rollout, Sampling, left_pad
+from parity.logprobs import Rollout, Sampling, left_pad, recorded_positions
 from parity.models import lora
 from parity.models.precision import (
     cast_weights_into,
@@ -232,7 +232,9 @@ class Recorder:
             state = runner.requests.get(rid)
             extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
             if extra and RECORD in extra and not discard[i]:
-                self.rows.setdefault(extra[RECORD], []).append(processed[i].float().clone())
+                kept = self.rows.setdefault(extra[RECORD], [])
+                if len(kept) < recorded_positions(processed.shape[-1]):
+                    kept.append(processed[i].float().clone())
 
     rows_wanted = False   # set while a generate call has marked requests
 
@@ -437,19 +439,22 @@ class VLLMEngine:
 
 def recorded_dists(recorder: Recorder, rows: list[int], comps: list[list[int]], T: int
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Rollout.dist_rows and .dists, [k, T, V] with -inf past each completion, from what the
-    recorder kept for `rows`. A row whose count of kept positions is not its completion's
-    length is left out (and said once): its rows would not line up with its tokens."""
+    """Rollout.dist_rows and .dists, [k, n, V] with -inf past each completion, from what the
+    recorder kept for `rows` at their first n positions (`recorded_positions`, or T). A row
+    whose count of kept positions is not what its completion's length gives is left out (and
+    said once): its rows would not line up with its tokens."""
     got = {i: recorder.take(str(i)) for i in rows}
-    kept = [i for i in rows if len(got[i]) == len(comps[i])]
+    vocab = next((g[0].shape[-1] for g in got.values() if g), 1)
+    n = min(T, recorded_positions(vocab))
+    kept = [i for i in rows if len(got[i]) == min(len(comps[i]), n)]
     for i in rows:
         if i not in kept:
-            _warn_misaligned(i, len(got[i]), len(comps[i]))
+            _warn_misaligned(i, len(got[i]), min(len(comps[i]), n))
     first = next((got[i][0] for i in kept if got[i]), None)
     if first is None:
         return None, None
     # Each row written once into its place: at a real vocabulary [k, T, V] is hundreds of MB.
-    out = torch.full((len(kept), T, first.shape[-1]), float("-inf"), dtype=first.dtype,
+    out = torch.full((len(kept), n, first.shape[-1]), float("-inf"), dtype=first.dtype,
                      device=first.device)
     for j, i in enumerate(kept):
         if got[i]:

@@ -10,9 +10,11 @@ from parity.logprobs.scoring import (
     head_chunk,
     head_logprobs,
     logprobs_from_logits,
+    recorded_positions,
     row_chunk,
 )
 
 __all__ = ["TOP_TOKEN_ONLY", "Rollout", "Sampling", "Seen", "first_seen", "head_chunk",
            "head_logprobs", "keep_last", "left_pad", "logprobs_from_logits", "positions",
-           "processed_logits", "prompt_tokens", "row_chunk", "see", "seen_before"]
+           "processed_logits", "prompt_tokens", "recorded_positions", "row_chunk", "see",
+           "seen_before"]

@@ -18,8 +18,9 @@ class Rollout:
     completion_mask: torch.Tensor   # [B, T] float, 1 on valid completion tokens
     engine_logprobs: torch.Tensor   # [B, T] fp32 ℓ_μ, 0 on padding
     finished: torch.Tensor          # [B] bool, True where the completion ended with EOS
-    # The engine's whole sampling distribution at every position of a few rows, for the exact
-    # KL(μ‖π): `dist_rows` [k] indexes the batch, `dists` [k, T, V] fp32 log-probs.
+    # The engine's whole sampling distribution at the first positions of a few rows, for the exact
+    # KL(μ‖π): `dist_rows` [k] indexes the batch, `dists` [k, n, V] fp32 log-probs at positions
+    # 0..n-1 (n: `recorded_positions`, or T where that is fewer; a row's valid ones count).
     dist_rows: torch.Tensor | None = None
     dists: torch.Tensor | None = None
 

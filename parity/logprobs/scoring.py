@@ -41,6 +41,19 @@ HEAD_CHUNK_BYTES = 128 << 20
 DEVICE_HEAD_CHUNK_BYTES = 1 << 30
 
 
+# The exact KL(μ‖π) keeps the engine's whole distribution, [positions, vocabulary] fp32, for the
+# first positions of each of a few rows: as many as this holds per row (110 at Qwen3's
+# vocabulary). Whole rows would hold 2.3 GB per 1,000 tokens at that vocabulary, and the
+# trainer's logits of the same positions as much again (docs/performance.md).
+RECORDED_BYTES_PER_ROW = 64 << 20
+
+
+def recorded_positions(vocab: int) -> int:
+    """The positions of a recorded row whose whole distribution is kept for the exact KL: the
+    first ones, as many as `RECORDED_BYTES_PER_ROW` of fp32 hold."""
+    return max(RECORDED_BYTES_PER_ROW // (4 * vocab), 1)
+
+
 def row_chunk(vocab: int, device: torch.device | None = None) -> int:
     """Positions of a vocabulary-wide computation without gradient that run at once on
     `device` (the CPU when None)."""

@@ -23,6 +23,7 @@ from parity.logprobs import (
     keep_last,
     logprobs_from_logits,
     positions,
+    recorded_positions,
     seen_before,
 )
 
@@ -46,7 +47,8 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 @dataclass
 class Scored:
     logp: torch.Tensor                  # [B, T] fp32 log-probs of the completion tokens
-    logits: torch.Tensor | None         # [k, T, V] raw logits of the rows asked for, detached
+    logits: torch.Tensor | None         # [k, n, V] raw logits of the rows asked for at their
+                                        # first n = recorded_positions, detached
     hidden: torch.Tensor | None = None  # [B, T, d] last hidden state at those positions
 
 
@@ -88,8 +90,9 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     h = last_hidden(model, ids, torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1))
     h = h[:, L - T - 1:L - 1]   # position t predicts token t + 1
     logp = _from_hidden(model, h, r, s, chunk)
-    with torch.no_grad():
-        logits = _head(model)(h[keep_logits]) if keep_logits else None
+    with torch.no_grad():   # the positions whose distribution an engine records, no more
+        logits = (_head(model)(h[keep_logits, :recorded_positions(_head(model).weight.shape[0])])
+                  if keep_logits else None)
     return Scored(logp, logits, h if hidden else None)
 
 
@@ -125,7 +128,8 @@ def _score_whole(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool,
     seen = seen_in(r, logits.shape[-1], s)
     logp = logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
     h = out.hidden_states[-1][:, L - T - 1:L - 1] if hidden else None
-    return Scored(logp, logits[rows].detach() if rows else None, h)
+    kept = logits[rows, :recorded_positions(logits.shape[-1])].detach() if rows else None
+    return Scored(logp, kept, h)
 
 
 def last_hidden(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

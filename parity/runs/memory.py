@@ -140,7 +140,8 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     logits = 3 * _scored_at_once(cfg, rows * cfg.max_new_tokens, vocab, device) * vocab * 4
     # Held through the update: the engine's whole distribution at every position of the rows
     # kept for the exact KL, fp32.
-    dists = cfg.kl_exact_rows * cfg.max_new_tokens * vocab * 4 if cfg.diagnostics else 0
+    dists = (cfg.kl_exact_rows * _recorded(cfg.max_new_tokens, vocab) * vocab * 4
+             if cfg.diagnostics else 0)
     # Before it, while sampling: the engine's KV cache over the rows it decodes at once.
     sampled = cfg.prompts_per_step * cfg.samples_per_prompt // world
     decoding = min(sampled, cfg.rollout_batch) if cfg.rollout_batch else sampled
@@ -154,6 +155,13 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
 # A run estimated at more than this many times the memory free is refused rather than warned
 # about: the estimate errs by at most ~40% either way (docs/performance.md).
 REFUSE_FACTOR = 2.0
+
+
+def _recorded(length: int, vocab: int) -> int:
+    """Positions of a row whose whole distribution the exact KL keeps."""
+    # torch is loaded by now: the model is
+    from parity.logprobs import recorded_positions
+    return min(length, recorded_positions(vocab))
 
 
 def _scored_at_once(cfg: Config, tokens: int, vocab: int, device: Any) -> int:
