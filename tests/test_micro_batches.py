@@ -310,6 +310,9 @@ def test_settings_that_cannot_hold_are_refused(text_model, tmp_path):
                 torch.zeros(1, dtype=torch.bool))
     with pytest.raises(ParityError, match="transforms its logits after the output projection"):
         score_full(capped, r, Sampling(), chunk=2)
+    # by default it is scored from its own logits, as with logprob_chunk=-1
+    assert torch.equal(score_full(capped, r, Sampling()).logp,
+                       score_full(capped, r, Sampling(), chunk=-1).logp)
 
 
 @pytest.mark.e2e

@@ -56,9 +56,15 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)  # DDP holds the model as .module
 
 
-def _check_chunkable(model: torch.nn.Module) -> None:
+def _transforms_logits(model: torch.nn.Module) -> bool:
+    """The model changes its logits after the output projection (Gemma 2's soft-capping,
+    Cohere's scale), so the head alone does not give them."""
     cfg = _unwrapped(model).config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+    return bool(getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None))
+
+
+def _check_chunkable(model: torch.nn.Module) -> None:
+    if _transforms_logits(model):
         raise ParityError(f"logprob_chunk: {type(_unwrapped(model)).__name__} transforms its "
                           f"logits after the output projection; score it with "
                           f"logprob_chunk={WHOLE}")
@@ -82,8 +88,10 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     chunk >= 0: the forward stops at the last hidden state and the log-probs of the valid
     completion tokens come from the model's output projection `chunk` tokens at a time (0: as
     many as parity/logprobs/scoring.py's budget holds), recomputed in the backward. chunk =
-    WHOLE: the model's own logits for every position at once, [B, T, V]."""
-    if chunk == WHOLE:
+    WHOLE, and the default for a model that transforms its logits after the head: the model's
+    own logits for every position at once, [B, T, V]."""
+    if chunk == WHOLE or (chunk == 0 and _transforms_logits(model)):
+        # by default such a model is scored from its own logits; chunks asked for are refused
         return _score_whole(model, r, s, hidden, keep_logits or [])
     ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
     L, T = ids.shape[1], r.completion_ids.shape[1]
