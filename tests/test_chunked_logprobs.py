@@ -204,3 +204,16 @@ def test_the_trainer_forward_matches_a_float64_model(text_model, case):
     num = sum(float((g.double() - h).norm()) ** 2 for g, h in grads) ** 0.5
     den = sum(float(h.norm()) ** 2 for _, h in grads) ** 0.5
     assert num <= (3e-2 if dtype == "fp16" else 1e-4) * den, (num, den)
+
+
+def test_the_backward_leaves_the_default_device_as_it_was():
+    """A run's tensors carry their device (tests/test_devices.py sets `meta` as the default):
+    the chunks' recomputation in the backward neither needs the default nor changes it."""
+    h64, head64, tokens = _batch()
+    h, head = h64.float().requires_grad_(True), copy.deepcopy(head64).float()
+    torch.set_default_device("meta")
+    try:
+        head_logprobs(h, head, tokens, Sampling(top_k=5), None, 4).sum().backward()
+    finally:
+        torch.set_default_device(None)
+    assert torch.get_default_device().type == "cpu" and h.grad.device.type == "cpu"

@@ -17,6 +17,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch.utils._device import DeviceContext
 from torch.utils.checkpoint import checkpoint
 
 from parity.logprobs.penalty import Seen
@@ -132,5 +133,9 @@ def _forward_modes() -> tuple[contextlib.AbstractContextManager, contextlib.Abst
 def _entered(modes: list) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for mode in modes:
-            stack.enter_context(mode)
+            # The default device's mode stays where torch keeps it: it moves itself to the
+            # bottom of the stack and back on entry and exit, so a second entry of it would
+            # leave it set for good. Nothing in a chunk is made without a device anyway.
+            if not isinstance(mode, DeviceContext):
+                stack.enter_context(mode)
         yield
