@@ -14,7 +14,7 @@ the whole vocabulary in each, because top-k, top-p and min-p need a row's whole 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils._device import DeviceContext
@@ -97,12 +97,16 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling, keep_samp
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor,
-                  s: Sampling, seen: Seen | None = None, chunk: int = 0) -> torch.Tensor:
+                  s: Sampling, seen: Seen | None = None, chunk: int = 0,
+                  gather: Callable[[], contextlib.AbstractContextManager] | None = None
+                  ) -> torch.Tensor:
     """log p(token) of N tokens, [N] fp32, from the last hidden states that predict them
     ([N, d]) and the model's output projection `head`, `chunk` tokens at a time (0:
     `head_chunk`). With gradient (to `hidden` or to the head), each chunk's logits are
     recomputed in the backward; nothing vocabulary-wide outlives its chunk either way. Runs
-    under whatever autocast the caller set, as the model's own head would."""
+    under whatever autocast the caller set, as the model's own head would. `gather`: a context
+    in which the head's weight is whole, entered around every use of it, the backward's
+    recomputation included (a sharded model's: parity/models/forward.py)."""
     n = hidden.shape[0]
     chunk = chunk or head_chunk(head.weight.shape[0], hidden.device)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(
@@ -110,15 +114,18 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Ten
     parts = []
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        args = (head, hidden[a:b], tokens[a:b], s, seen, a, b)
+        args = (head, hidden[a:b], tokens[a:b], s, seen, a, b, gather)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False, context_fn=_forward_modes)
                      if grad else _chunk(*args))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
 def _chunk(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, s: Sampling,
-           seen: Seen | None, a: int, b: int) -> torch.Tensor:
-    return _logprobs(head(hidden), tokens, s, True, None if seen is None else seen.at(a, b))
+           seen: Seen | None, a: int, b: int,
+           gather: Callable[[], contextlib.AbstractContextManager] | None) -> torch.Tensor:
+    with gather() if gather is not None else contextlib.nullcontext():
+        logits = head(hidden)
+    return _logprobs(logits, tokens, s, True, None if seen is None else seen.at(a, b))
 
 
 def _forward_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

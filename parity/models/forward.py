@@ -98,8 +98,9 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     h = last_hidden(model, ids, torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1))
     h = h[:, L - T - 1:L - 1]   # position t predicts token t + 1
     logp = _from_hidden(model, h, r, s, chunk)
-    with torch.no_grad():   # the positions whose distribution an engine records, no more
-        logits = (_head(model)(h[keep_logits, :recorded_positions(_head(model).weight.shape[0])])
+    head = _head(model)
+    with torch.no_grad(), _gathered(model):   # the positions an engine records, no more
+        logits = (head(h[keep_logits, :recorded_positions(head.weight.shape[0])])
                   if keep_logits else None)
     return Scored(logp, logits, h if hidden else None)
 
@@ -113,7 +114,8 @@ def _from_hidden(model: torch.nn.Module, h: torch.Tensor, r: Rollout, s: Samplin
     rows, pos = valid.nonzero(as_tuple=True)
     seen = (Seen(first_seen(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                             head.weight.shape[0]), rows, pos) if s.penalises else None)
-    flat = head_logprobs(h[rows, pos], head, r.completion_ids[rows, pos], s, seen, chunk)
+    flat = head_logprobs(h[rows, pos], head, r.completion_ids[rows, pos], s, seen, chunk,
+                         gather=lambda: _gathered(model))
     return torch.zeros(valid.shape, dtype=flat.dtype, device=flat.device).index_put(
         (rows, pos), flat)
 
@@ -121,6 +123,32 @@ def _from_hidden(model: torch.nn.Module, h: torch.Tensor, r: Rollout, s: Samplin
 def _head(model: torch.nn.Module) -> torch.nn.Module:
     _check_chunkable(model)
     return _unwrapped(model).get_output_embeddings()
+
+
+@contextmanager
+def _gathered(model: torch.nn.Module) -> Iterator[None]:
+    """The model's head with its weight whole inside the block. FSDP2 gathers the root's
+    parameters (the head's among them) for the model's forward; the head is used after it, and
+    again in the backward, by when they may be sharded: without gradient as the forward
+    returns, with it once a state_dict (the shadow's cast) has been read. Gathered here, they
+    are sharded again without gradient; with it FSDP's own backward shards them."""
+    m = _unwrapped(model)
+    sharded = _is_dtensor(m.get_output_embeddings().weight) and hasattr(m, "unshard")
+    if sharded:
+        m.unshard()
+    try:
+        yield
+    finally:
+        if sharded and not torch.is_grad_enabled():
+            m.reshard()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    # start-up: torch.distributed.tensor loads only where a run may be sharded
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
 
 
 def _score_whole(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool,
