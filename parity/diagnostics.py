@@ -155,7 +155,7 @@ def exact_kl(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> tor
     support); π is the trainer's, processed the same way, except that a token μ can sample is
     never excluded from π (as when scoring), so the KL stays finite. Each position's sum is
     its own, so computing `row_chunk` positions at a time changes nothing but the memory and
-    its cost (parity/engines/rollout.py). Returns float64 [N]."""
+    its cost (parity/logprobs/scoring.py). Returns float64 [N]."""
     c = row_chunk(mu_logp.shape[-1], mu_logp.device)
     return torch.cat([_exact_kl(mu_logp[a:a + c], pi_logits[a:a + c], s)
                       for a in range(0, mu_logp.shape[0], c)]
