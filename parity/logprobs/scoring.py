@@ -33,18 +33,18 @@ CHUNK_BYTES = 8 << 20
 # chunks there only bound the temporaries' memory.
 DEVICE_CHUNK_BYTES = 256 << 20
 # fp32 logits per chunk of tokens scored from the hidden state. Each chunk streams the head's
-# whole weight ([V, d]) through the product and, with gradient, through its gradient too: below
-# ~64 tokens a chunk on the CPU is bound by that traffic, and chunks of 64-256 tokens at Qwen3's
-# vocabulary ran 2-3 times faster than the whole micro-batch's logits at once
-# (`python -m bench.logprob_chunks`, docs/performance.md). A GPU gets larger chunks: its products
-# want more rows, and its allocator reuses the memory.
+# whole weight ([V, d]) through the product and, with gradient, through its gradient too, so
+# chunks of 16 tokens were 1.4-1.7 times slower than the whole micro-batch's logits at once, and
+# chunks of 64-512 tokens 0.73-0.90 of its time, at Qwen3's vocabulary on 2 CPU cores
+# (`python -m bench.logprob_chunks`, docs/performance.md). A GPU gets larger chunks: its
+# products want more rows, and its allocator reuses the memory.
 HEAD_CHUNK_BYTES = 128 << 20
 DEVICE_HEAD_CHUNK_BYTES = 1 << 30
 
 
 # The exact KL(μ‖π) keeps the engine's whole distribution, [positions, vocabulary] fp32, for the
 # first positions of each of a few rows: as many as this holds per row (110 at Qwen3's
-# vocabulary). Whole rows would hold 2.3 GB per 1,000 tokens at that vocabulary, and the
+# vocabulary). The default 4 whole rows would hold 2.4 GB per 1,000 tokens there, and the
 # trainer's logits of the same positions as much again (docs/performance.md).
 RECORDED_BYTES_PER_ROW = 64 << 20
 

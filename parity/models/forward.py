@@ -26,6 +26,7 @@ from parity.logprobs import (
     recorded_positions,
     seen_before,
 )
+from parity.runs.distributed import sharded
 
 # logprob_chunk's value that scores a whole forward's logits at once, as the model returns them.
 WHOLE = -1
@@ -97,19 +98,18 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
     L, T = ids.shape[1], r.completion_ids.shape[1]
     h = last_hidden(model, ids, torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1))
     h = h[:, L - T - 1:L - 1]   # position t predicts token t + 1
-    logp = _from_hidden(model, h, r, s, chunk)
     head = _head(model)
+    logp = _from_hidden(model, head, h, r, s, chunk)
     with torch.no_grad(), _gathered(model):   # the positions an engine records, no more
         logits = (head(h[keep_logits, :recorded_positions(head.weight.shape[0])])
                   if keep_logits else None)
     return Scored(logp, logits, h if hidden else None)
 
 
-def _from_hidden(model: torch.nn.Module, h: torch.Tensor, r: Rollout, s: Sampling,
-                 chunk: int) -> torch.Tensor:
+def _from_hidden(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, r: Rollout,
+                 s: Sampling, chunk: int) -> torch.Tensor:
     """[B, T] fp32 log-probs of `r`'s valid completion tokens (0 elsewhere) from `h` [B, T, d],
-    the last hidden state that predicts each."""
-    head = _head(model)
+    the last hidden state that predicts each, and `model`'s output projection `head`."""
     valid = r.completion_mask > 0
     rows, pos = valid.nonzero(as_tuple=True)
     seen = (Seen(first_seen(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
@@ -133,22 +133,14 @@ def _gathered(model: torch.nn.Module) -> Iterator[None]:
     returns, with it once a state_dict (the shadow's cast) has been read. Gathered here, they
     are sharded again without gradient; with it FSDP's own backward shards them."""
     m = _unwrapped(model)
-    sharded = _is_dtensor(m.get_output_embeddings().weight) and hasattr(m, "unshard")
-    if sharded:
+    gather = sharded(m.get_output_embeddings().weight) and hasattr(m, "unshard")
+    if gather:
         m.unshard()
     try:
         yield
     finally:
-        if sharded and not torch.is_grad_enabled():
+        if gather and not torch.is_grad_enabled():
             m.reshard()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    # start-up: torch.distributed.tensor loads only where a run may be sharded
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
 
 
 def _score_whole(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool,
@@ -213,7 +205,7 @@ def score_right_padded(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch
     # row b's completion token j is predicted at position plen[b] - 1 + j
     at = (plen - 1)[:, None] + torch.arange(T, device=ids.device)[None]
     h = h.gather(1, at[..., None].expand(B, T, h.shape[-1]))
-    return _from_hidden(model, h, r, s, 0)
+    return _from_hidden(model, _head(model), h, r, s, 0)
 
 
 def score(model: torch.nn.Module, r: Rollout, s: Sampling, chunk: int = 0) -> torch.Tensor:

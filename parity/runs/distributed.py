@@ -167,10 +167,15 @@ class Dist:
         td.destroy_process_group()
 
 
+def sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is an FSDP shard (a DTensor) rather than a whole tensor."""
+    return hasattr(t, "full_tensor")
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded (FSDP) tensor gathered whole on every rank; any other tensor as it is. A
     collective: every rank must ask for the same tensors in the same order."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if sharded(t) else t
 
 
 def is_comm_failure(e: BaseException) -> bool:
