@@ -11,6 +11,8 @@
         --max-new-tokens 256 --steps 3 --repeats 1 --micro-batch 16 --trainer-dtype bf16
     python -m bench.vs_trl --model qwen3-narrow-shape --task neg-length \
         --parity bf16-shadow,bf16-shadow:logprob_chunk=-1   # a change's after and before
+    python -m bench.vs_trl --vllm --device cuda --model qwen3-0.6b-shape --task neg-length \
+        --trl-parity bf16-shadow --parity none   # TRL's trainer against ParityGRPOTrainer
 
 Both sides train the same testbed model on the same task rows with the same reward function
 (`arith`: the problems the model solves 20-80% of the time; `neg-length`: text prompts), with
@@ -35,6 +37,11 @@ update alone is each side's step minus its generation (TRL: the time inside
 `time/train_s`). The last line bounds what any engine could achieve: parity's update alone (forward
 with grad, backward, AdamW over the same tokens, which TRL must do too) against TRL's step.
 
+`--trl-parity RECIPE`: a TRL user's swap, TRL's own workload and GRPOConfig with GRPOTrainer
+replaced by ParityGRPOTrainer and `ParityOptions.from_recipe(RECIPE)`; its row gives the
+step and memory beside TRL's, a second table parity's figures over its steps, and a note the
+lines ParityGRPOTrainer wrote for what it changed in the GRPOConfig.
+
 `--vllm`: both sides sample with vLLM, as users run them on a GPU. TRL uses its colocated vLLM
 (`use_vllm=True, vllm_mode="colocate"`) with its other defaults: vLLM in bf16 (vLLM's choice for
 an fp32 checkpoint), compiled with CUDA graphs, and its importance-sampling correction, which
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import resource
 import statistics
@@ -64,6 +72,7 @@ import time
 from pathlib import Path
 
 from bench.report import Table, json_option, publish
+from parity import metric_names as mn
 
 GIB = 2 ** 30
 
@@ -141,7 +150,14 @@ def _memory_sites(a: argparse.Namespace) -> dict | None:
         return None
 
 
+# parity's figures a side reports, each the mean over its steps; TRL's own trainer has none.
+FIGURES = (mn.CLIP_FRAC, mn.PHANTOM_FRAC, mn.BETA_ABS_MEAN, mn.KERNEL_GAP_ABS_MEAN)
+
+
 def trl_worker(a: argparse.Namespace, out: Path) -> dict:
+    """TRL's GRPOTrainer; with `--worker trl-parity`, parity's ParityGRPOTrainer with the same
+    GRPOConfig and `ParityOptions.from_recipe(a.variant)`, as a TRL user swaps one for the
+    other."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -178,8 +194,16 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
         max_completion_length=a.max_new_tokens, temperature=1.0, epsilon=0.2, beta=0.0,
         loss_type="grpo", scale_rewards="group", logging_steps=1, save_strategy="no",
         report_to=[], seed=a.seed, disable_tqdm=True, dataloader_num_workers=0, **vllm)
-    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=reward,
-                          args=args, train_dataset=ds, callbacks=[Clock()])
+    kw, changes = {}, None
+    trainer_cls = GRPOTrainer
+    if a.worker == "trl-parity":
+        from parity.integrations import trl_config
+        from parity.integrations.trl import ParityGRPOTrainer, ParityOptions
+        trainer_cls, kw = ParityGRPOTrainer, {"parity": ParityOptions.from_recipe(a.variant)}
+        changes = _Lines()
+        logging.getLogger(trl_config.__name__).addHandler(changes)
+    trainer = trainer_cls(model=model, processing_class=tok, reward_funcs=reward,
+                          args=args, train_dataset=ds, callbacks=[Clock()], **kw)
     # TRL's update alone: the step minus its generation (sampling, rewards, advantages, and
     # the old log-probs TRL computes there), the same split as parity's time/train_s.
     generate = trainer._generate_and_score_completions
@@ -198,10 +222,29 @@ def trl_worker(a: argparse.Namespace, out: Path) -> dict:
     gens = [b - a_ for a_, b in zip([0.0] + gen_at_step[:-1], gen_at_step)]
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     return {"step_s": times, "update_s": [t - g for t, g in zip(times, gens)],
-            "reward": [h["reward"] for h in steps],
+            "reward": [h["reward"] for h in steps], "figures": mean_figures(steps),
+            "config_changes": None if changes is None else changes.lines,
             "tokens": [h["completions/mean_length"] * a.prompts * a.group for h in steps],
             "peak_gb": _peak_gb(a.device), "kv_gb": _vllm_kv_gb(llm) if llm else None,
             "memory_sites": _memory_sites(a)}
+
+
+def mean_figures(steps: list[dict]) -> dict[str, float]:
+    """parity's FIGURES that every step logged, each averaged over the steps."""
+    return {k: statistics.mean(h[k] for h in steps) for k in FIGURES
+            if steps and all(k in h for h in steps)}
+
+
+class _Lines(logging.Handler):
+    """The lines a logger writes, kept: what ParityGRPOTrainer says it changed in the
+    GRPOConfig, one line a change, as a user reads them at start-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage().removeprefix("parity: "))
 
 
 FLAGS = ("scored", "eager")
@@ -265,15 +308,16 @@ def parity_worker(a: argparse.Namespace, out: Path) -> dict:
                             a.prompts * a.group, longest) / GIB
     return {"step_s": [m["time/step_s"] for m in rows], "reward": [m["reward/mean"] for m in rows],
             "tokens": [m["completion/len_mean"] * a.prompts * a.group for m in rows],
-            "update_s": [m["time/train_s"] for m in rows],
+            "update_s": [m["time/train_s"] for m in rows], "figures": mean_figures(rows),
             "peak_gb": _peak_gb(a.device), "kv_gb": kv, "memory_sites": _memory_sites(a)}
 
 
-def _side(side: str) -> tuple[str, str]:
-    """`side`'s parity engine and variant (`parity-ENGINE VARIANT`)."""
-    _, _, rest = side.partition("-")
-    engine, _, variant = rest.partition(" ")
-    return engine or "hf", variant or "fp32"
+def _side(side: str) -> tuple[str, str, str]:
+    """`side`'s worker, parity engine and variant: `trl`, `trl-parity RECIPE` (TRL's trainer
+    swapped for ParityGRPOTrainer) or `parity-ENGINE VARIANT` (`parity train`)."""
+    head, _, variant = side.partition(" ")
+    worker, _, engine = head.partition("-") if head.startswith("parity-") else (head, "", "")
+    return worker, engine or "hf", variant or "fp32"
 
 
 def proc_gb(path: str, key: str) -> float | None:
@@ -305,17 +349,17 @@ def _wait(proc: subprocess.Popen, cap_gb: float | None) -> bool:
 
 
 def run_worker(side: str, a: argparse.Namespace, cap_gb: float | None = None) -> dict:
-    """`side`: trl, or parity-ENGINE VARIANT. A side whose process fails, or passes `cap_gb` of
-    resident memory, is reported as such; `run_s` is the process's wall time, start-up
-    included."""
-    engine, variant = _side(side)
+    """`side`: trl, trl-parity RECIPE, or parity-ENGINE VARIANT. A side whose process fails,
+    or passes `cap_gb` of resident memory, is reported as such; `run_s` is the process's wall
+    time, start-up included."""
+    worker, engine, variant = _side(side)
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "bench.vs_trl", "--worker", side.partition("-")[0],
+        cmd = [sys.executable, "-m", "bench.vs_trl", "--worker", worker,
                "--result", str(res), f"--engine={engine}", f"--variant={variant}",
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                  if k not in ("worker", "result", "repeats", "engines", "engine", "parity",
-                              "variant", "vllm")),
+                              "trl_parity", "variant", "vllm")),
                *(["--vllm"] if a.vllm else [])]
         t = time.perf_counter()
         proc = subprocess.Popen(cmd)
@@ -338,7 +382,8 @@ def summarize(r: dict, a: argparse.Namespace, params: int | None,
     out = {"step_s": step, "completions_s": a.prompts * a.group / step, "tokens_s": tok / step,
            "reward_first5": statistics.mean(r["reward"][:5]),
            "reward_last5": statistics.mean(r["reward"][-5:]), "peak_gb": r["peak_gb"],
-           "kv_gb": r.get("kv_gb"), "memory_sites": r.get("memory_sites")}
+           "kv_gb": r.get("kv_gb"), "memory_sites": r.get("memory_sites"),
+           "figures": r.get("figures") or {}, "config_changes": r.get("config_changes")}
     out["update_s"] = warm(r["update_s"])
     if params and tflops:
         # forward and backward over the completion tokens: 6 FLOPs per weight per token
@@ -347,6 +392,8 @@ def summarize(r: dict, a: argparse.Namespace, params: int | None,
 
 
 def _parity_variants(a: argparse.Namespace) -> list[str]:
+    if a.parity == "none":
+        return []
     if a.parity:
         return a.parity.split(",")
     if not a.vllm:
@@ -379,7 +426,11 @@ def parser() -> argparse.ArgumentParser:
                     "RECIPE[:scored][:eager][:KEY=VALUE...], KEY a config field set over the "
                     "bench's workload, e.g. bf16-shadow,bf16-shadow:logprob_chunk=-1 (default: "
                     "fp32 or bf16 without --vllm; with it bf16-shadow,bf16-shadow:scored for an "
-                    "fp32 trainer, bf16 for bf16)")
+                    "fp32 trainer, bf16 for bf16; none: no parity train side)")
+    ap.add_argument("--trl-parity", default="", metavar="RECIPES", help="also TRL's own "
+                    "workload with GRPOTrainer swapped for ParityGRPOTrainer, the same "
+                    "GRPOConfig and ParityOptions.from_recipe(RECIPE): a row each, "
+                    "comma-separated, e.g. bf16-shadow (default: none)")
     ap.add_argument("--vllm-gpu-memory", type=float, default=0.3, help="with --vllm on a GPU: "
                     "TRL's vllm_gpu_memory_utilization and parity's vllm_gpu_memory (both "
                     "default to 0.3)")
@@ -392,27 +443,34 @@ def parser() -> argparse.ArgumentParser:
                     "(bench/memory_sites.py)")
     ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="fp32", help=argparse.SUPPRESS)
-    ap.add_argument("--worker", choices=("trl", "parity"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("trl", "trl-parity", "parity"), default=None,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return json_option(ap, "vs_trl")
 
 
 def sides(a: argparse.Namespace) -> list[str]:
-    """The runs' names, a row each: trl, then parity-ENGINE VARIANT for each engine and variant."""
+    """The runs' names, a row each: trl, trl-parity RECIPE for each `--trl-parity` recipe, then
+    parity-ENGINE VARIANT for each engine and variant."""
     engines = (a.engines or ("vllm" if a.vllm else "hf")).split(",")
-    return ["trl"] + [f"parity-{e} {v}" for e in engines for v in _parity_variants(a)]
+    return (["trl"] + [f"trl-parity {r}" for r in a.trl_parity.split(",") if r]
+            + [f"parity-{e} {v}" for e in engines for v in _parity_variants(a)])
 
 
 def check_sides(ap: argparse.ArgumentParser, a: argparse.Namespace, names: list[str]) -> None:
-    """Every parity side's config, built before any run: a mistyped field is an error now, not
-    after the runs before its own."""
+    """Every parity side's config or options, built before any run: a mistyped field is an
+    error now, not after the runs before its own."""
     from parity.errors import ParityError
+    from parity.integrations.trl import ParityOptions
     with tempfile.TemporaryDirectory() as tmp:
         for side in names[1:]:
-            engine, variant = _side(side)
+            worker, engine, variant = _side(side)
             try:
-                parity_config(argparse.Namespace(**{**vars(a), "engine": engine,
-                                                    "variant": variant}), Path(tmp))
+                if worker == "trl-parity":
+                    ParityOptions.from_recipe(variant)
+                else:
+                    parity_config(argparse.Namespace(**{**vars(a), "engine": engine,
+                                                        "variant": variant}), Path(tmp))
             except (ValueError, ParityError) as e:
                 ap.error(f"{side}: {e}")
 
@@ -431,7 +489,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         _oom_first()
-        fn = trl_worker if a.worker == "trl" else parity_worker
+        fn = parity_worker if a.worker == "parity" else trl_worker
         with tempfile.TemporaryDirectory() as tmp:
             Path(a.result).write_text(json.dumps(fn(a, Path(tmp))))
         return
@@ -448,14 +506,30 @@ def main() -> None:
             print(f"run {i + 1}/{a.repeats}: {who} ...", flush=True)
             results[who].append(summarize(run_worker(who, a), a, params, tflops))
             # written after every run: a bench stopped at a time limit keeps the runs it made
-            publish("vs_trl", [table(results, a, params, tflops), *site_tables(results)], a,
-                    device=_device(a))
+            publish("vs_trl", [table(results, a, params, tflops), *figures_table(results),
+                               *site_tables(results)], a, device=_device(a))
 
 
 def _device(a: argparse.Namespace):
     """The bench's device, so that its JSON names the GPU."""
     import torch
     return torch.device(a.device)
+
+
+def figures_table(results: dict[str, list[dict]]) -> list[Table]:
+    """parity's figures on each side that logged them, from its first run; for a ParityGRPOTrainer
+    side, what it changed in the GRPOConfig it was given."""
+    t = Table("vs_trl_figures", "parity's figures, the mean over each side's steps (first run)",
+              [("side", None)] + [(k, "{:.4g}") for k in FIGURES])
+    for side, runs in results.items():
+        r = next((r for r in runs if r.get("figures")), None)
+        if r is None:
+            continue
+        t.add(side, *(r["figures"].get(k) for k in FIGURES))
+        if r.get("config_changes") is not None:
+            t.notes.append(f"{side}, what ParityGRPOTrainer changed: "
+                           f"{'; '.join(r['config_changes']) or 'nothing'}")
+    return [t] if t.rows else []
 
 
 def site_tables(results: dict[str, list[dict]]) -> list[Table]:

@@ -1,34 +1,47 @@
 #!/usr/bin/env bash
 # One session on a lent GPU, prepared on the CPU machine (docs/scaling.md, "What was verified
-# where"): parity against TRL with vLLM on both sides (bench/vs_trl.py), where each side's GPU
-# memory goes at its peak, then the seed's sanity check (scripts/gpu_sanity.py), each in its own
-# time box, everything written to $RES and packed into $OUT/results.tgz at the end whatever
-# stopped early.
+# where"): the seed's sanity check (scripts/gpu_sanity.py), then parity against TRL with vLLM on
+# both sides (bench/vs_trl.py) and where each side's GPU memory goes at its peak, then where the
+# gap arises (`parity audit --locate`), each in its own time box, everything written to $RES and
+# packed into $OUT/results.tgz at the end whatever stopped early. Stages run in the order below,
+# whatever order they are named in.
 #
-#   bash scripts/gpu_session.sh setup bench memory   # on the GPU machine, packages staged
-#   bash scripts/gpu_session.sh more sanity           # in the next call, on the same machine
-#   DEVICE=cpu SMALL=1 STAGED=0 bash scripts/gpu_session.sh setup bench memory more sanity
-#                                                     # the rehearsal, on the CPU
+#   bash scripts/gpu_session.sh setup sanity         # on the GPU machine, packages staged
+#   bash scripts/gpu_session.sh graphs trl bench     # in the next call, on the same machine
+#   DEVICE=cpu SMALL=1 STAGED=0 bash scripts/gpu_session.sh setup sanity graphs trl bench \
+#       memory more locate                           # the rehearsal, on the CPU
 #
-# setup: unpack the packages, record the environment, check CUDA graphs and the exact KL's
-# rows against vLLM's own output (tests/test_gpu_vllm.py), build the models. bench: the
-# Qwen3-0.6B-shape workload with an fp32 trainer, TRL then parity. memory: the same for 2 steps
-# recording every allocation (bench/memory_sites.py), parity with its default chunked log-probs
-# and with the whole logits (logprob_chunk=-1). more: the bf16 trainer, then
-# SmolLM2 (when its wheel was staged). sanity: the sanity check's runs at once.
+# setup: unpack the packages, record the environment, build the models. sanity: the sanity
+# check's runs at once, SANITY_RECIPES x 3 seeds for SANITY_STEPS steps, vLLM from CUDA graphs
+# (unless the graphs check ran and failed). graphs: check CUDA graphs and the exact KL's rows
+# against vLLM's own output (tests/test_gpu_vllm.py); where it has not passed, the benches
+# decode eagerly. trl: TRL's GRPOTrainer against ParityGRPOTrainer on the same GRPOConfig with
+# use_vllm=True (colocate) at the Qwen3-0.6B shape. bench: that workload with an fp32 trainer,
+# TRL then parity, BENCH_STEPS steps, BENCH_REPEATS alternating runs a side. memory: the same
+# for 2 steps recording every allocation (bench/memory_sites.py), parity with its default
+# chunked log-probs and with the whole logits (logprob_chunk=-1). more: the bf16 trainer, then
+# SmolLM2 (when its wheel was staged). locate: `parity audit --locate` with vLLM eager, on
+# SmolLM2 and the Qwen3 shape.
 # STAGE: the staged parts (scripts/gpu_stage.sh): vLLM's CUDA build and the packages the GPU
 # image lacks, as one zstd tar in parts, SmolLM2's wheel in parts (optional), the zstandard wheel
-# that unpacks them. BENCH_S, MEMORY_S, MORE_S and SANITY_S: the time boxes in seconds.
+# that unpacks them. SANITY_S, TRL_S, BENCH_S, MEMORY_S, MORE_S and LOCATE_S: the time boxes in
+# seconds.
 set -u
 T0=$SECONDS
 DEVICE=${DEVICE:-cuda}
 SMALL=${SMALL:-0}
 STAGED=${STAGED:-1}
 STAGE=${STAGE:-/tmp/parts}
-BENCH_S=${BENCH_S:-300}
+SANITY_S=${SANITY_S:-460}
+SANITY_STEPS=${SANITY_STEPS:-100}
+SANITY_RECIPES=${SANITY_RECIPES:-fp32 bf16-engine}
+TRL_S=${TRL_S:-240}
+BENCH_S=${BENCH_S:-420}
+BENCH_STEPS=${BENCH_STEPS:-5}
+BENCH_REPEATS=${BENCH_REPEATS:-2}
 MEMORY_S=${MEMORY_S:-330}
 MORE_S=${MORE_S:-240}
-SANITY_S=${SANITY_S:-230}
+LOCATE_S=${LOCATE_S:-240}
 RES=${RES:-/tmp/res}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$RES" "$OUT"
@@ -105,12 +118,30 @@ else
     say "$REAL: its wheel was not staged; its workloads are left out"
 fi
 $PY -m parity testbed build "$BIG" > "$RES/build-$BIG.log" 2>&1 || say "build of $BIG failed"
-if [ "$DEVICE" = cuda ]; then
+wait   # the real model's build, which the sanity check trains
+fi
+
+CHECK="$RES/pytest-gpu-graphs.txt"
+graphs_failed() { [ -f "$CHECK" ] && { ! grep -q " passed" "$CHECK" || grep -q " failed" "$CHECK"; }; }
+if [[ "$STAGES" == *" sanity "* ]]; then
+say "sanity check: $SANITY_RECIPES x 3 seeds, $SANITY_STEPS steps, $SANITY_S s at most"
+SANITY_ARGS=(--model "$REAL" --device "$DEVICE" --out "$RES/sanity" --deadline-s "$SANITY_S"
+             --recipes $SANITY_RECIPES --steps "$SANITY_STEPS")
+if graphs_failed; then SANITY_ARGS+=(--no-vllm-cuda-graphs); fi
+if [ "$SMALL" = 1 ]; then
+    SANITY_ARGS+=(--task neg-length --prompts 2 --group 2 --max-new-tokens 8 --seeds 0 1)
+fi
+timeout $((SANITY_S + 60)) $PY scripts/gpu_sanity.py "${SANITY_ARGS[@]}" \
+    > "$RES/sanity.log" 2>&1
+say "sanity check: rc $?"
+tail -40 "$RES/sanity.log"
+fi
+
+if [[ "$STAGES" == *" graphs "* ]] && [ "$DEVICE" = cuda ]; then
     say "CUDA graphs against eager vLLM, the exact KL's rows against vLLM's own"
     timeout 150 $PY -m pytest tests/test_gpu_vllm.py -q -s -p no:cacheprovider \
-        -k "graphs or sync_on_the_gpu" > "$RES/pytest-gpu-graphs.txt" 2>&1
-    say "pytest: rc $?"; tail -3 "$RES/pytest-gpu-graphs.txt"
-fi
+        -k "graphs or sync_on_the_gpu" > "$CHECK" 2>&1
+    say "pytest: rc $?"; tail -3 "$CHECK"
 fi
 
 bench() {  # bench END NAME ARGS...: one workload, within what is left of the box ending at END
@@ -129,17 +160,20 @@ bench() {  # bench END NAME ARGS...: one workload, within what is left of the bo
     say "bench $name: rc $rc"
     grep -A8 '^| side' "$RES/bench-$name.log" | tail -8
 }
-# parity decodes from CUDA graphs, its default on a GPU, where the setup's check passed; eager
+# parity decodes from CUDA graphs, its default on a GPU, where the graphs check passed; eager
 # otherwise.
 EAGER=""
-CHECK="$RES/pytest-gpu-graphs.txt"
-if [ "$DEVICE" = cuda ]; then
-    if ! grep -q " passed" "$CHECK" 2>/dev/null || grep -q " failed" "$CHECK" 2>/dev/null; then
-        EAGER=":eager"; say "the CUDA graphs check did not pass: parity runs eager"
-    fi
+if [ "$DEVICE" = cuda ] && { ! grep -q " passed" "$CHECK" 2>/dev/null || graphs_failed; }; then
+    EAGER=":eager"; say "no passed CUDA graphs check in $RES: parity's benches decode eagerly"
+fi
+if [[ "$STAGES" == *" trl "* ]]; then
+    # a TRL user's swap: the same GRPOConfig, GRPOTrainer against ParityGRPOTrainer
+    bench $((SECONDS + TRL_S)) "$BIG-trl-vllm" --model "$BIG" --trl-parity bf16-shadow \
+        --parity none
 fi
 if [[ "$STAGES" == *" bench "* ]]; then
-    bench $((SECONDS + BENCH_S)) "$BIG-fp32" --model "$BIG" --parity "bf16-shadow$EAGER"
+    bench $((SECONDS + BENCH_S)) "$BIG-fp32" --model "$BIG" --parity "bf16-shadow$EAGER" \
+        --steps "$BENCH_STEPS" --repeats "$BENCH_REPEATS"
 fi
 if [[ "$STAGES" == *" memory "* ]]; then
     # parity's default (log-probs in chunks of tokens) and the whole [tokens, vocabulary]
@@ -155,16 +189,20 @@ if [[ "$STAGES" == *" more "* ]]; then
     fi
 fi
 
-if [[ "$STAGES" == *" sanity "* ]]; then
-say "sanity check"
-SANITY_ARGS=(--model "$REAL" --device "$DEVICE" --out "$RES/sanity" --deadline-s "$SANITY_S")
-if [ "$SMALL" = 1 ]; then
-    SANITY_ARGS+=(--task neg-length --steps 200 --prompts 2 --group 2 --max-new-tokens 8 \
-                  --seeds 0 1)
-fi
-timeout $((SANITY_S + 60)) $PY scripts/gpu_sanity.py "${SANITY_ARGS[@]}" \
-    > "$RES/sanity.log" 2>&1
-say "sanity check: rc $?"
-tail -40 "$RES/sanity.log"
+if [[ "$STAGES" == *" locate "* ]]; then
+    END=$((SECONDS + LOCATE_S))
+    # vLLM eager (the audit's engine never captures graphs), the trainer in fp32
+    for m in "$REAL" "$BIG"; do
+        left=$((END - SECONDS))
+        if ((left < 45)) || [ ! -f "$RES/build-$m.log" ]; then
+            say "locate $m: not run"; continue
+        fi
+        t=neg-length; [ "$m" = smollm2-135m ] && t=neg-length-chat
+        say "locate $m ($left s left)"
+        timeout "$left" $PY -m parity audit --model "$m" --engine vllm --engine-dtype bf16 \
+            --task "$t" --samples 64 --locate --device "$DEVICE" --out "$RES/locate-$m" \
+            > "$RES/locate-$m.log" 2>&1
+        say "locate $m: rc $?"; tail -25 "$RES/locate-$m.log"
+    done
 fi
 say "done"

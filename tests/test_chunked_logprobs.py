@@ -108,6 +108,49 @@ def test_chunked_logprobs_and_their_gradients_match_float64(case, chunk):
         assert float((mine.double() - theirs).norm()) <= 1e-5 * float(theirs.norm()) + 1e-6
 
 
+def test_the_default_chunks_keep_the_first_logits_and_recompute_the_rest(monkeypatch):
+    """With the default chunks, the backward keeps the logits of the first `kept_tokens` and
+    recomputes only the chunks after them; values and gradients stay the float64 reference's."""
+    from parity.logprobs import scoring
+    monkeypatch.setattr(scoring, "HEAD_CHUNK_BYTES", 3 * V * 4)      # chunks of 3 tokens
+    monkeypatch.setattr(scoring, "KEPT_LOGITS_BYTES", 8 * V * 4)     # 8 tokens kept: 2 chunks
+    s = CASES["everything"]
+    h64, head64, _ = _batch()
+    seen, sets, tokens, _ = _seen()
+    h = h64.float().requires_grad_(True)
+    head = copy.deepcopy(head64).float()
+    calls = []
+    head.register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    got = head_logprobs(h, head, tokens, s, seen)
+    assert len(calls) == 8                      # 23 tokens in chunks of 3
+    got.sum().backward()
+    assert sorted(calls[8:]) == [2] + [3] * 5   # the six chunks after the kept ones, again
+    h_ref = h64.clone().requires_grad_(True)
+    ref = reference_logp(head64(h_ref), tokens, s, sets)
+    ref.sum().backward()
+    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-5, rtol=0)
+    for mine, theirs in ((h.grad, h_ref.grad), (head.weight.grad, head64.weight.grad)):
+        assert float((mine.double() - theirs).norm()) <= 1e-5 * float(theirs.norm()) + 1e-6
+
+
+@pytest.mark.parametrize("case", ["plain", "top-p 0.8, T 1.3"])
+def test_the_log_softmax_backward_is_autograds_to_the_bit(case):
+    """The one-tensor backward of x[token] - logsumexp(x) gives autograd's own gradient of the
+    same expression exactly, -inf entries (tokens the sampling removed) included."""
+    from parity.logprobs.sampling import processed_logits
+    from parity.logprobs.scoring import _LogSoftmaxAt
+    h64, head64, tokens = _batch()
+    z = head64(h64).float().detach()
+    x = processed_logits(z, CASES[case], keep=tokens)
+    w = torch.linspace(-1, 2, N)
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    mine = _LogSoftmaxAt.apply(a, tokens)
+    theirs = b.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(b, dim=-1)
+    (mine * w).sum().backward()
+    (theirs * w).sum().backward()
+    assert torch.equal(mine, theirs) and torch.equal(a.grad, b.grad)
+
+
 def test_without_gradient_the_chunks_hold_nothing_and_give_the_same_values():
     h64, head64, tokens = _batch()
     head = copy.deepcopy(head64).float()

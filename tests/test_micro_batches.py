@@ -341,11 +341,12 @@ def test_arith_refuses_a_model_that_cannot_do_it_after_its_first_problems(text_m
 
 @pytest.mark.e2e
 def test_the_memory_estimate_follows_the_logprob_chunks(text_model, monkeypatch):
-    """The check before a run prices the logits the scoring holds at once: a chunk's by default,
-    every position's with logprob_chunk=-1, and to such a run it suggests the chunks first."""
+    """The check before a run prices the logits the scoring holds at once: by default a chunk's
+    and those kept for the backward, every position's with logprob_chunk=-1, and to such a run
+    it suggests the chunks first."""
     import dataclasses
 
-    from parity.logprobs import head_chunk
+    from parity.logprobs import head_chunk, kept_tokens, scoring
     from parity.models.loading import load_policy
     from parity.runs import memory
     cfg = make_config({**BASE, "prompts_per_step": 64, "samples_per_prompt": 8,
@@ -353,9 +354,11 @@ def test_the_memory_estimate_follows_the_logprob_chunks(text_model, monkeypatch)
     whole = dataclasses.replace(cfg, logprob_chunk=-1)
     model, _ = load_policy(text_model)
     V = model.config.vocab_size
+    # kept logits of 4,096 tokens, as a large vocabulary's budget keeps a fraction of 131,072
+    monkeypatch.setattr(scoring, "KEPT_LOGITS_BYTES", 4096 * V * 4)
     chunked, e = memory.estimate(cfg, model, 20), memory.estimate(whole, model, 20)
-    assert head_chunk(V) < 512 * 256
-    assert e.forward - chunked.forward == 3 * (512 * 256 - head_chunk(V)) * V * 4
+    assert head_chunk(V) < 512 * 256 and kept_tokens(V) == 4096
+    assert e.forward - chunked.forward == (3 * (512 * 256 - head_chunk(V)) - 4096) * V * 4
     free = (chunked.total / 0.9 + e.total) / 2   # the chunks fit with the advice's margin
     assert chunked.total / 0.9 < free < e.total
     monkeypatch.setattr(memory, "available", lambda device=None: free)

@@ -187,9 +187,10 @@ class Config:
     logprob_chunk: int = _f(0, "Completion tokens whose vocabulary-wide logits exist at once "
                             "when scoring; each chunk's are recomputed in the backward. 0: as "
                             "many as 128 MiB of fp32 logits hold on the CPU, 1 GiB on a GPU "
-                            "(220 and 1,766 at Qwen3's 151,936-token vocabulary); -1: every "
-                            "position of a forward at once, one [tokens, vocabulary] tensor.",
-                            ge=-1)
+                            "(220 and 1,766 at Qwen3's 151,936-token vocabulary), the first "
+                            "1 GiB of them kept for the backward rather than recomputed; -1: "
+                            "every position of a forward at once, one [tokens, vocabulary] "
+                            "tensor.", ge=-1)
     rollout_batch: int = _f(0, "Prompts the hf engine decodes at once (its KV cache and logits "
                             "grow with it): a larger step is sampled in pieces of this many, "
                             "with the same completions; 0: all of the step's at once.", ge=0)

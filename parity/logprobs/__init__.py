@@ -9,12 +9,13 @@ from parity.logprobs.sampling import TOP_TOKEN_ONLY, Sampling, processed_logits
 from parity.logprobs.scoring import (
     head_chunk,
     head_logprobs,
+    kept_tokens,
     logprobs_from_logits,
     recorded_positions,
     row_chunk,
 )
 
 __all__ = ["TOP_TOKEN_ONLY", "Rollout", "Sampling", "Seen", "first_seen", "head_chunk",
-           "head_logprobs", "keep_last", "left_pad", "logprobs_from_logits", "positions",
-           "processed_logits", "prompt_tokens", "recorded_positions", "row_chunk", "see",
-           "seen_before"]
+           "head_logprobs", "keep_last", "kept_tokens", "left_pad", "logprobs_from_logits",
+           "positions", "processed_logits", "prompt_tokens", "recorded_positions", "row_chunk",
+           "see", "seen_before"]

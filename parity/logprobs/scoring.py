@@ -33,13 +33,17 @@ CHUNK_BYTES = 8 << 20
 # chunks there only bound the temporaries' memory.
 DEVICE_CHUNK_BYTES = 256 << 20
 # fp32 logits per chunk of tokens scored from the hidden state. Each chunk streams the head's
-# whole weight ([V, d]) through the product and, with gradient, through its gradient too, so
-# chunks of 16 tokens were 1.4-1.7 times slower than the whole micro-batch's logits at once, and
-# chunks of 64-512 tokens 0.73-0.90 of its time, at Qwen3's vocabulary on 2 CPU cores
-# (`python -m bench.logprob_chunks`, docs/performance.md). A GPU gets larger chunks: its
-# products want more rows, and its allocator reuses the memory.
+# whole weight ([V, d]) through the product and, with gradient, through its gradient too: the
+# smaller the chunk, the more often (`python -m bench.logprob_chunks`, docs/performance.md). A GPU
+# gets larger chunks: its products want more rows, and its allocator reuses the memory.
 HEAD_CHUNK_BYTES = 128 << 20
 DEVICE_HEAD_CHUNK_BYTES = 1 << 30
+# With gradient and the default chunks, the first chunks' logits are kept for the backward, as
+# many as this holds of fp32 (1,766 tokens at Qwen3's vocabulary), and only the chunks after them
+# are recomputed in it. The recomputation is one more product with the head and one more
+# log-softmax per token: on 2 CPU cores it made the head's forward and backward 1.3 to 1.7 times
+# the whole logits' time, where kept chunks take 1.1 times it (the same bench).
+KEPT_LOGITS_BYTES = 1 << 30
 
 
 # The exact KL(μ‖π) keeps the engine's whole distribution, [positions, vocabulary] fp32, for the
@@ -61,6 +65,11 @@ def row_chunk(vocab: int, device: torch.device | None = None) -> int:
     if device is not None and device.type != "cpu":
         return max(DEVICE_CHUNK_BYTES // (4 * vocab), 1)
     return max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
+
+
+def kept_tokens(vocab: int) -> int:
+    """Tokens whose logits the default chunks keep for the backward rather than recompute."""
+    return KEPT_LOGITS_BYTES // (4 * vocab)
 
 
 def head_chunk(vocab: int, device: torch.device | None = None) -> int:
@@ -93,7 +102,27 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling, keep_sampled: bool,
               seen: torch.Tensor | None) -> torch.Tensor:
     x = processed_logits(logits, s, keep=tokens if keep_sampled else None, seen=seen)
-    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+    return _LogSoftmaxAt.apply(x, tokens)
+
+
+class _LogSoftmaxAt(torch.autograd.Function):
+    """x[token] - logsumexp(x) over the last dimension, with a backward that writes the
+    gradient, g·(onehot(token) - softmax(x)), into one tensor in place. Autograd's own backward of
+    the same expression makes five [tokens, vocabulary] tensors (the logsumexp's difference, its
+    exponential and product, the gather's zeros, their sum): on a CPU each is fresh memory,
+    slower to fill than the arithmetic is to run. The values are the same to the bit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(x, tokens, lse)
+        return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, tokens, lse = ctx.saved_tensors
+        grad = (x - lse.unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+        return grad.scatter_add_(-1, tokens.unsqueeze(-1), g.unsqueeze(-1)), None
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor,
@@ -103,12 +132,17 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Ten
     """log p(token) of N tokens, [N] fp32, from the last hidden states that predict them
     ([N, d]) and the model's output projection `head`, `chunk` tokens at a time (0:
     `head_chunk`). With gradient (to `hidden` or to the head), each chunk's logits are
-    recomputed in the backward; nothing vocabulary-wide outlives its chunk either way. Runs
+    recomputed in the backward, but for the default chunks' first `kept_tokens`, whose logits
+    the backward keeps (none under `gather`); without gradient nothing vocabulary-wide outlives
+    its chunk. Runs
     under whatever autocast the caller set, as the model's own head would. `gather`: a context
     in which the head's weight is whole, entered around every use of it, the backward's
     recomputation included (a sharded model's: parity/models/forward.py)."""
-    n = hidden.shape[0]
-    chunk = chunk or head_chunk(head.weight.shape[0], hidden.device)
+    n, vocab = hidden.shape[0], head.weight.shape[0]
+    # A gathered head's whole weight is freed again after the forward: a chunk kept for the
+    # backward would have lost the weight it saved, so under `gather` every chunk is recomputed.
+    kept = 0 if chunk or gather is not None else kept_tokens(vocab)
+    chunk = chunk or head_chunk(vocab, hidden.device)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(
         p.requires_grad for p in head.parameters()))
     parts = []
@@ -116,7 +150,7 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Ten
         b = min(a + chunk, n)
         args = (head, hidden[a:b], tokens[a:b], s, seen, a, b, gather)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False, context_fn=_forward_modes)
-                     if grad else _chunk(*args))
+                     if grad and b > kept else _chunk(*args))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
@@ -125,7 +159,9 @@ def _chunk(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, s:
            gather: Callable[[], contextlib.AbstractContextManager] | None) -> torch.Tensor:
     with gather() if gather is not None else contextlib.nullcontext():
         logits = head(hidden)
-    return _logprobs(logits, tokens, s, True, None if seen is None else seen.at(a, b))
+    # without gradient, the vocabulary-wide work over the chunk's logits runs `row_chunk`
+    # positions at a time, as over any logits
+    return logprobs_from_logits(logits, tokens, s, True, None if seen is None else seen.at(a, b))
 
 
 def _forward_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

@@ -114,8 +114,10 @@ def _from_hidden(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor,
     rows, pos = valid.nonzero(as_tuple=True)
     seen = (Seen(first_seen(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                             head.weight.shape[0]), rows, pos) if s.penalises else None)
+    # FSDP2's head is gathered around each use of it, the backward's recomputation included
+    fsdp = hasattr(_unwrapped(model), "unshard")
     flat = head_logprobs(h[rows, pos], head, r.completion_ids[rows, pos], s, seen, chunk,
-                         gather=lambda: _gathered(model))
+                         gather=(lambda: _gathered(model)) if fsdp else None)
     return torch.zeros(valid.shape, dtype=flat.dtype, device=flat.device).index_put(
         (rows, pos), flat)
 

@@ -136,8 +136,11 @@ def estimate(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
     act = layers * width * _ACT_PER_LAYER * DTYPE_BYTES[cfg.trainer_dtype]
     if cfg.gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
         act = layers * width * 4 + width * _ACT_PER_LAYER * 4
-    # fp32 logits, their processed copy and their gradient, for the tokens scored at once
-    logits = 3 * _scored_at_once(cfg, rows * cfg.max_new_tokens, vocab, device) * vocab * 4
+    # fp32 logits, their processed copy and their gradient, for the tokens scored at once, and
+    # the logits the default chunks keep for the backward
+    tokens = rows * cfg.max_new_tokens
+    logits = (3 * _scored_at_once(cfg, tokens, vocab, device) + _kept(cfg, tokens, vocab)) \
+        * vocab * 4
     # Held through the update: the engine's whole distribution at every position of the rows
     # kept for the exact KL, fp32.
     dists = (cfg.kl_exact_rows * _recorded(cfg.max_new_tokens, vocab) * vocab * 4
@@ -171,6 +174,12 @@ def _scored_at_once(cfg: Config, tokens: int, vocab: int, device: Any) -> int:
     if cfg.logprob_chunk == -1:
         return tokens
     return min(tokens, cfg.logprob_chunk or head_chunk(vocab, device))
+
+
+def _kept(cfg: Config, tokens: int, vocab: int) -> int:
+    """Completion tokens whose logits the default chunks keep for the backward."""
+    from parity.logprobs import kept_tokens
+    return min(tokens, kept_tokens(vocab)) if cfg.logprob_chunk == 0 else 0
 
 
 def check(cfg: Config, model: Any, longest_prompt: int, world: int = 1,
