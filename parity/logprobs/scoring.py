@@ -41,8 +41,9 @@ DEVICE_HEAD_CHUNK_BYTES = 1 << 30
 # With gradient and the default chunks, the first chunks' logits are kept for the backward, as
 # many as this holds of fp32 (1,766 tokens at Qwen3's vocabulary), and only the chunks after them
 # are recomputed in it. The recomputation is one more product with the head and one more
-# log-softmax per token: on 2 CPU cores it made the head's forward and backward 1.3 to 1.7 times
-# the whole logits' time, where kept chunks take 1.1 times it (the same bench).
+# log-softmax per token: on 2 CPU cores, with every chunk recomputed the head's forward and
+# backward took 1.47-1.66 times the whole logits' time in fp32, with every chunk kept (4 x 256
+# tokens) 1.04-1.05 times (the same bench, docs/performance.md).
 KEPT_LOGITS_BYTES = 1 << 30
 
 

@@ -115,9 +115,8 @@ def _from_hidden(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor,
     seen = (Seen(first_seen(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                             head.weight.shape[0]), rows, pos) if s.penalises else None)
     # FSDP2's head is gathered around each use of it, the backward's recomputation included
-    fsdp = hasattr(_unwrapped(model), "unshard")
     flat = head_logprobs(h[rows, pos], head, r.completion_ids[rows, pos], s, seen, chunk,
-                         gather=(lambda: _gathered(model)) if fsdp else None)
+                         gather=(lambda: _gathered(model)) if _fsdp(model) else None)
     return torch.zeros(valid.shape, dtype=flat.dtype, device=flat.device).index_put(
         (rows, pos), flat)
 
@@ -125,6 +124,11 @@ def _from_hidden(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor,
 def _head(model: torch.nn.Module) -> torch.nn.Module:
     _check_chunkable(model)
     return _unwrapped(model).get_output_embeddings()
+
+
+def _fsdp(model: torch.nn.Module) -> bool:
+    """The model is FSDP2's, which gathers and frees its parameters around each use."""
+    return hasattr(_unwrapped(model), "unshard")
 
 
 @contextmanager
@@ -135,7 +139,7 @@ def _gathered(model: torch.nn.Module) -> Iterator[None]:
     returns, with it once a state_dict (the shadow's cast) has been read. Gathered here, they
     are sharded again without gradient; with it FSDP's own backward shards them."""
     m = _unwrapped(model)
-    gather = sharded(m.get_output_embeddings().weight) and hasattr(m, "unshard")
+    gather = _fsdp(model) and sharded(m.get_output_embeddings().weight)
     if gather:
         m.unshard()
     try:
