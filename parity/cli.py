@@ -121,7 +121,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     header = lambda model: console.print(
         f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} engine={cfg.engine_dtype} "
         f"trainer={cfg.trainer_dtype} ratio={cfg.ratio_source} steps={cfg.steps} "
-        f"device={device}")
+        f"device={devices.describe(device)}")
     t0 = time.perf_counter()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _stop_on_sigterm()

@@ -15,6 +15,7 @@ import re
 
 import torch
 
+from parity import cpu_bf16
 from parity.errors import ParityError
 
 
@@ -30,11 +31,10 @@ def resolve(setting: str) -> torch.device:
     have is a ParityError."""
     check_setting(setting)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    if setting == "cpu":
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        cpu_bf16.install()  # bf16 products at fp32's speed where the CPU lacks bf16 instructions
         return torch.device("cpu")
     if setting == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
         setting = f"cuda:{local_rank % torch.cuda.device_count()}"
     if not torch.cuda.is_available():
         raise ParityError(f"device={setting}: torch sees no CUDA device on this machine "
@@ -65,4 +65,4 @@ def describe(device: torch.device) -> str:
     """The device in words, for run headers and benchmark tables."""
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    return f"cpu ({torch.get_num_threads()} threads, {cpu_bf16.describe()})"

@@ -341,6 +341,8 @@ def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
     import torch
     import transformers
 
+    from parity import cpu_bf16
+    cpu_bf16.install()  # the build trains under bf16 autocast: fp32's speed on any CPU
     t0, c0 = time.time(), time.process_time()
     random.seed(spec.seed)
     torch.manual_seed(spec.seed)
@@ -357,7 +359,7 @@ def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
         raise ParityError(f"unknown testbed kind {spec.kind!r}")
     model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
     loss = _train(model, batches, spec, progress) if batches is not None else None
-    info = {"spec": asdict(spec), "torch": torch.__version__,
+    info = {"spec": asdict(spec), "torch": torch.__version__, "bf16": cpu_bf16.describe(),
             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "final_train_loss": loss,
             "n_params": sum(p.numel() for p in model.parameters())}

@@ -3,7 +3,6 @@ on a device nobody asked for, and a CUDA device this machine lacks is one clear 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,14 +14,12 @@ from parity import devices
 from parity.config import AuditSettings, make_config
 from parity.errors import ParityError
 from parity.trainer import train
+from test_metric_names import _unregistered
 
-REFERENCE = Path(__file__).parent / "data" / "device_cpu"
-# Runs recorded with parity's default device (3 steps, 4 prompts x 4 completions, 12 tokens,
-# seed 0, 1 thread), one set per testbed build: the test-size models build to other weights on
-# a CPU with AMX than on one without (CONTRIBUTING.md, "Figures depend on the CPU"). Each set's
-# models.json holds the sha256 of the weights it was recorded on and when it was recorded.
-# scripts/record_device_cpu.py records the set for another build; a change that moves a figure
-# on purpose (a metric's new formulation) records the sets again.
+# The runs every case below makes: the objectives, corrections, fp16, micro-batches with a
+# bounded engine batch and the asynchronous engine (3 steps, 4 prompts x 4 completions, 12
+# tokens, seed 0, 1 thread), with the exact KL's rows and a rollout dump so that their code runs
+# too.
 CASES = {
     "bf16-engine-2x2": dict(model="text-xs", recipe="bf16-engine", minibatches=2, epochs=2),
     "fp16": dict(model="text-xs", recipe="fp16"),
@@ -40,7 +37,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
 def _settings(tmp_path: Path, name: str, **kw) -> dict:
     return {"out": str(tmp_path / name), "progress": False, "steps": 3, "prompts_per_step": 4,
             "samples_per_prompt": 4, "max_new_tokens": 12, "threads": 1, "seed": 0, "lr": 1e-3,
-            **CASES[name], **kw}
+            "dump_rollouts": 1, "kl_exact_rows": 2, **CASES[name], **kw}
 
 
 def _rows(path: Path) -> list[dict]:
@@ -48,44 +45,32 @@ def _rows(path: Path) -> list[dict]:
             for x in path.read_text().splitlines()]
 
 
-def _reference_for(cache: Path) -> Path:
-    """The recorded set whose testbed build is the one this machine made."""
-    digests = {m: hashlib.sha256((cache / "models" / m / "model.safetensors").read_bytes())
-               .hexdigest() for m in ("text-xs", "arith-xs")}
-    for d in sorted(REFERENCE.iterdir()):
-        recorded = json.loads((d / "models.json").read_text())
-        if all(recorded[m] == digest for m, digest in digests.items()):
-            return d
-    pytest.fail(f"no run in tests/data/device_cpu was recorded on this machine's testbed build "
-                f"(text-xs {digests['text-xs'][:12]}, arith-xs {digests['arith-xs'][:12]}): "
-                f"on a commit known good, python scripts/record_device_cpu.py records one")
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("name", list(CASES))
-def test_device_cpu_gives_the_recorded_metrics_bit_for_bit(name, tmp_path, cache, text_model,
-                                                           arith_model):
-    reference = _reference_for(cache)
-    out = train(make_config(_settings(tmp_path, name, device="cpu")))
-    got, want = _rows(out / "metrics.jsonl"), _rows(reference / f"{name}.jsonl")
-    assert got == want  # every figure, to the last bit
-
-
 def _meta_by_default(model: torch.nn.Module) -> None:
     torch.set_default_device("meta")
 
 
 @pytest.mark.e2e
+@no_cuda
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_run_makes_no_tensor_on_the_default_device(name, tmp_path, text_model, arith_model):
-    """On a GPU, a tensor made without a device lands on the CPU beside CUDA tensors. Here the
-    run computes on the CPU and the default device is `meta` once the model is loaded: every
-    tensor the run makes without saying where fails the same way (meta has no data)."""
+def test_device_cpu_is_the_default_device_bit_for_bit_with_no_tensor_left_undeviced(
+        name, tmp_path, text_model, arith_model):
+    """`--device cpu` computes what the default device (`auto`, the CPU here) computes, to the
+    last bit of every figure: the reference is the same run made in this process, so the check
+    holds on any CPU (the testbed builds to other weights, and bf16 kernels round otherwise, on
+    each kind: CONTRIBUTING.md). The second run also has torch's default device set to `meta`
+    once the model is loaded: on a GPU a tensor made without a device lands on the CPU beside
+    CUDA tensors and the run fails, and here every such tensor fails the same way (meta has no
+    data). A change that moves a figure on purpose is compared before and after on one machine
+    (scripts/same_metrics.py, CONTRIBUTING.md)."""
+    want = train(make_config(_settings(tmp_path / "auto", name, device="auto")))
     try:
-        train(make_config(_settings(tmp_path, name, steps=2, dump_rollouts=1, kl_exact_rows=2,
-                                    device="cpu")), on_model=_meta_by_default)
+        got = train(make_config(_settings(tmp_path / "cpu", name, device="cpu")),
+                    on_model=_meta_by_default)
     finally:
         torch.set_default_device(None)
+    got, want = _rows(got / "metrics.jsonl"), _rows(want / "metrics.jsonl")
+    assert len(got) == 3 and got == want  # every figure, to the last bit
+    assert not any(_unregistered(row) for row in got)  # parity/metric_names.py names them all
 
 
 @pytest.mark.e2e

@@ -24,7 +24,7 @@ MAX_LINES = 60
 # so the packages' directions hold (a module belongs to the longest prefix that names it).
 # CONTRIBUTING.md's "The layout" draws them.
 LAYERS = [
-    ("base", ["parity.errors", "parity.files", "parity.ui", "parity.devices",
+    ("base", ["parity.errors", "parity.files", "parity.ui", "parity.cpu_bf16", "parity.devices",
               "parity.metric_names", "parity.registry"]),
     # what the rest speaks in: task data, the rollout batch, the registries' entries, the
     # run directory; none of them samples or trains
