@@ -53,6 +53,7 @@ KL_EXACT_POSITIONS = "mismatch/kl_exact_positions"
 SEQ_LOG_RATIO_MEAN = "mismatch/seq_log_ratio_mean"
 SEQ_LOG_RATIO_SLOPE = "mismatch/seq_log_ratio_slope"
 NON_FINITE_TOKENS = "mismatch/non_finite_tokens"
+POSITIVE_TOKENS = "mismatch/positive_tokens"
 
 SYNC_CHANGED_FRAC = "sync/changed_frac"
 LOSS_POLICY = "loss/policy"
@@ -172,6 +173,10 @@ ROWS: tuple[Row, ...] = (
     _row("token log-probs (ℓ_μ, ℓ_π, ℓ_s or ℓ_old) that were NaN or inf, left out of every "
          "figure above",
          (NON_FINITE_TOKENS, "count", "every log-prob finite")),
+    _row("token log-probs (ℓ_μ, ℓ_π, ℓ_s or ℓ_old), finite, above 1e-3: no log-prob is "
+         "positive, so these are something else, logits most often; left out of every figure "
+         "above",
+         (POSITIVE_TOKENS, "count", "no log-prob above 1e-3")),
     _row("share of engine-precision weights changed at this step's sync",
          (SYNC_CHANGED_FRAC, "share of weights")),
     _row("the policy objective's loss alone, mean over the step's updates",

@@ -1,5 +1,6 @@
 """Shared fixtures: a private testbed cache with the test-size models, built once per session;
-and the check that keeps models out of the fast tier (`pytest -m "not e2e"`)."""
+the check that keeps models out of the fast tier (`pytest -m "not e2e"`); and `--budget`, each
+test's time limit scaled to the host (tests/budgets.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-# tests/test_tiers.py runs pytest on made-up test files to check the tier rule below.
+from budgets import REFERENCE_S, SCALE_ENV, pinned_scale, scale_of, time_reference
+
+# tests/test_tiers.py and tests/test_budgets.py run pytest on made-up test files to check the
+# tier rule and the budgets below.
 pytest_plugins = ["pytester"]
 
 # The fixtures below that build or load a model (a testbed build takes minutes on a fresh cache)
@@ -20,14 +24,19 @@ E2E_FIXTURES = frozenset({"text_model", "arith_model", "chat_model", "tiny_lm", 
 # A test's own call (its fixtures' set-up aside: shared engines and testbed builds are paid
 # once, by whichever test comes first) may take this long under --budget, unless it carries
 # @pytest.mark.budget(seconds). CONTRIBUTING.md lists the tests above it and what each proves.
+# Both are seconds on the machine the budgets were set on; tests/budgets.py scales them to this
+# host.
 DEFAULT_BUDGET_S = 30.0
+SCALE = pytest.StashKey[tuple]()
 
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the long end-to-end runs")
     parser.addoption("--budget", action="store_true",
                      help=f"fail a test (not marked slow) whose call takes longer than its "
-                          f"budget: {DEFAULT_BUDGET_S:g} s, or @pytest.mark.budget(seconds)")
+                          f"budget ({DEFAULT_BUDGET_S:g} s, or @pytest.mark.budget(seconds)) "
+                          f"times how much slower than the budgets' machine this host runs a "
+                          f"reference workload ({SCALE_ENV} pins it)")
 
 
 def budget_s(item) -> float:
@@ -35,17 +44,50 @@ def budget_s(item) -> float:
     return float(mark.args[0]) if mark else DEFAULT_BUDGET_S
 
 
+def pytest_sessionstart(session):
+    """Under --budget, how much slower than the budgets' machine this host is: timed now, before
+    any test has loaded the host with servers and engines, unless PARITY_BUDGET_SCALE pins it."""
+    config = session.config
+    if not config.getoption("--budget") or config.option.collectonly:
+        return
+    try:
+        pinned = pinned_scale(os.environ)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    if pinned is not None:
+        config.stash[SCALE] = (pinned, f"pinned by {SCALE_ENV}")
+    else:
+        measured = time_reference()
+        config.stash[SCALE] = (scale_of(measured),
+                               f"reference workload {measured:.3f} s here, "
+                               f"{REFERENCE_S:g} s where the budgets were set")
+
+
+def budget_scale(config) -> str:
+    scale, why = config.stash[SCALE]
+    return f"scale {scale:.2f} ({why})"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under --budget a passing call over its budget is reported failed, so a budget is raised
-    on purpose and not by drift."""
+    """Under --budget a passing call over its budget times the host's scale is reported failed,
+    so a budget is raised on purpose and not by drift."""
     report = (yield).get_result()
-    if (call.when == "call" and report.passed and item.config.getoption("--budget")
-            and "slow" not in item.keywords and report.duration > budget_s(item)):
+    if not (call.when == "call" and report.passed and SCALE in item.config.stash
+            and "slow" not in item.keywords):
+        return
+    scale, _ = item.config.stash[SCALE]
+    if report.duration > budget_s(item) * scale:
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s, over its budget of "
-                           f"{budget_s(item):g} s: make it faster, or raise the budget on "
-                           f"purpose (@pytest.mark.budget and CONTRIBUTING.md's table)")
+                           f"{budget_s(item):g} s × {budget_scale(item.config)} = "
+                           f"{budget_s(item) * scale:.1f} s: make it faster, or raise the "
+                           f"budget on purpose (@pytest.mark.budget and CONTRIBUTING.md's table)")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if SCALE in config.stash:
+        terminalreporter.write_line(f"budgets: {budget_scale(config)}")
 
 
 def unmarked_e2e(items) -> list[str]:

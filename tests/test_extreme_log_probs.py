@@ -1,6 +1,7 @@
 """Every figure parity logs is finite for finite log-probs, however far apart: generated batches
 with gaps of up to 1.01e4 nats either way, tokens at e^-80 and far below, ties, masks of every
-dtype and anything at all (NaN, inf, 3.4e38) where the mask is 0. The exact figures equal a
+dtype and anything at all (NaN, inf, 3.4e38) where the mask is 0; where asked, NaN, inf or a
+positive value, no log-prob, on a valid token too. The exact figures equal a
 float64 reference computed here by hand; the estimators that exponentiate a log-ratio (k3, the
 importance weights) are bounded as docs/diagnostics.md says. The same property holds for each
 place that builds figures: `measure` itself, the trainer's step metrics, both TRL trainers'
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from parity import metric_names as mn
 from parity.diagnostics import StepDiagnostics, measure
+from parity.runs.finite import LeftOut
 
 # Deterministic (the same examples on every run) and a few seconds each.
 SETTINGS = settings(max_examples=200, derandomize=True, deadline=None, database=None,
@@ -33,7 +35,8 @@ FAR = -1.01e4
 LOGP = st.one_of(st.floats(-100.0, 0.0, **F32), st.floats(FAR, -100.0, **F32),
                  st.sampled_from([0.0, -80.0, -104.0, -1e4, FAR]))
 GARBAGE = st.sampled_from([math.nan, math.inf, -math.inf, 3.4e38, -3.4e38, 1e30, 7.0])
-NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+# What a valid token may hold that no log-prob is: NaN or inf, or a positive value (logits).
+UNUSABLE = st.sampled_from([math.nan, math.inf, -math.inf, 0.5, 9.0])
 CLIP_RANGES = [(0.2, 0.2), (0.2, 0.28), (0.0013, 0.0013), (None, None)]
 # The log-ratio above which exp(Δ) is taken at Δ = 80 (docs/diagnostics.md).
 CAP = 80.0
@@ -42,8 +45,8 @@ CAP = 80.0
 @dataclass
 class Batch:
     """[B][T] lists of float32 values: ℓ_π, ℓ_s, ℓ_μ, ℓ_old; `valid` the mask; for each of
-    them, `junk` what it holds instead where the mask is 0 and `bad` a NaN or inf it holds
-    instead on a valid token, {(row, position): value}."""
+    them, `junk` what it holds instead where the mask is 0 and `bad` a NaN, an inf or a
+    positive value it holds instead on a valid token, {(row, position): value}."""
     pi: list
     s: list
     mu: list
@@ -60,7 +63,7 @@ class Batch:
         return len(self.valid)
 
     def tensor(self, name: str, dtype=torch.float32, junk: bool = True) -> torch.Tensor:
-        """The values, with the NaN and inf of `bad`, and `junk` under mask 0 unless not."""
+        """The values, with those of `bad`, and `junk` under mask 0 unless not."""
         x = torch.tensor(getattr(self, name), dtype=torch.float64)
         for (i, t), v in {**self.bad[name], **(self.junk[name] if junk else {})}.items():
             x[i, t] = v
@@ -81,8 +84,9 @@ def _near(draw, base: float) -> float:
 
 
 @st.composite
-def batches(draw, non_finite: tuple[str, ...] = (), completions: bool = False) -> Batch:
-    """A batch; with `non_finite`, those sides may hold NaN or inf on valid tokens too;
+def batches(draw, unusable: tuple[str, ...] = (), completions: bool = False) -> Batch:
+    """A batch; with `unusable`, those sides may hold NaN, inf or a positive value on valid
+    tokens too;
     `completions`: every row has a valid first token, as each completion of a rollout does."""
     B, T = draw(st.integers(1, 4)), draw(st.integers(1, 6))
     sides = {k: [[0.0] * T for _ in range(B)] for k in ("pi", "s", "mu", "old")}
@@ -97,8 +101,8 @@ def batches(draw, non_finite: tuple[str, ...] = (), completions: bool = False) -
                 sides[k][i][t] = float(torch.tensor(_near(draw, base), dtype=torch.float32))
                 if not valid[i][t] and draw(st.booleans()):
                     junk[k][i, t] = draw(GARBAGE)
-                elif valid[i][t] and k in non_finite and draw(st.integers(0, 5)) == 0:
-                    bad[k][i, t] = draw(NON_FINITE)
+                elif valid[i][t] and k in unusable and draw(st.integers(0, 5)) == 0:
+                    bad[k][i, t] = draw(UNUSABLE)
     adv = [draw(st.one_of(st.just(0.0), st.floats(-2.0, 2.0, **F32))) for _ in range(B)]
     return Batch(**sides, valid=valid, junk=junk, bad=bad, adv=adv,
                  eps=draw(st.sampled_from(CLIP_RANGES)), sequence=draw(st.booleans()))
@@ -118,21 +122,24 @@ def _k3(d: float) -> float:
 
 
 def reference(b: Batch, source: str = "engine", checked: tuple[str, ...] = ("pi", "s", "mu"),
-              rows: list[int] | None = None) -> tuple[dict, dict, int]:
+              rows: list[int] | None = None) -> tuple[dict, dict, LeftOut]:
     """The figures docs/design.md defines, in float64 from the batch's values, over its valid
-    tokens whose `checked` sides are finite (the rest are left out); `rows`: the rows that
-    exist (all by default). Returns (figures, the scale each one's rounding is relative to,
-    how many tokens were left out)."""
+    tokens whose `checked` sides hold no `bad` value (the rest are left out); `rows`: the rows
+    that exist (all by default). Returns (figures, the scale each one's rounding is relative
+    to, the tokens left out: non-finite where any side is, else positive)."""
     rows = list(range(b.rows)) if rows is None else rows
-    kept, left = [], 0
+    kept, left = [], LeftOut()
     for i in rows:
         for t, v in enumerate(b.valid[i]):
             if not v:
                 continue
-            if any((i, t) in b.bad[k] for k in checked):
-                left += 1
-                continue
-            kept.append((i, t))
+            held = [b.bad[k][i, t] for k in checked if (i, t) in b.bad[k]]
+            if any(not math.isfinite(x) for x in held):
+                left += LeftOut(non_finite=1)
+            elif held:
+                left += LeftOut(positive=1, largest=max(held))
+            else:
+                kept.append((i, t))
     val = lambda k: [getattr(b, k)[i][t] for i, t in kept]
     pi, s, mu, old = val("pi"), val("s"), val("mu"), val("old")
     ratio = {"engine": lambda j: pi[j] - mu[j], "shadow": lambda j: s[j] - mu[j],
@@ -373,15 +380,17 @@ def _audited(b: Batch, eps: float, mask_dtype=torch.float32, junk=True) -> tuple
 
 
 @SETTINGS
-@given(batches(non_finite=("pi", "s", "mu")), st.sampled_from([0.2, 0.0013]))
+@given(batches(unusable=("pi", "s", "mu")), st.sampled_from([0.2, 0.0013]))
 def test_the_audits_measurement_is_finite_and_exact(b, eps):
     b = dataclasses.replace(b, eps=(eps, eps), sequence=False)
     want, scale, left = reference(b)
     got, err = _audited(b, eps)
     clean = dict(got)
-    assert got.pop(mn.NON_FINITE_TOKENS, 0) == left
-    assert err.count("\n") == (1 if left else 0)       # one warning, naming the count
-    assert not left or f"{left} token log-probs" in err
+    assert {k: got.pop(k, 0) for k in left.counts()} == left.counts()
+    # one warning for each kind, naming the count
+    assert err.count("\n") == bool(left.non_finite) + bool(left.positive)
+    assert not left.non_finite or f"{left.non_finite} token log-probs" in err
+    assert not left.positive or f"{left.positive} token log-probs" in err
     assert_figures(got, want, scale, TOL[torch.float32])
     assert set(want) <= set(got)
     assert _audited(b, eps, junk=False)[0] == clean
@@ -393,7 +402,7 @@ def test_the_audits_measurement_is_finite_and_exact(b, eps):
 
 @pytest.mark.e2e
 @SETTINGS
-@given(batches(non_finite=("pi", "s", "mu", "old")),
+@given(batches(unusable=("pi", "s", "mu", "old")),
        st.sampled_from(["engine", "shadow", "recompute"]), st.booleans())
 def test_trls_micro_batch_figures_are_finite_and_exact(b, source, fresh):
     from parity.integrations.trl import micro_batch_diagnostics
@@ -418,7 +427,7 @@ def test_trls_micro_batch_figures_are_finite_and_exact(b, source, fresh):
 
 @pytest.mark.e2e
 @SETTINGS
-@given(batches(non_finite=("pi", "s", "mu", "old")),
+@given(batches(unusable=("pi", "s", "mu", "old")),
        st.sampled_from(["engine", "shadow", "recompute"]))
 def test_async_grpos_packed_figures_are_finite_and_exact(b, source):
     """AsyncGRPO's terms are the valid tokens alone, one sample after another."""
@@ -443,7 +452,7 @@ def test_async_grpos_packed_figures_are_finite_and_exact(b, source):
 
 @pytest.mark.e2e
 @SETTINGS
-@given(batches(non_finite=("pi", "mu")), st.sampled_from(["token", "sequence", None]))
+@given(batches(unusable=("pi", "mu")), st.sampled_from(["token", "sequence", None]))
 def test_the_verl_plugins_figures_are_finite_and_exact(b, clip):
     """verl's batch holds ℓ_old (here ℓ_π) and ℓ_μ, which stands for ℓ_s: α = 0."""
     pytest.importorskip("verl")
@@ -477,13 +486,14 @@ def test_the_verl_plugins_figures_are_finite_and_exact(b, clip):
         assert figures(run=run) == got          # a second step: no second warning
     finally:
         logger.removeHandler(handler)
-    assert len(seen) == (1 if left else 0)
-    assert got.pop(mn.NON_FINITE_TOKENS, 0) == left
+    assert len(seen) == bool(left.non_finite) + bool(left.positive)
+    assert {k: got.pop(k, 0) for k in left.counts()} == left.counts()
     if not clip:
         want = {k: v for k, v in want.items() if not k.startswith(mn.CLIP)}
     assert_figures(got, want, scale, TOL[torch.float64])
     for again in [figures(junk=False)] + [figures(mask_dtype) for mask_dtype in MASKS]:
-        again.pop(mn.NON_FINITE_TOKENS, None)
+        for k in left.counts():
+            again.pop(k, None)
         assert again == got
 
 

@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
+from parity import metric_names as mn
 from parity.config import Config, SamplingArgs, make_config
 from parity.errors import ParityError
 from parity.logprobs import Sampling, logprobs_from_logits, processed_logits
-from parity.runs.finite import Skips, finite_tokens
+from parity.runs.finite import LOG_PROB_MAX, LeftOut, LeftOutTally, Skips, usable_tokens
 
 
 def test_top_p_0_keeps_the_likeliest_token_with_finite_log_probs_and_zero_gradient():
@@ -103,7 +104,43 @@ def test_non_finite_tokens_are_masked_and_zeroed():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     a = torch.tensor([[-1.0, math.nan, math.nan], [-2.0, -3.0, -4.0]])
     b = torch.tensor([[-1.0, -1.0, -1.0], [-math.inf, -3.0, -4.0]])
-    m, (a2, b2), n = finite_tokens(mask, a, b)
-    assert n == 2                          # the NaN at padding was never a token
+    m, (a2, b2), n = usable_tokens(mask, a, b)
+    assert n == LeftOut(non_finite=2)      # the NaN at padding was never a token
     assert m.tolist() == [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]
     assert torch.isfinite(a2).all() and torch.isfinite(b2).all()
+
+
+def test_positive_log_probs_are_left_out_counted_and_named_once():
+    """A value above 1e-3 is no log-prob: left out, counted apart from NaN and inf, its largest
+    named; rounding's hair above 0 stays in; a token both positive and NaN is non-finite."""
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    mu = torch.tensor([[-0.5, 2.0, 9.0, 1e-4, 50.0], [-1.0, math.nan, 3.0, 0.0, -2.0]])
+    pi = torch.tensor([[-0.4, -0.1, -0.2, -0.3, 0.0], [-1.1, 4.0, -0.5, 2e-3, -math.inf]])
+    m, (mu2, pi2), left = usable_tokens(mask, mu, pi)
+    # by hand: [0, 1] and [0, 2] (2.0, 9.0), [1, 2] (3.0), [1, 3] (ℓ_π 2e-3) positive; [1, 1]
+    # NaN beside a 4.0 and [1, 4] -inf are non-finite; 50.0 is padding, 1e-4 is rounding's
+    assert left == LeftOut(non_finite=2, positive=4, largest=9.0)
+    assert m.tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]]
+    assert mu2[0].tolist() == pytest.approx([-0.5, 0.0, 0.0, 1e-4, 0.0])
+    assert torch.isfinite(pi2).all()
+    said: list[str] = []
+    tally = LeftOutTally("verl's batch")
+    tally.add(left, said.append)
+    tally.add(LeftOut(positive=1, largest=20.0), said.append)    # a later batch: no new line
+    assert said == [
+        "2 token log-probs from verl's batch are NaN or inf and are left out of every figure "
+        "(counted in mismatch/non_finite_tokens)",
+        "4 token log-probs from verl's batch are positive, up to 9: these look like logits, not "
+        "log-probs (a log-prob is <= 0), and are left out of every figure (counted in "
+        "mismatch/positive_tokens)"]
+    assert tally.total == LeftOut(non_finite=2, positive=5, largest=20.0)
+    assert tally.total.counts() == {mn.NON_FINITE_TOKENS: 2, mn.POSITIVE_TOKENS: 5}
+    # the metric's documented threshold is the rule's
+    row = next(r for r in mn.ROWS if any(m.name == mn.POSITIVE_TOKENS for m in r.metrics))
+    assert LOG_PROB_MAX == 1e-3 and "above 1e-3" in row.meaning
+
+
+def test_left_out_tokens_of_every_rank_gather_to_one_count():
+    ranks = [LeftOut(1, 2, 3.5), LeftOut(), LeftOut(0, 4, 9.0)]
+    gathered = torch.cat([r.as_tensor("cpu") for r in ranks])
+    assert LeftOut.gathered(gathered) == LeftOut(1, 6, 9.0) == sum(ranks, LeftOut())

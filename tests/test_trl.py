@@ -533,3 +533,47 @@ def test_trls_sampling_arguments_are_the_engines_and_the_ratios(text_model, tmp_
     assert h["mismatch/kernel_gap_abs_mean"] < 1e-6
     assert 1e-4 < h["mismatch/beta_abs_mean"] < 5e-2
     assert h["clip/frac"] == pytest.approx(h["clip_ratio/region_mean"], abs=1e-6)
+
+
+def test_a_row_of_positive_engine_log_probs_is_left_out_counted_and_named_once(caplog):
+    """ℓ_μ from TRL's vLLM or a server holding logits by mistake, one row of 2.0 to 9.0: the
+    micro-batch's token figures are those of the micro-batch without that row (sliced off),
+    and the guard names them in one warning and counts them in every log line from then on."""
+    import logging
+
+    from parity import metric_names as mn
+    from parity.integrations.trl import micro_batch_diagnostics
+    from parity.integrations.trl_updates import UpdateGuard
+    from parity.runs.finite import LeftOut
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 6
+    pi = -torch.rand(B, T, generator=g) * 3
+    s = (pi + 0.01 * torch.randn(B, T, generator=g)).clamp(max=0.0)
+    mu = (pi + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0.0)
+    mask, adv = torch.ones(B, T), torch.randn(B, generator=g)
+    mask[2, 4:] = 0.0
+    logits = mu.clone()
+    logits[0] = torch.linspace(2.0, 9.0, T)
+    kw = dict(ratio_source="engine", sequence=False, first=True)
+    diag, left = micro_batch_diagnostics(pi, s, logits, None, adv, mask, 0.2, 0.2, **kw)
+    sliced, none = micro_batch_diagnostics(pi[1:], s[1:], mu[1:], None, adv[1:], mask[1:],
+                                           0.2, 0.2, **kw)
+    assert left == LeftOut(positive=T, largest=9.0) and not none
+    # per completion: the emptied row is still one, of no token (tests/test_verl.py)
+    per_completion = {mn.SEQ_LOG_RATIO_MEAN, mn.SEQ_LOG_RATIO_SLOPE}
+    got, want = ({k: v for k, v in d.metrics().items() if k not in per_completion}
+                 for d in (diag, sliced))
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    guard = UpdateGuard(trainer=None, limit=0)      # its trainer is for the optimizer's step
+    lines: list[dict] = [{}, {}]
+    with caplog.at_level(logging.WARNING, logger="parity.integrations.trl_updates"):
+        guard.left_out(left)
+        guard.add_to(lines[0])
+        guard.left_out(LeftOut())
+        guard.add_to(lines[1])
+    assert lines == [{mn.SKIPPED_UPDATES: 0, mn.POSITIVE_TOKENS: T},
+                     {mn.SKIPPED_UPDATES: 0, mn.POSITIVE_TOKENS: 0}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"parity: {T} token log-probs from the engine (l_mu) or the trainer's forwards are "
+        "positive, up to 9: these look like logits, not log-probs (a log-prob is <= 0), and are "
+        "left out of every figure (counted in mismatch/positive_tokens)"]

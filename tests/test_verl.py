@@ -52,7 +52,8 @@ def _batch(seed: int = 0, rows: int = 6, t: int = 12):
     lengths = torch.randint(3, t + 1, (rows,), generator=g)
     mask = (torch.arange(t)[None] < lengths[:, None]).float()
     old = -torch.rand(rows, t, generator=g) * 3 * mask
-    mu = (old + 0.3 * torch.randn(rows, t, generator=g)) * mask
+    # a log-prob is <= 0: the plugin leaves a positive one out (parity/runs/finite.py)
+    mu = (old + 0.3 * torch.randn(rows, t, generator=g)).clamp(max=0.0) * mask
     adv = torch.randn(rows, 1, generator=g).expand(rows, t) * mask
     prompts = torch.randint(5, 50, (rows, 4), generator=g)
     responses = torch.randint(5, 50, (rows, t), generator=g)
@@ -168,6 +169,34 @@ def test_a_non_finite_log_prob_is_left_out_of_every_figure_and_counted_once(capl
     assert all(math.isfinite(v) for v in f.values())
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and warned[0].startswith("parity: 2 token log-probs")
+
+
+@needs_verl
+def test_a_row_of_positive_log_probs_is_left_out_counted_and_named_once(caplog):
+    """rollout_log_probs holding logits by mistake: one row of 2.0 to 9.0. The token figures are
+    those of the batch without that row (sliced off); the row's tokens are counted, and one
+    warning over two steps names them as logits."""
+    batch, masked = _batch(), _batch()
+    n = int(batch.batch["response_mask"][0].sum())
+    batch.batch["rollout_log_probs"][0, :n] = torch.linspace(2.0, 9.0, n)
+    masked.batch["response_mask"][0] = 0.0
+    run = RunSettings()
+    with caplog.at_level(logging.WARNING, logger="parity.integrations.verl"):
+        f = step_figures(batch, run)
+        step_figures(batch, run)
+    assert f.pop("parity/mismatch/positive_tokens") == float(n)
+    assert "parity/mismatch/non_finite_tokens" not in f
+    # The sequence log-ratio is a figure per completion: the emptied row is still one, of no
+    # token, as in the batch with that row masked out.
+    per_completion = {"parity/mismatch/seq_log_ratio_mean", "parity/mismatch/seq_log_ratio_slope"}
+    sliced = step_figures(batch[1:], RunSettings())
+    assert {k: v for k, v in f.items() if k not in per_completion} == pytest.approx(
+        {k: v for k, v in sliced.items() if k not in per_completion}, rel=1e-12)
+    assert f == pytest.approx(step_figures(masked, RunSettings()), rel=1e-12)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"parity: {n} token log-probs from verl's batch are positive, up to 9: these look like "
+        "logits, not log-probs (a log-prob is <= 0), and are left out of every figure (counted "
+        "in mismatch/positive_tokens)"]
 
 
 @needs_verl

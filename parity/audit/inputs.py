@@ -18,6 +18,7 @@ from parity.audit.responses import is_server_line, server_rows
 from parity.errors import ParityError
 from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
 from parity.logprobs import Rollout, left_pad
+from parity.runs.finite import above_log_prob
 from parity.tasks import load_rows
 from parity.tasks.rewards import REWARD_LIMIT
 
@@ -85,11 +86,12 @@ def _check_row(row: dict[str, Any], at: str, vocab_size: int) -> None:
     for t, v in enumerate(lp):
         # A NaN or inf (a float beyond float32 is one there, where log-probs are computed) is
         # left out of every figure and counted (audit/command.py); an integer no float holds is
-        # no engine's log-prob.
+        # no engine's log-prob. A positive one (training's rule, `above_log_prob`) is refused,
+        # where a run in flight leaves it out: a file can be fixed before its audit.
         if isinstance(v, int) and not _finite(v, FLOAT32_MAX):
             raise ParityError(f"{at}, column 'engine_logprobs': {_show(v)} at token {t} is not "
                               f"a log-probability")
-        if _finite(v, FLOAT32_MAX) and v > 1e-3:
+        if _finite(v, FLOAT32_MAX) and above_log_prob(v):
             raise ParityError(f"{at}, column 'engine_logprobs': {v} at token {t} is positive; "
                               f"a log-probability is <= 0")
     for c in ("advantage", "reward"):

@@ -28,7 +28,7 @@ from parity.engines import Engine
 from parity.logprobs import Rollout, Sampling
 from parity.models.forward import score_full
 from parity.models.precision import autocast
-from parity.runs.finite import NonFinite, finite_tokens
+from parity.runs.finite import LeftOutTally, usable_tokens
 
 
 def _warning(message: str) -> None:
@@ -46,7 +46,7 @@ class Measurement:
             "engine_logprob", "trainer_logprob", "shadow_logprob", "position")}
         self.seq_len: list[torch.Tensor] = []
         self.seq_lr: list[torch.Tensor] = []
-        self.left_out = NonFinite("the engine (l_mu) or the trainer's forwards")
+        self.left_out = LeftOutTally("the engine (l_mu) or the trainer's forwards")
         # --locate: the trainer against itself on the first batch, and the sequences traced
         self.self_gap = SelfGap(a.trainer_dtype, a.engine_dtype) if a.locate else None
         self.traced: list[list[int]] = []
@@ -79,7 +79,7 @@ class Measurement:
         a, dev = self.a, self.device
         self.has_adv &= adv is not None
         adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
-        mask, (logp_pi, logp_s, mu), left_out = finite_tokens(r.completion_mask, logp_pi, logp_s,
+        mask, (logp_pi, logp_s, mu), left_out = usable_tokens(r.completion_mask, logp_pi, logp_s,
                                                               r.engine_logprobs)
         self.left_out.add(left_out, _warning)
         r = dataclasses.replace(r, completion_mask=mask, engine_logprobs=mu)
@@ -131,8 +131,7 @@ class Measurement:
         if gap.numel():     # none where every token was left out
             metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
                             mn.LOG_RATIO_ABS_MAX: float(gap.max())})
-        if self.left_out.total:
-            metrics[mn.NON_FINITE_TOKENS] = self.left_out.total
+        metrics.update({k: n for k, n in self.left_out.total.counts().items() if n})
         if adv is None:
             metrics.pop(mn.BETA_ADV_CORR, None)
             metrics.pop(mn.BETA_ADV_CORR_SE, None)

@@ -94,7 +94,7 @@ from parity.models.precision import (
     low_precision_copy,
 )
 from parity.runs.distributed import Dist
-from parity.runs.finite import finite_tokens
+from parity.runs.finite import LeftOut, usable_tokens
 from parity.tasks import check_fits
 
 try:
@@ -513,8 +513,8 @@ class ParityGRPOTrainer(GRPOTrainer):
             call["pi"], call["s"], mu, inputs.get("old_per_token_logps"), inputs["advantages"],
             mask, *eps, ratio_source=self.parity.ratio_source,
             sequence=self.importance_sampling_level == "sequence", first=fresh)
-        self.guard.left_out(int(self.accelerator.reduce(torch.tensor(
-            float(left_out), device=self.accelerator.device), "sum")))
+        self.guard.left_out(LeftOut.gathered(self.accelerator.gather(
+            left_out.as_tensor(self.accelerator.device))))
         if self.accelerator.num_processes > 1:
             # Every rank's tokens, as one process holding them all would measure them: token
             # means weighted by each rank's tokens, maxima over all. TRL gathers its own figures
@@ -532,14 +532,14 @@ def micro_batch_diagnostics(pi: torch.Tensor, s: torch.Tensor, mu: torch.Tensor,
                             old: torch.Tensor | None, adv: torch.Tensor, mask: torch.Tensor,
                             eps_low: float | None, eps_high: float | None, *,
                             ratio_source: str, sequence: bool, first: bool
-                            ) -> tuple[StepDiagnostics, int]:
+                            ) -> tuple[StepDiagnostics, LeftOut]:
     """parity's measurement of one TRL micro-batch on this rank (`GRPOTrainer._diagnose`; its
-    figures are `.metrics()` once the ranks' parts are merged), and how many of its tokens
-    had a NaN or inf log-prob and were left out. `old`: TRL's ℓ_old; None: the ratio is 1."""
+    figures are `.metrics()` once the ranks' parts are merged), and its tokens left out for a
+    log-prob NaN, inf or positive. `old`: TRL's ℓ_old; None: the ratio is 1."""
     mask = mask.float().cpu()
     pi, s, mu = pi.float().cpu(), s.float().cpu(), mu.float().cpu()
     old = pi if old is None else old.float().cpu()
-    mask, (pi, s, mu, old), left_out = finite_tokens(mask, pi, s, mu, old)
+    mask, (pi, s, mu, old), left_out = usable_tokens(mask, pi, s, mu, old)
     pi, s, mu, old = pi * mask, s * mask, mu * mask, old * mask
     diag = StepDiagnostics()
     measure(diag, pi, s, mu, adv.float().cpu(), mask, eps_low, eps_high,

@@ -61,7 +61,7 @@ from parity.models.forward import disable_dropout
 from parity.models.loading import max_positions
 from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
 from parity.objectives import behaviour_weights
-from parity.runs.finite import finite_tokens
+from parity.runs.finite import LeftOut, usable_tokens
 from parity.tasks import check_fits
 
 try:
@@ -166,14 +166,14 @@ def flat(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def packed_diagnostics(pi: torch.Tensor, s: torch.Tensor, old: torch.Tensor, mu: torch.Tensor,
                        adv: torch.Tensor, seg: torch.Tensor, eps_low: float | None,
                        eps_high: float | None, *, ratio_source: str
-                       ) -> tuple[dict[str, float], int]:
+                       ) -> tuple[dict[str, float], LeftOut]:
     """docs/design.md's metrics of one AsyncGRPO micro-batch from its flat loss terms (ℓ_π, ℓ_s,
-    ℓ_old, ℓ_μ and A per trained token, `seg` each term's sample), and how many tokens had a
-    NaN or inf log-prob and were left out."""
+    ℓ_old, ℓ_μ and A per trained token, `seg` each term's sample), and its tokens left out for
+    a log-prob NaN, inf or positive."""
     seg = seg.cpu()
     pi, mask = rows(pi.cpu(), seg)
     s, old, m, a = (rows(x.cpu(), seg)[0] for x in (s, old, mu, adv))
-    mask, (pi, s, m, old), left_out = finite_tokens(mask, pi, s, m, old)
+    mask, (pi, s, m, old), left_out = usable_tokens(mask, pi, s, m, old)
     d = StepDiagnostics()
     measure(d, pi, s, m, a, mask, eps_low, eps_high, ratio_source=ratio_source, logp_old=old)
     out = d.metrics()

@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 from parity import metric_names as mn
-from parity.runs.finite import NonFinite, Skips, first_non_finite
+from parity.runs.finite import LeftOut, LeftOutTally, Skips, first_non_finite
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ class UpdateGuard(TrainerCallback):
         self.trainer = trainer
         self.skips = Skips(limit)
         self.noted: str | None = None    # the first non-finite quantity of this update
-        self.log_probs = NonFinite("the engine (l_mu) or the trainer's forwards")
-        self.left_since_log = 0
+        self.log_probs = LeftOutTally("the engine (l_mu) or the trainer's forwards")
+        self.left_since_log = LeftOut()
 
     def note(self, name: str, value: torch.Tensor) -> None:
         """Called with ℓ_π, then the loss, of every micro-batch of the update."""
@@ -76,11 +76,12 @@ class UpdateGuard(TrainerCallback):
 
     def add_to(self, logs: dict[str, float]) -> None:
         """parity's counts in a training log line: skipped updates in total, log-probs left out
-        since the last line."""
+        since the last line, each kind on every line once the run has met it."""
         logs[mn.SKIPPED_UPDATES] = self.skips.total
-        if self.log_probs.total:
-            logs[mn.NON_FINITE_TOKENS], self.left_since_log = self.left_since_log, 0
+        seen = self.log_probs.total.counts()
+        logs.update({k: n for k, n in self.left_since_log.counts().items() if seen[k]})
+        self.left_since_log = LeftOut()
 
-    def left_out(self, n: int) -> None:
-        self.log_probs.add(n, _warn)
-        self.left_since_log += n
+    def left_out(self, left: LeftOut) -> None:
+        self.log_probs.add(left, _warn)
+        self.left_since_log += left

@@ -44,7 +44,7 @@ from parity import metric_names as mn
 from parity.config import FIELDS
 from parity.diagnostics import StepDiagnostics, measure
 from parity.models.precision import torch_dtype
-from parity.runs.finite import NonFinite, finite_tokens
+from parity.runs.finite import LeftOutTally, usable_tokens
 
 VERL_VERSIONS = ("0.9.1",)
 TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
@@ -74,7 +74,7 @@ class RunSettings:
     bypass: bool = False
     verl_corrects: bool = False      # verl's rollout correction runs, logging rollout_corr/*
     said_no_mu: bool = False         # the line on a batch without the engine's log-probs
-    left_out: NonFinite = field(default_factory=lambda: NonFinite("verl's batch"))
+    left_out: LeftOutTally = field(default_factory=lambda: LeftOutTally("verl's batch"))
 
 
 RUN = RunSettings()
@@ -90,7 +90,8 @@ def _warn(message: str) -> None:
 def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
     """parity's figures of one verl batch (a DataProto after `compute_advantage`), under
     parity's metric names with PREFIX; empty where the batch cannot give them. A log-prob
-    that is NaN or inf is left out of every figure and counted (parity/runs/finite.py)."""
+    that is NaN or inf, or positive (logits in `rollout_log_probs`, say), is left out of every
+    figure and counted (parity/runs/finite.py)."""
     b = batch.batch
     if run.bypass or "old_log_probs" not in b.keys():
         return {}
@@ -100,7 +101,7 @@ def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
             logger.warning(NO_MU)
         return {}
     mask = b["response_mask"].double()
-    mask, (old, mu), left_out = finite_tokens(mask, b["old_log_probs"].double(),
+    mask, (old, mu), left_out = usable_tokens(mask, b["old_log_probs"].double(),
                                               b["rollout_log_probs"].double())
     run.left_out.add(left_out, _warn)
     adv = b["advantages"].double()
@@ -108,8 +109,7 @@ def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
     diag = StepDiagnostics()
     measure(diag, old, mu, mu, adv, mask, *eps, sequence=run.clip == "sequence")
     figures = diag.metrics()
-    if left_out:
-        figures[mn.NON_FINITE_TOKENS] = float(left_out)
+    figures.update({k: float(n) for k, n in left_out.counts().items() if n})
     for name in NOT_MEASURED if run.clip else NOT_MEASURED + CLIP_FRACTIONS:
         figures.pop(name, None)
     beside = {} if run.verl_corrects else {verl: figures[ours] for ours, verl in

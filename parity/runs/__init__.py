@@ -8,5 +8,6 @@
     memory.py        what a run needs in memory, said before it starts
     step_metrics.py  a step's metrics from what each rank saw
     finite.py        what happens to a NaN: an update skipped and counted, a log-prob left out
+                     (a positive one too: logits in its place)
     loggers.py       TensorBoard and Weights & Biases beside metrics.jsonl
 """

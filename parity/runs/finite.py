@@ -3,14 +3,19 @@
 - An update whose loss, ℓ_π or gradient is NaN or inf is skipped, never applied: it is counted
   (`train/skipped_updates`), the first one is named in one warning, and after
   `max_consecutive_skips` in a row the run stops in one line (`Skips`).
-- A log-prob that is NaN or inf is left out of every figure and counted, with one warning
-  (`finite_tokens`, `NonFinite`): a figure over the rest is still a measurement, a NaN is not.
+- A log-prob that is NaN or inf, or positive (logits in its place, most often), is left out of
+  every figure and counted, each kind with one warning (`usable_tokens`, `LeftOutTally`): a
+  figure over the rest is still a measurement, a NaN or a logit is not. What counts as positive
+  is `above_log_prob`, the one rule for a value no log-prob takes, which the audit's reader of
+  rollout files holds too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,25 +71,82 @@ class Skips:
                               f"checkpoints as written")
 
 
-def finite_tokens(mask: torch.Tensor, *logps: torch.Tensor
-                  ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """`mask` without the tokens where any of `logps` is NaN or inf, `logps` with 0 there (a
-    masked NaN would still reach a sum), and how many tokens of `mask` that left out."""
-    ok = torch.ones(mask.shape, dtype=torch.bool, device=mask.device)
+# A log-prob is <= 0. Rounding lifts a near-certain token's log-softmax a hair above 0 (about
+# 1e-7 in float32), never by 1e-3: a value past this is something else, logits most often.
+LOG_PROB_MAX = 1e-3
+
+
+def above_log_prob(x: Any) -> Any:
+    """Whether `x`, a number or a tensor (elementwise), lies above every log-probability. NaN
+    does not (it is non-finite, and named as such); +inf does."""
+    return x > LOG_PROB_MAX
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """Valid tokens left out of the figures, by why: a log-prob NaN or inf (`non_finite`), else
+    one above a log-prob (`positive`, `largest` the largest such value; 0 without one)."""
+    non_finite: int = 0
+    positive: int = 0
+    largest: float = 0.0
+
+    def __add__(self, other: LeftOut) -> LeftOut:
+        return LeftOut(self.non_finite + other.non_finite, self.positive + other.positive,
+                       max(self.largest, other.largest))
+
+    def __bool__(self) -> bool:
+        return bool(self.non_finite or self.positive)
+
+    def counts(self) -> dict[str, int]:
+        """Both counts under their metric names, 0 included."""
+        return {mn.NON_FINITE_TOKENS: self.non_finite, mn.POSITIVE_TOKENS: self.positive}
+
+    def as_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """The three figures for a gather across ranks (`gathered` reads it back)."""
+        return torch.tensor([self.non_finite, self.positive, self.largest],
+                            dtype=torch.float64, device=device)
+
+    @staticmethod
+    def gathered(t: torch.Tensor) -> LeftOut:
+        """The ranks' `as_tensor`s, concatenated, as one: counts summed, the largest kept."""
+        rows = t.detach().reshape(-1, 3).cpu()
+        return LeftOut(int(rows[:, 0].sum()), int(rows[:, 1].sum()), float(rows[:, 2].max()))
+
+
+def usable_tokens(mask: torch.Tensor, *logps: torch.Tensor
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], LeftOut]:
+    """`mask` without the tokens where any of `logps` is NaN or inf or `above_log_prob`, `logps`
+    with 0 there (a masked NaN would still reach a sum), and what that left out of `mask`'s
+    tokens. A token with both kinds counts as non-finite."""
+    finite = torch.ones(mask.shape, dtype=torch.bool, device=mask.device)
+    high = torch.full(mask.shape, -math.inf, dtype=torch.float64, device=mask.device)
     for x in logps:
-        ok &= torch.isfinite(x)
-    left_out = int(((mask > 0) & ~ok).sum())
-    return mask * ok, [x.masked_fill(~ok, 0.0) for x in logps], left_out
+        finite &= torch.isfinite(x)
+        high = torch.maximum(high, torch.where(torch.isfinite(x) & above_log_prob(x),
+                                               x.double(), -math.inf))
+    valid = mask > 0
+    positive = valid & finite & (high > -math.inf)
+    ok = finite & (high == -math.inf)
+    # One read from the device for all three figures.
+    peak = high.masked_fill(~positive, 0.0).amax() if high.numel() else high.new_zeros(())
+    n_bad, n_pos, largest = torch.stack([(valid & ~finite).sum().double(),
+                                         positive.sum().double(), peak]).tolist()
+    return (mask * ok, [x.masked_fill(~ok, 0.0) for x in logps],
+            LeftOut(int(n_bad), int(n_pos), largest))
 
 
 @dataclass
-class NonFinite:
-    """Log-probs left out of the figures: counted over a run, named in one warning."""
-    what: str                  # where they came from, for the warning
-    total: int = 0
+class LeftOutTally:
+    """Tokens left out of the figures over a run: counted, each kind named in one warning."""
+    what: str                  # where the log-probs came from, for the warning
+    total: LeftOut = field(default_factory=LeftOut)
 
-    def add(self, n: int, warn: Callable[[str], None]) -> None:
-        if n and not self.total:
-            warn(f"{n} token log-probs from {self.what} are NaN or inf and are left out of "
-                 f"every figure (counted in {mn.NON_FINITE_TOKENS})")
-        self.total += n
+    def add(self, left: LeftOut, warn: Callable[[str], None]) -> None:
+        if left.non_finite and not self.total.non_finite:
+            warn(f"{left.non_finite} token log-probs from {self.what} are NaN or inf and are "
+                 f"left out of every figure (counted in {mn.NON_FINITE_TOKENS})")
+        if left.positive and not self.total.positive:
+            warn(f"{left.positive} token log-probs from {self.what} are positive, up to "
+                 f"{left.largest:g}: these look like logits, not log-probs (a log-prob is "
+                 f"<= 0), and are left out of every figure (counted in {mn.POSITIVE_TOKENS})")
+        self.total += left
