@@ -461,12 +461,13 @@ def check_sides(ap: argparse.ArgumentParser, a: argparse.Namespace, names: list[
     """Every parity side's config or options, built before any run: a mistyped field is an
     error now, not after the runs before its own."""
     from parity.errors import ParityError
-    from parity.integrations.trl import ParityOptions
     with tempfile.TemporaryDirectory() as tmp:
         for side in names[1:]:
             worker, engine, variant = _side(side)
             try:
                 if worker == "trl-parity":
+                    # imported only here: TRL's import takes seconds, a parity side needs none
+                    from parity.integrations.trl import ParityOptions
                     ParityOptions.from_recipe(variant)
                 else:
                     parity_config(argparse.Namespace(**{**vars(a), "engine": engine,

@@ -237,7 +237,8 @@ def test_the_vocabulary_bench_prices_each_setting_in_its_own_process(tmp_path):
     assert rows["sampling alone"][6] == pytest.approx(rows["diagnostics off"][3] / full)
 
 
-def test_a_parity_variant_sets_config_fields_over_the_benchs_workload(tmp_path):
+def test_a_parity_variant_sets_config_fields_over_the_benchs_workload(tmp_path, monkeypatch,
+                                                                     capsys):
     """`--parity RECIPE:FLAG:KEY=VALUE`: the recipe, its flags, and fields set last; a mistyped
     flag or field is refused before any run."""
     assert vs_trl.parse_variant("bf16-shadow:scored:logprob_chunk=2:micro_batch=4") == (
@@ -249,10 +250,13 @@ def test_a_parity_variant_sets_config_fields_over_the_benchs_workload(tmp_path):
                                     "fp32:logprob_chunk=2:micro_batch=1"])
     cfg = vs_trl.parity_config(a, tmp_path)
     assert (cfg.recipe, cfg.logprob_chunk, cfg.micro_batch, cfg.lr) == ("fp32", 2, 1, 3e-4)
-    p = subprocess.run([sys.executable, "-m", "bench.vs_trl", "--parity",
-                        "fp32,fp32:logprob_chunkk=2", "--json", ""], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert p.returncode == 2 and "logprob_chunkk" in p.stderr and "run 1" not in p.stdout
+    # in this process: the refusal is argparse's, before any worker or model
+    monkeypatch.setattr(sys, "argv", ["vs_trl", "--parity", "fp32,fp32:logprob_chunkk=2",
+                                      "--json", ""])
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.main()
+    out = capsys.readouterr()
+    assert stop.value.code == 2 and "logprob_chunkk" in out.err and "run 1" not in out.out
 
 
 def test_the_longest_fit_takes_a_curvature_only_where_the_growth_speeds_up():
