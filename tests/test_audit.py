@@ -236,9 +236,8 @@ def test_audit_prompts_file_without_advantages(tmp_path, text_model):
     assert "mismatch/beta_adv_corr" not in res["metrics"]
 
 
-def test_scale_over_a_small_ladder(tmp_path, text_model, cache):
-    from parity import testbed
-    gpt2 = testbed.ensure("text-gpt2-xs", cache, progress=False)
+def test_scale_over_a_small_ladder(tmp_path, text_model, gpt2_model):
+    gpt2 = gpt2_model
     res = scale(AuditSettings(model="x", task="neg-length", samples=16, group=4,
                               max_new_tokens=8, progress=False), tmp_path / "s",
                 [str(text_model), str(gpt2)])

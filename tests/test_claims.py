@@ -418,10 +418,8 @@ def test_eps_calibration_is_reported_when_it_fails(tmp_path):
 
 @pytest.mark.budget(180)
 @pytest.mark.e2e
-def test_quick_reproduction_on_test_models(tmp_path, text_model, cache):
+def test_quick_reproduction_on_test_models(tmp_path, text_model, gpt2_model):
     """The whole pipeline on the test-size models: every claim, the files, rerun reuses."""
-    from parity import testbed
-    testbed.ensure("text-gpt2-xs", cache, progress=False)
     plan = ReproductionPlan(name="tiny", audit_model="text-xs", samples=32,
                             scale_models=["text-xs", "text-gpt2-xs"], sweep_model="text-gpt2-xs",
                             seeds=[0], steps=3, small_lr_steps=2, arith_steps=2, arith_seeds=[0],

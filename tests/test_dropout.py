@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from parity import testbed
 from parity.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +19,8 @@ RUN = ["--prompts-per-step", "2", "--samples-per-prompt", "8", "--max-new-tokens
 
 
 @pytest.fixture(scope="module")
-def gpt2(cache) -> Path:
-    path = testbed.ensure("text-gpt2-xs", cache, progress=False)
+def gpt2(gpt2_model) -> Path:
+    path = gpt2_model
     assert json.loads((path / "config.json").read_text())["resid_pdrop"] == 0.1
     return path
 

@@ -98,8 +98,8 @@ def test_text_model_ends_samples_with_eos(text_dir):
 
 
 @pytest.mark.e2e
-def test_gpt2_arch_builds(cache):
-    path = tb.build("text-gpt2-xs", cache, progress=False)
+def test_gpt2_arch_builds(gpt2_model):
+    path = gpt2_model  # built by the session's fixture, as a user's first run builds it
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.model_type == "gpt2" and model.config.n_positions >= 256
     assert AutoTokenizer.from_pretrained(path).pad_token_id != model.config.eos_token_id
