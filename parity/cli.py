@@ -605,17 +605,91 @@ def _check_working_directory() -> None:
                           "and run the command again") from None
 
 
+class _CtrlC:
+    """Ctrl-C stops a command whatever it is doing, for as long as the command runs.
+
+    Python's own handling loses an interrupt in two ways. A process started with SIGINT ignored
+    (a non-interactive shell's background job: `parity train ... &` in a script) keeps it
+    ignored, so the terminal's Ctrl-C, which reaches the whole job, never stops the run. And a
+    KeyboardInterrupt that lands in a `__del__` the garbage collector is running (the regex
+    module's, as a tokenizer loads) is printed as "Exception ignored" and dropped, so whether
+    the run stops depends on the moment. Here SIGINT is parity's own, and a dropped interrupt
+    is raised again in the code the collector interrupted."""
+
+    def __init__(self) -> None:
+        self.seen, self._owned, self._before = False, False, None
+
+    def __enter__(self) -> "_CtrlC":
+        import signal
+        import threading
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            self._before, self._owned = signal.signal(signal.SIGINT, self._on_sigint), True
+        self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+        sys.unraisablehook = self._hook
+        if self._owned:  # None: a handler set outside Python, which Python cannot set again
+            signal.signal(signal.SIGINT, self._before if self._before is not None
+                          else signal.default_int_handler)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        while frame is not None:
+            if frame.f_code is self._unraisable.__code__:
+                self._again()   # raised in the hook, it would be dropped once more
+                return
+            frame = frame.f_back
+        raise KeyboardInterrupt
+
+    def _unraisable(self, u: Any) -> None:
+        if isinstance(u.exc_value, KeyboardInterrupt):
+            self._again()
+        else:
+            self._hook(u)
+
+    @staticmethod
+    def _again() -> None:
+        """SIGINT once more, 10 ms from now and from another thread: by then the hook that
+        asks for it has returned, and the main thread takes it in the code it runs next."""
+        import _thread
+        import signal
+
+        def later() -> None:
+            time.sleep(0.01)
+            _thread.interrupt_main(signal.SIGINT)
+        _thread.start_new_thread(later, ())
+
+
+def _interrupted() -> int:
+    print("parity: interrupted", file=sys.stderr)
+    # A KeyboardInterrupt that passed through code run by exec() of a string (dataclasses and
+    # namedtuple make their methods so, as modules import) leaves CPython's flag to end
+    # `python -m parity` by SIGINT, status -2 rather than 130, though it was handled here; the
+    # next string run by exec lowers it.
+    exec("")
+    return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        _check_working_directory()
-        args = build_parser().parse_args(argv)
-        code = args.func(args)  # None, or fp16-check's 1 for a flagged problem
-    except ParityError as e:
-        print(f"parity: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("parity: interrupted", file=sys.stderr)
-        return 130
+    with _CtrlC() as ctrl_c:
+        try:
+            _check_working_directory()
+            args = build_parser().parse_args(argv)
+            code = args.func(args)  # None, or fp16-check's 1 for a flagged problem
+        except KeyboardInterrupt:
+            return _interrupted()
+        except Exception as e:
+            # After a Ctrl-C, what fails is what the interrupt cut short (a module half
+            # imported, a library that wraps the KeyboardInterrupt in an error of its own):
+            # the interrupt is what happened.
+            if ctrl_c.seen:
+                return _interrupted()
+            if not isinstance(e, ParityError):
+                raise
+            print(f"parity: error: {e}", file=sys.stderr)
+            return 2
     return code or 0
 
 
