@@ -181,7 +181,8 @@ class HFEngine:
         dev = self.device
         ids, mask = left_pad(prompts, self.pad_id, shard.width, dev)
         B = ids.shape[0]
-        rows = None if B == shard.batch else torch.tensor(shard.rows)  # once, not per token
+        # once, not per token; on the generator's device, where `uniforms` indexes its draws
+        rows = None if B == shard.batch else torch.tensor(shard.rows, device=generator.device)
         draw = lambda: uniforms(generator, shard.batch, rows, dev)
         cache = self._cache(ids.shape[1] + max_new_tokens)
         attn, pos = mask, positions(mask)
