@@ -1,9 +1,9 @@
 """bf16 matrix products on a CPU without bf16 instructions: emulated with fp32 kernels.
 
 torch's bf16 GEMMs are fast only where the CPU has bf16 instructions (AVX512-BF16, AMX). On
-the others (AVX2-only laptops and servers, AVX-512 without BF16) they take a slow path: one
-thread, `F.linear` of [512, 576] by [1536, 576] ran 6.4 GFLOP/s in bf16 against 77 in fp32,
-a square 512 x 512 `a @ b` 1.0 against 125 (docs/performance.md). Every bf16 compute in
+the others (AVX2-only laptops and servers, AVX-512 without BF16) they take a slow path: with
+AVX2's kernels a 512 x 512 product ran 0.7 GFLOP/s in bf16 against 142 in fp32 (`python -m
+bench.bf16_cpu`, docs/performance.md). Every bf16 compute in
 parity meets them: the engine's and the shadow's bf16 copies, the trainer under bf16
 autocast, the testbed's build.
 
@@ -12,13 +12,14 @@ product of the bf16 values rounded to bf16 at the end: a product of two bf16 num
 significant bits each) is exact in fp32 (24 bits). So the emulation casts the bf16 operands to
 fp32, runs torch's fp32 kernel and rounds the result to bf16. Only the order of the fp32 sums
 differs from a native kernel's, as it differs between two native kernels: a result lands on
-the other side of a bf16 rounding boundary about once in 10^4 (tests/test_cpu_bf16.py).
+the other side of a bf16 rounding boundary rarely, by one ulp (tests/test_cpu_bf16.py holds
+both within one ulp of a float64 reference, differing in under 0.5% of results).
 
 It is installed once per process, as overrides of aten's CPU kernels for mm, addmm, bmm and
 baddbmm (`torch.library`), so autograd's backward products take it too, and nothing is copied
-per model. Attention keeps torch's own bf16 kernel, which is not slow on such CPUs. The
-`PARITY_CPU_BF16` environment variable chooses: `auto` (the default: emulate where the CPU
-lacks bf16 instructions), `native` or `emulate`.
+per model. Attention keeps torch's own bf16 kernel (SDPA), which no bench here has priced on
+such CPUs. The `PARITY_CPU_BF16` environment variable chooses: `auto` (the default: emulate
+where the CPU lacks bf16 instructions), `native` or `emulate`.
 """
 
 from __future__ import annotations
