@@ -9,10 +9,11 @@ run's audit keeps its directory under `--out` (report.html with the plot). Table
 
 - `cost`: the audit's own seconds without and with the pass, and the pass's two parts;
 - `self_gap`: the trainer against itself beside mean |β| (docs/diagnostics.md);
-- `findings`: per setting, the first point where the engine parts from the trainer's own model
-  in its dtype, its op, and the errors there and at the logits;
-- `layers-<engine>-<dtype>-<trainer>`: every decoder layer's residual stream, median relative
-  error of each comparison.
+- `findings`: per setting, the op named (where the engine's error rises above precision's), the
+  first bit-level difference, and at the logits the sampled tokens' |Δℓ| and the KL;
+- `layers-<engine>-<dtype>-<trainer>`: every decoder layer's residual stream and every op of
+  layer 0 and of the named op's layer, median relative error of each comparison, prefill and
+  decode.
 
 Absolute seconds drift on a shared machine; compare the rows of one run.
 """
@@ -27,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import Table, json_option, publish
+from parity.models import trace
 
-COMPARED = ("engine", "precision", "engine_vs_precision")
+COMPARED = ("engine", "precision", "engine_vs_precision", "decode", "decode_vs_prefill")
 
 
 def _audit(kw: dict[str, Any], out: str) -> dict[str, Any]:
@@ -68,11 +70,13 @@ def tables(results: dict[tuple[str, str, str], dict[str, list[dict[str, Any]]]]
                 [("engine", None), ("engine dtype", None), ("trainer", None),
                  ("mean |β|", "{:.3g}"), ("forward", None), ("change", None),
                  ("mean |Δℓ|", "{:.3g}"), ("share |Δℓ| > 0.1", "{:.2%}"), ("max |Δℓ|", "{:.3g}")])
-    find = Table("findings", "Where the engine parts from the trainer's own model in its dtype",
+    find = Table("findings", "Where the engine's kernels matter: the first point where its error "
+                 "rises above precision's by 2x (parity/audit/finding.py)",
                  [("engine", None), ("engine dtype", None), ("trainer", None),
-                  ("first point", None), ("op", None), ("engine vs precision there", "{:.2g}"),
-                  ("precision alone there", "{:.2g}"), ("engine at the logits", "{:.2g}"),
-                  ("precision alone at the logits", "{:.2g}")])
+                  ("named", None), ("op", None), ("pass", None), ("ratio", "{:.3g}"),
+                  ("95% above", "{:.3g}"), ("first bit-level difference", None),
+                  ("mean |Δℓ| engine", "{:.2g}"), ("mean |Δℓ| precision", "{:.2g}"),
+                  ("KL engine", "{:.2g}"), ("KL decode", "{:.2g}")])
     layer_tables = []
     for (eng, dt, tr), runs in results.items():
         plain, located = runs["plain"], runs["locate"]
@@ -88,21 +92,25 @@ def tables(results: dict[tuple[str, str, str], dict[str, list[dict[str, Any]]]]
             gap.add(eng, dt, tr, beta, f"{row['forward']} ({row['dtype']})", row["change"],
                     row["abs_mean"], row["frac_outside"], row["abs_max"])
         lay = first["locate"]["layers"]
-        pts, cur = lay["points"], lay["curves"]
-        i = pts.index(lay["first_difference"]) if lay["first_difference"] else None
-        last = pts.index("logits")
-        find.add(eng, dt, tr, lay["first_difference"] or "none", lay["op"] or "—",
-                 None if i is None else _g(cur["engine_vs_precision"]["median"][i]),
-                 None if i is None else _g(cur["precision"]["median"][i]),
-                 _g(cur["engine"]["median"][last]), _g(cur["precision"]["median"][last]))
+        pts, cur, named = lay["points"], lay["curves"], lay["named"] or {}
+        at = lambda c, k, lg=lay["logits"]: lg.get(c, {}).get(k)   # noqa: E731
+        find.add(eng, dt, tr, named.get("point", "none"), named.get("op", "—"),
+                 named.get("pass", "—"), named.get("ratio"), named.get("low"),
+                 lay["first_difference"] or "none", at("engine", "abs_dlogp_mean"),
+                 at("precision", "abs_dlogp_mean"), at("engine", "kl_mean"),
+                 at("decode", "kl_mean"))
         find.notes.append(f"{eng} {dt} against a {tr} trainer: {lay['finding']}")
         t = Table(f"layers-{eng}-{dt}-{tr}", f"{eng} in {dt} against a {tr} trainer: median "
-                  f"relative error of the residual stream, {lay['sequences']} sequences, "
-                  f"{lay['tokens']} tokens",
+                  f"relative error of the residual stream, every op of layer 0 and of the "
+                  f"named op's layer, {lay['sequences']} sequences, {lay['tokens']} tokens "
+                  f"(decode: their last tokens)",
                   [("point", None), *((c, "{:.2g}") for c in COMPARED)])
+        shown = {"layers.0."} | ({f"layers.{trace.layer_of(named['point'])}."}
+                                 if trace.layer_of(named.get("point", "embed")) is not None
+                                 else set())
         for j, p in enumerate(pts):
             if p.endswith(".output") or p in ("embed", "final_norm", "logits") \
-                    or p.startswith("layers.0."):
+                    or any(p.startswith(x) for x in shown):
                 t.add(p, *(_g(cur[c]["median"][j]) if c in cur else None for c in COMPARED))
         layer_tables.append(t)
     return [cost, gap, find, *layer_tables]

@@ -17,7 +17,8 @@ EXPERIMENTS = "parity.experiments"
 # Who may run the trainer: the command line and the sweep (one training per worker).
 TRAINER_USERS = {"parity.cli", "parity.experiments.sweep"}
 # Commands the command line runs (each one a whole job). Components never reach up to them.
-COMMANDS = {"parity.trainer", "parity.audit.command", "parity.audit.scale", "parity.audit.server",
+COMMANDS = {"parity.trainer", "parity.audit.command", "parity.audit.locate_report",
+            "parity.audit.scale", "parity.audit.server",
             "parity.fp16_check", "parity.reports"}
 MAX_LINES = 60
 # The library's layers, lowest first: a module imports only from its own layer or those below,

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cli_helpers import run_main
+from parity.audit import finding as fd
 from parity.audit import locate as loc
 from parity.config import AuditSettings
 from parity.diagnostics import Shadow
@@ -27,14 +28,19 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def master():
-    """A random Llama whose norms have weights other than 1 (so the order of a norm's casts
-    shows), in fp32 with torch's SDPA attention, as the trainer loads a model."""
+    return random_llama()
+
+
+def random_llama(config=LlamaConfig, model=LlamaForCausalLM, **kw):
+    """A random Llama (or another family's `model` of its `config`) whose norms have weights
+    other than 1 (so the order of a norm's casts shows), in fp32 with torch's SDPA attention,
+    as the trainer loads a model."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).eval()
+    cfg = config(vocab_size=96, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+                 tie_word_embeddings=False, attn_implementation="sdpa", **kw)
+    model = model(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -61,36 +67,51 @@ def same_kernels_engine(master) -> HFEngine:
 
 def test_a_model_against_itself_is_zero_at_every_point_and_names_no_op(master):
     res = loc.locate(master, same_kernels_engine(master), settings(), sequences(), "engine=hf")
-    points = tr.point_names(LAYERS)
-    assert res["points"] == points
+    points = res["points"]
+    # every sub-op a Llama layer has, in forward order; none it has not (q_norm is Qwen3's)
+    layer0 = [p.split(".", 2)[2] for p in points if p.startswith("layers.0.")]
+    assert layer0 == ["input_norm", "q", "k", "v", "q_rope", "k_rope", "attn_kernel",
+                      "attention", "attention_add", "post_norm", "gate", "up", "act", "mlp",
+                      "output"]
+    assert points == tr.in_order(points, LAYERS) and len(points) == 3 + 15 * LAYERS
     same = res["curves"]["engine_vs_precision"]
     assert same["median"] == [0.0] * len(points) and same["max"] == [0.0] * len(points)
-    assert res["first_difference"] is None and res["op"] is None
-    assert "precision alone" in res["finding"]
+    assert res["first_difference"] is None and res["named"] is None and res["op"] is None
+    assert "the gap is precision" in res["finding"]
+    assert all(not m for m in res["missing"].values())
     # bf16 against fp32 is not zero: the comparison sees differences where there are some.
     assert res["curves"]["precision"]["median"][points.index("logits")] > 1e-4
     assert res["curves"]["engine"] == res["curves"]["precision"]
+    assert res["logits"]["engine"] == res["logits"]["precision"]
 
 
-def nudged(master, layer: int, module: str) -> HFEngine:
+def nudged(master, layer: int, module: str, factor: float = 1.05, row: int | None = None
+           ) -> HFEngine:
+    """The same-kernels engine with one module's weight (or one output row of it) scaled."""
     eng = same_kernels_engine(master)
     with torch.no_grad():
         w = dict(eng.model.named_parameters())[f"model.layers.{layer}.{module}.weight"]
-        w.mul_(1.05)
+        (w if row is None else w[row]).mul_(factor)
     return eng
 
 
 @pytest.mark.parametrize("layer,module,point,op", [
-    (1, "mlp.down_proj", "mlp", "MLP"), (2, "self_attn.o_proj", "attention", "attention"),
-    (3, "input_layernorm", "input_norm", "norm")])
-def test_a_nudged_layer_is_named_and_nothing_before_it(master, layer, module, point, op):
+    (1, "mlp.down_proj", "mlp", "matmul"), (2, "self_attn.o_proj", "attention", "matmul"),
+    (3, "input_layernorm", "input_norm", "norm"), (1, "self_attn.k_proj", "k", "matmul"),
+    (2, "mlp.gate_proj", "gate", "matmul")])
+def test_a_nudged_op_is_named_and_nothing_before_it(master, layer, module, point, op):
     res = loc.locate(master, nudged(master, layer, module), settings(), sequences(), "engine=hf")
     first = f"layers.{layer}.{point}"
-    assert res["first_difference"] == first and res["op"] == op
+    assert res["named"]["point"] == first and res["op"] == op
+    assert res["named"]["pass"] == "prefill" and res["named"]["low"] > 2
+    assert res["first_difference"] == first
     i = res["points"].index(first)
     ev = res["curves"]["engine_vs_precision"]
     assert ev["max"][:i] == [0.0] * i and ev["median"][i] > 0
-    assert f"layer {layer}'s" in res["finding"] and f"({op})" in res["finding"]
+    assert f"from {tr.describe(first)} ({op})" in res["finding"]
+    advice = loc.advice({"metrics": {}, "locate": {"self_gap": [], "layers": res}})
+    assert advice == [f"where the engine's kernels matter: {tr.describe(first)} ({op}); "
+                      f"{fd.SUGGEST[op]}"]
 
 
 def rms_norm_weight_in_fp32(self, hidden_states):
@@ -101,19 +122,26 @@ def rms_norm_weight_in_fp32(self, hidden_states):
     return (self.weight.float() * x).to(hidden_states.dtype)
 
 
-def test_a_norm_in_the_other_dtype_is_named(master):
+def test_a_norm_in_the_other_cast_order_is_its_first_bit_and_a_rounding_names_nothing(master):
+    """One norm whose casts differ by a rounding: the first bit-level difference, said as a
+    detail; a difference of a rounding's size does not rise above precision, so it is not the
+    finding."""
     eng = same_kernels_engine(master)
     norm = eng.model.model.layers[2].post_attention_layernorm
     norm.forward = rms_norm_weight_in_fp32.__get__(norm)
     res = loc.locate(master, eng, settings(), sequences(), "engine=hf")
-    assert res["first_difference"] == "layers.2.post_norm" and res["op"] == "norm"
-    assert "layer 2's post-attention norm (norm)" in res["finding"]
+    assert res["first_difference"] == "layers.2.post_norm" and res["named"] is None
+    assert res["details"] == ["first bit-level difference from the trainer's own bf16 forward: "
+                              "layer 2's post-attention norm (norm)"]
+    assert "the gap is precision" in res["finding"]
 
 
 def test_without_an_engine_only_the_precision_curve_is_drawn(master):
     res = loc.locate(master, None, settings(), sequences(2), "answers from a file")
-    assert set(res["curves"]) == {"precision"} and res["first_difference"] is None
-    assert "not traced" in res["finding"]
+    assert set(res["curves"]) == {"precision", "precision_last"}
+    assert res["first_difference"] is None and res["named"] is None
+    assert "not traced" in res["finding"] and loc.advice(
+        {"metrics": {}, "locate": {"self_gap": [], "layers": res}}) == []
 
 
 def rollout(lengths: list[tuple[int, int]], vocab: int = 96, seed: int = 2) -> Rollout:
@@ -241,7 +269,7 @@ def test_audit_locate_end_to_end(tmp_path, text_model):
                  "--locate-sequences", "3", "--no-progress", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert "the trainer against itself" in p.stdout
-    assert "where the gap comes from: engine=hf" in p.stdout
+    assert "where the gap comes from: " in p.stdout
     res = json.loads((out / "audit.json").read_text())
     located = res["locate"]
     assert {(x["forward"], x["change"]) for x in located["self_gap"]} == {
@@ -250,7 +278,8 @@ def test_audit_locate_end_to_end(tmp_path, text_model):
     counts = {x["tokens"] for x in located["self_gap"]}
     assert len(counts) == 1 and 0 < counts.pop() < res["tokens"]
     layers = located["layers"]
-    assert layers["sequences"] == 3 and set(layers["curves"]) == set(loc.COMPARISONS)
+    assert layers["sequences"] == 3
+    assert set(layers["curves"]) == set(loc.COMPARISONS) | {"precision_last"}
     n = len(layers["points"])
     assert all(len(c["median"]) == n and None not in c["median"]
                for c in layers["curves"].values())
@@ -287,6 +316,9 @@ def test_an_overflowing_forward_gives_numbers_and_counts_the_tokens():
     assert loc.first_difference(located) == "embed"
     assert loc.Located(["embed"]).curve("engine") == {"median": [None], "max": [None],
                                                       "non_finite": [0]}
+    # an overflow where precision stays finite rises above it
+    assert fd.rise(torch.tensor([float("inf"), 1.0, float("nan")]),
+                   torch.tensor([1e-3, 1e-3, 1e-3]))["ratio"] == float("inf")
 
 
 @pytest.mark.parametrize("moved,told,not_told", [
@@ -298,3 +330,22 @@ def test_the_advice_acts_on_the_trainers_own_gap_only_where_it_matters(moved, to
     lines = loc.advice({"metrics": {"mismatch/beta_abs_mean": 0.04},
                         "locate": {"self_gap": [row], "layers": None}})
     assert len(lines) == 1 and told in lines[0] and not_told not in lines[0]
+
+
+@pytest.mark.e2e
+def test_what_locate_cannot_trace_is_refused_before_anything_is_sampled(vllm_ready):
+    """A trainer's model without decoder layers to follow, and a model whose layers in vLLM the
+    hooks do not know, are refused in one line each before the audit samples."""
+    from transformers import GPT2Config
+
+    from parity.engines import check_engine
+    with pytest.raises(ParityError, match=r"^--locate: Linear: no decoder layers found to trace; "
+                                          r"the trace knows the Llama, Qwen and GPT-2"):
+        loc.check_traceable(torch.nn.Linear(2, 2))
+    gpt2 = GPT2Config(n_embd=128, n_head=2, n_layer=1, vocab_size=64,
+                      architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ParityError, match=r"^engine=vllm: --locate traces vLLM's "
+                                          r"LlamaForCausalLM, .*not GPT2LMHeadModel; use "
+                                          r"engine=hf$"):
+        check_engine("vllm", gpt2, EngineNeeds(trace=True))
+    check_engine("vllm", gpt2, EngineNeeds())   # without --locate vLLM runs it

@@ -239,6 +239,41 @@ def test_a_nudged_op_in_vllm_changes_its_trace_from_that_op_on(master, engine, n
     nudged_op_is_named(master[0], engine, name, first)
 
 
+def test_a_vllm_trace_without_one_layers_hooks_says_those_points_and_claims_nothing(master,
+                                                                                   engine):
+    """vLLM's hooks at layer 1 removed (as a compiled layer, or a renamed module, would leave
+    them silent): --locate lists every point they gave as not traced, and claims nothing
+    there."""
+    from parity.audit import locate as loc
+    from parity.config import AuditSettings
+    model, tok = master
+    seqs = [[5, 9, 14, 3, 27, 8, 11, 40, 2, 19], [7, 7, 30, 12, 4]]
+    next(engine.trace(seqs))   # the tracer installed
+    tracer = engine._tracer
+    for h in tracer.layer_handles[1]:
+        h.remove()
+    try:
+        a = AuditSettings(model="m", task="neg-length", engine="vllm", engine_dtype="bf16")
+        res = loc.locate(model, engine, a, seqs, "engine=vllm")
+    finally:
+        tracer.close()
+        engine._tracer = None
+    # layer 1's input norm also gives the stream after layer 0, its post-attention norm the
+    # stream after attention's add; the rotary module is every layer's (vLLM shares it), so
+    # q and k after RoPE stay traced
+    silent = ["layers.0.output"] + [p for p in res["points"] if p.startswith("layers.1.")
+                                    and p.rsplit(".", 1)[1] not in ("output", "q_rope", "k_rope")]
+    assert res["missing"]["engine"] == silent and res["missing"]["decode"] == silent
+    assert all(res["curves"]["engine"]["median"][res["points"].index(p)] is None
+               for p in silent)
+    assert f"{len(silent)} of {len(res['points'])} points not traced" in res["finding"] or \
+        res["named"] is not None
+    assert any(d.startswith("not traced (engine): layers.0.output") for d in res["details"])
+    # with its hooks back, every point is traced again
+    again = loc.locate(model, engine, a, seqs, "engine=vllm")
+    assert not again["missing"]["engine"] and not again["missing"]["decode"]
+
+
 def test_scoring_follows_the_master_across_optimizer_steps(master, engine):
     """vLLM loads the master at every scoring call (an optimizer may change the weights without
     a trace parity could read: parity/engines/vllm.py), so after a step it scores the stepped

@@ -90,7 +90,9 @@ def whole_distribution(engine, prompt: list[int], s, seed: int, max_new_tokens: 
 NUDGES = [("layers.1.mlp.down_proj", "layers.1.mlp"),
           ("layers.1.input_layernorm", "layers.1.input_norm"),
           ("layers.0.post_attention_layernorm", "layers.0.post_norm"),
-          ("layers.0.self_attn.o_proj", "layers.0.attention")]
+          ("layers.0.self_attn.o_proj", "layers.0.attention"),
+          # the parts of vLLM's fused projections: qkv_proj's k, gate_up_proj's up
+          ("layers.0.self_attn.k_proj", "layers.0.k"), ("layers.1.mlp.up_proj", "layers.1.up")]
 
 
 def trace_is_vllms_own(model: torch.nn.Module, tok, engine) -> None:
@@ -101,12 +103,15 @@ def trace_is_vllms_own(model: torch.nn.Module, tok, engine) -> None:
     seqs = [p[m > 0].tolist() + c for p, m, c in zip(r.prompt_ids, r.prompt_mask,
                                                      r.completions())]
     traced = list(engine.trace(seqs))
+    decoded = list(engine.trace_decode(seqs))
     scored = engine.score(model, r, s).cpu()
-    points = tr.point_names(tr.layer_count(model))
-    for b, (t, ids) in enumerate(zip(traced, seqs)):
+    for b, (t, d, ids) in enumerate(zip(traced, decoded, seqs)):
         ref = tr.trace(model, ids)
-        assert set(t) == set(points)
-        assert all(t[p].shape == ref[p].shape for p in points)
+        # every point of the trainer's trace, at its shape: prefill, and the decode step's row
+        assert sorted(t, key=str) == sorted(ref, key=str), set(ref) ^ set(t)
+        assert all(t[p].shape == ref[p].shape for p in ref)
+        assert sorted(d, key=str) == sorted(ref, key=str), set(ref) ^ set(d)
+        assert all(d[p].shape == (1, ref[p].shape[1]) for p in ref)
         n = int(r.completion_mask[b].sum())
         P = len(ids) - len(r.completions()[b])
         logp = torch.log_softmax(t["logits"][P - 1:P - 1 + n].cpu(), -1)
@@ -129,6 +134,7 @@ def nudged_op_is_named(model: torch.nn.Module, engine, name: str, first: str) ->
     finally:
         engine.sync(model)
     errs = relative_errors(nudged, plain)
-    points = tr.point_names(tr.layer_count(model))
-    assert [p for p in points if errs[p].max() > 0][0] == first
+    points = tr.in_order(plain, tr.layer_count(model))
+    moved_points = [p for p in points if errs[p].max() > 0]
+    assert moved_points[0] == first, moved_points[:4]
     assert next(engine.trace(seqs))["logits"].equal(plain["logits"])

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import matplotlib.pyplot as plt
 import torch
 from rich.table import Table
 
@@ -31,6 +30,7 @@ from parity.audit import locate as lc
 from parity.audit import server as server_audit
 from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
 from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
+from parity.audit.locate_report import locate_sections, print_located
 from parity.audit.measurement import Measurement
 from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
@@ -42,12 +42,11 @@ from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_t
 from parity.engines.server import Server
 from parity.errors import ParityError
 from parity.logprobs import Sampling
-from parity.models import lora, trace
+from parity.models import lora
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import fp32_head
 from parity.objectives import grpo_advantages
-from parity.reports import Heading, audit_report, finish
-from parity.reports import Table as PageTable
+from parity.reports import audit_report
 from parity.runs.dirs import check_run_dir, free_dir, lock_dir
 from parity.tasks import PromptSampler, build_task, prompt_token_ids
 from parity.ui import progress
@@ -194,6 +193,8 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
 def _locked_audit(a: AuditSettings, out: Path, report: bool, device: torch.device, t0: float
                    ) -> dict[str, Any]:
     model_dir, model, tok = _policy(a, device)
+    if a.locate:
+        lc.check_traceable(model)
     torch.manual_seed(a.seed)
     s = Sampling(a.temperature, a.top_p, a.top_k)
     if a.lm_head_fp32:
@@ -290,52 +291,6 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
                      extra=locate_sections(result, out) if "locate" in result else ())
 
 
-# ---- --locate in the report ------------------------------------------------------------------
-
-def _locate_plot(layers: dict[str, Any], out: Path, title: str) -> Any:
-    """Median relative error of the residual stream against layer, one line per comparison."""
-    points = layers["points"]
-    label = {"embed": "emb", "final_norm": "norm", "logits": "logits"}
-    at = [i for i, p in enumerate(points) if p.endswith(".output") or p in label]
-    ticks = [label.get(points[i]) or str(trace.layer_of(points[i])) for i in at]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for c, what in lc.COMPARISONS.items():
-        if c in layers["curves"]:
-            y = [layers["curves"][c]["median"][i] for i in at]
-            ax.plot(range(len(at)), [v if v else float("nan") for v in y], marker=".",
-                    label=what)
-    ax.set_yscale("log")
-    step = max(1, len(at) // 16)
-    ax.set_xticks(range(0, len(at), step), ticks[::step])
-    return finish(fig, ax, out / "locate.png", alt="relative error against layer",
-                  xlabel="residual stream after layer", ylabel="median relative error",
-                  title=title)
-
-
-def locate_sections(result: dict[str, Any], out: Path) -> list[Any]:
-    """report.html's part for `--locate`: the trainer against itself beside β, then the finding,
-    the plot and every point's errors."""
-    loc, layers = result["locate"], result["locate"]["layers"]
-    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
-    rows = [[r["forward"], r["dtype"], lc.CHANGES[r["change"]], r["tokens"], r["abs_mean"],
-             r["frac_outside"], r["abs_max"]] for r in loc["self_gap"]]
-    beside = f"; beside mean |β| = {beta:.4g}" if beta is not None else ""
-    curves = layers["curves"]
-    points = [[p, trace.kind(p), *(curves[c][s][i] for c in curves for s in ("median", "max"))]
-              for i, p in enumerate(layers["points"])]
-    return [Heading("The trainer against itself"),
-            PageTable(["forward", "dtype", "change", "tokens", "mean |Δℓ|",
-                       f"share |Δℓ| > {lc.OUTSIDE}", "max |Δℓ|"], rows,
-                      caption=f"the same tokens and weights in another layout{beside}"),
-            *([loc["self_gap_note"]] if loc.get("self_gap_note") else []),
-            Heading("Where the gap comes from"), f"Finding: {layers['finding']}",
-            _locate_plot(layers, out, f"{layers['sequences']} sequences, "
-                                      f"{layers['tokens']} tokens"),
-            PageTable(["point", "op", *(f"{c} {s}" for c in curves for s in ("median", "max"))],
-                      points, caption="relative error ‖x − x_ref‖ / ‖x_ref‖ per token; "
-                      + "; ".join(f"{c}: {lc.COMPARISONS[c]}" for c in curves))]
-
-
 def verdict(result: dict[str, Any]) -> str:
     m, eps = result["metrics"], result["eps"]
     ph = m.get(mn.PHANTOM_FRAC, 0.0)
@@ -385,25 +340,6 @@ def print_audit(result: dict[str, Any]) -> None:
         print_located(result, console)
     if "advice" in result:
         print_advice(result, console)
-
-
-def print_located(result: dict[str, Any], console: Any) -> None:
-    """The trainer against itself as a table beside β, then the finding in one line."""
-    loc = result["locate"]
-    beta = result["metrics"].get(mn.BETA_ABS_MEAN)
-    t = Table(title="the trainer against itself: the same tokens and weights, another layout"
-                  + (f" (mean |beta| = {beta:.3g})" if beta is not None else ""),
-                  title_justify="left")
-    for h in ("forward", "change", "mean |dl|", f"|dl| > {lc.OUTSIDE}", "max |dl|"):
-        t.add_column(h, justify="left" if h in ("forward", "change") else "right")
-    for r in loc["self_gap"]:
-        t.add_row(f"{r['forward']} ({r['dtype']})", lc.CHANGES[r["change"]],
-                  *(("n/a",) * 3 if r["abs_mean"] is None else
-                    (f"{r['abs_mean']:.3g}", f"{r['frac_outside']:.2%}", f"{r['abs_max']:.3g}")))
-    console.print(t)
-    if loc.get("self_gap_note"):
-        console.print(f"  {loc['self_gap_note']}", highlight=False)
-    console.print(f"where the gap comes from: {loc['layers']['finding']}", highlight=False)
 
 
 def server_lines(v: dict[str, Any]) -> str:

@@ -10,25 +10,30 @@ Two passes beside the audit's own (docs/diagnostics.md, "Where the gap comes fro
   can remove. One batch, because the figures are shares of thousands of tokens and each
   completion alone is a forward of its own.
 - The gap located (`locate`). A few completions, prompt and completion as one sequence, through
-  three forwards, and every op's output compared (parity/models/trace.py names the points):
+  four forwards, and every op's output compared (parity/models/trace.py names the points):
       trainer      the trainer's model in the trainer's precision: the reference
       precision    the trainer's own model in the engine's dtype, with the trainer's kernels
-      engine       the engine's own forward (`Engine.trace`)
+      engine       the engine's own forward of the whole sequence (`Engine.trace`)
+      decode       the engine's decode step of the last token against its KV cache
+                   (`Engine.trace_decode`)
   Per point, each token's relative error ‖x − x_ref‖ / ‖x_ref‖, its median and max over
-  tokens, for engine and precision against the trainer and for engine against precision. The
-  first point where the engine's output differs at all from precision's is where the engine's
-  kernels, not its precision, part from the trainer's: that layer and op are named.
+  tokens, for each comparison of `COMPARISONS`; at the logits also the sampled tokens' |Δℓ|
+  and the KL, which a shift common to the vocabulary does not move. The point named is where
+  the engine's error rises above precision's (parity/audit/finding.py); a point an engine's
+  trace lacks is listed as not traced and claims nothing.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from parity import metric_names as mn
+from parity.audit import finding as fd
+from parity.errors import ParityError
 from parity.models import trace as tr
 from parity.models.forward import pieces, score_pieces, score_right_padded
 from parity.models.precision import autocast, fp16_kernels, low_precision_copy
@@ -50,7 +55,10 @@ COMPARISONS = {"engine": "engine against the trainer",
                "precision": "the trainer's model in engine dtype against the trainer "
                             "(precision alone)",
                "engine_vs_precision": "engine against the trainer's model in engine dtype "
-                                      "(the engine's kernels)"}
+                                      "(the engine's kernels)",
+               "decode": "the engine's decode step against the trainer, at the last token",
+               "decode_vs_prefill": "the engine's decode step against its own prefill, at the "
+                                    "last token"}
 
 
 # ---- the trainer against itself ------------------------------------------------------------
@@ -118,7 +126,8 @@ class SelfGap:
 
 def relative_errors(x: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
-    """Per point both traces hold, each token's ‖x − ref‖ / ‖ref‖ in float64 ([tokens])."""
+    """Per point both traces hold at the same shape, each token's ‖x − ref‖ / ‖ref‖ in float64
+    ([tokens]); a point either lacks is absent (`Located` counts it as not traced)."""
     out = {}
     for point, r in ref.items():
         if point in x and x[point].shape == r.shape:
@@ -128,135 +137,175 @@ def relative_errors(x: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
     return out
 
 
+def last_row(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A trace at its last token: what a decode step of that token computes."""
+    return {p: x[-1:] for p, x in t.items()}
+
+
 @dataclass
 class Located:
-    """Per comparison and point, every traced token's relative error."""
-    points: list[str]
+    """Per comparison and point, every traced token's relative error; the points the
+    reference (the trainer's trace) holds; and per comparison the points some trace lacked."""
+    points: list[str] = field(default_factory=list)
     errors: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    lacked: dict[str, set[str]] = field(default_factory=dict)
+    logit_rows: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
 
-    def add(self, comparison: str, errs: dict[str, torch.Tensor]) -> None:
+    def add(self, comparison: str, errs: dict[str, torch.Tensor],
+            expected: Iterable[str] | None = None) -> None:
         into = self.errors.setdefault(comparison, {})
-        for point, e in errs.items():
-            into.setdefault(point, []).append(e)
+        lacked = self.lacked.setdefault(comparison, set())
+        for point in (self.points if expected is None else expected):
+            if point in errs:
+                into.setdefault(point, []).append(errs[point])
+            else:
+                lacked.add(point)
+
+    def joined(self, comparison: str) -> dict[str, torch.Tensor]:
+        """Each point's errors over every token, where every trace held the point."""
+        lacked = self.lacked.get(comparison, set())
+        return {p: torch.cat(e) for p, e in self.errors.get(comparison, {}).items()
+                if p not in lacked}
+
+    def missing(self, comparison: str) -> list[str]:
+        lacked = self.lacked.get(comparison, set())
+        return [p for p in self.points if p in lacked]
 
     def curve(self, comparison: str) -> dict[str, list[float | int | None]]:
         """Median and max over tokens at each point (None where the point was not traced, or
         no token's error there is finite), and the tokens whose error is not: an fp16 forward
         can overflow, and a figure stays a number."""
-        errs = self.errors.get(comparison, {})
+        errs = self.joined(comparison)
         med, mx, bad = [], [], []
         for p in self.points:
-            e = torch.cat(errs[p]) if p in errs else torch.zeros(0)
+            e = errs.get(p, torch.zeros(0))
             ok = e[torch.isfinite(e)]
             med.append(float(ok.median()) if ok.numel() else None)
             mx.append(float(ok.max()) if ok.numel() else None)
             bad.append(int(e.numel() - ok.numel()))
         return {"median": med, "max": mx, "non_finite": bad}
 
+    def logits(self, comparison: str, x: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+               ids: list[int] | None, start: int) -> None:
+        """At the logits, what changes a log-prob: the sampled tokens' |Δℓ| (the tokens from
+        `start` on, each predicted by the position before it; none without `ids`) and the KL
+        of the reference's distribution to x's at those positions, in float64."""
+        if "logits" not in x or "logits" not in ref or x["logits"].shape != ref["logits"].shape:
+            return
+        rows = slice(start - 1, len(ids) - 1) if ids is not None else slice(None)
+        lx = torch.log_softmax(x["logits"][rows].double(), -1)
+        lr = torch.log_softmax(ref["logits"][rows].double(), -1)
+        into = self.logit_rows.setdefault(comparison, {})
+        into.setdefault("kl", []).append((lr.exp() * (lr - lx)).sum(-1))
+        if ids is not None:
+            nxt = torch.tensor(ids[start:], device=lx.device)[:, None]
+            into.setdefault("dlogp", []).append((lx.gather(-1, nxt) - lr.gather(-1, nxt))
+                                                .squeeze(-1).abs())
+
+    def logit_summary(self) -> dict[str, dict[str, float | int | None]]:
+        out = {}
+        for c, rows in self.logit_rows.items():
+            kl = torch.cat(rows["kl"])
+            dl = torch.cat(rows["dlogp"]) if "dlogp" in rows else None
+            has = dl is not None and dl.numel() > 0
+            out[c] = {"tokens": int(kl.numel()), "kl_mean": float(kl.mean()),
+                      "abs_dlogp_mean": float(dl.mean()) if has else None,
+                      "abs_dlogp_max": float(dl.max()) if has else None}
+        return out
+
 
 def first_difference(located: Located) -> str | None:
     """The first point, in forward order, where the engine's output differs at all from the
     trainer's own model in the engine's dtype (an overflow there counts); None where they
     agree everywhere traced."""
-    errs = located.errors.get("engine_vs_precision", {})
+    errs = located.joined("engine_vs_precision")
     for p in located.points:
-        if p in errs and bool((torch.cat(errs[p]) != 0).any()):
+        if p in errs and bool((errs[p] != 0).any()):
             return p
     return None
 
 
-def describe(point: str) -> str:
-    """`layers.3.post_norm` → "layer 3's post-attention norm"."""
-    names = {"embed": "the embedding", "final_norm": "the final norm", "logits": "the logits",
-             "input_norm": "input norm", "attention": "attention",
-             "attention_add": "residual add after attention", "post_norm": "post-attention norm",
-             "mlp": "MLP", "output": "residual add after the MLP"}
-    layer = tr.layer_of(point)
-    if layer is None:
-        return names[point]
-    return f"layer {layer}'s {names[point.rsplit('.', 1)[-1]]}"
-
-
-def finding(points: list[str], curves: dict[str, Any], first: str | None, engine: str,
-            engine_dtype: str, trainer_dtype: str) -> str:
-    """The one-line finding for `engine`, from the curves and the first point where it parts."""
-    if "engine" not in curves:
-        return (f"the engine was not traced ({engine}): only the precision curve, "
-                f"{engine_dtype} against {trainer_dtype}, is shown")
-    eng, prec = curves["engine"], curves["precision"]
-    last = points.index("logits")
-    at_logits = (f"; at the logits the engine is {_g(eng['median'][last])} from the "
-                 f"{trainer_dtype} trainer, precision alone {_g(prec['median'][last])}")
-    if first is None:
-        return (f"{engine} in {engine_dtype} computes what the trainer's own model computes in "
-                f"{engine_dtype} at every traced point: the gap is precision alone{at_logits}")
-    i = points.index(first)
-    ev = curves["engine_vs_precision"]
-    return (f"{engine}'s kernels first part from the trainer's own {engine_dtype} forward at "
-            f"{describe(first)} ({tr.kind(first)}): median relative error "
-            f"{_g(ev['median'][i])} (max {_g(ev['max'][i])}) there, where {engine_dtype} alone "
-            f"gives {_g(prec['median'][i])}{at_logits}")
-
-
-def _g(v: float | None) -> str:
-    return "n/a" if v is None or not math.isfinite(v) else f"{v:.2g}"
+def check_traceable(model: torch.nn.Module) -> None:
+    """--locate follows the trainer's model layer by layer: refused, before anything is
+    sampled, where its layers cannot be found."""
+    try:
+        tr.decoder(model)
+    except ValueError as e:
+        raise ParityError(f"--locate: {e}; the trace knows the Llama, Qwen and GPT-2 "
+                          f"families' layers") from None
 
 
 @torch.no_grad()
 def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
-           sequences: list[list[int]], engine_name: str) -> dict[str, Any]:
+           sequences: list[list[int]], engine_name: str, starts: list[int] | None = None
+           ) -> dict[str, Any]:
     """Trace `sequences` through the trainer, its model in the engine's dtype and (when there is
-    one in this process) the engine; audit.json's `locate.layers`."""
+    one in this process) the engine, prefill and decode; audit.json's `locate.layers`. A
+    sequence's completion starts at `starts` (1: every token after the first is scored)."""
     dev = next(model.parameters()).device
-    located = Located(tr.point_names(tr.layer_count(model)))
+    layers = tr.layer_count(model)
+    located = Located()
     # The trainer's own kernels in the engine's dtype: the engine's copy, not the shadow's
     # (which attends with the engine's attention).
     prec_model = low_precision_copy(model, a.engine_dtype)
-    traces = engine.trace(sequences) if engine is not None else (None for _ in sequences)
-    for ids, eng in zip(sequences, traces):
+    none = itertools.repeat(None)
+    traces = engine.trace(sequences) if engine is not None else none
+    decodes = engine.trace_decode(sequences) if engine is not None else none
+    for ids, start, eng, dec in zip(sequences, starts or [1] * len(sequences), traces, decodes):
         with autocast(a.trainer_dtype, dev, a.cpu_fp16):
             ref = tr.trace(model, ids)
         with fp16_kernels(a.engine_dtype, dev, a.cpu_fp16):
             prec = tr.trace(prec_model, ids)
+        if not located.points:
+            located.points = tr.in_order(ref, layers)
         located.add("precision", relative_errors(prec, ref))
+        located.add("precision_last", relative_errors(last_row(prec), last_row(ref)))
+        located.logits("precision", prec, ref, ids, start)
         if eng is not None:
             located.add("engine", relative_errors(eng, ref))
             located.add("engine_vs_precision", relative_errors(eng, prec))
+            located.logits("engine", eng, ref, ids, start)
+        if dec is not None:
+            located.add("decode", relative_errors(dec, last_row(ref)))
+            located.add("decode_vs_prefill", relative_errors(dec, last_row(eng or {})))
+            located.logits("decode", dec, last_row(ref), None, 0)
     del prec_model
-    curves = {c: located.curve(c) for c in COMPARISONS if c in located.errors}
-    first = first_difference(located) if "engine" in located.errors else None
-    return {"points": located.points, "sequences": len(sequences),
-            "tokens": sum(len(s) for s in sequences), "curves": curves,
-            "first_difference": first, "op": tr.kind(first) if first else None,
-            "finding": finding(located.points, curves, first, engine_name, a.engine_dtype,
-                               a.trainer_dtype)}
+    curves = {c: located.curve(c) for c in (*COMPARISONS, "precision_last")
+              if c in located.errors}
+    traced = "engine" in located.errors
+    named = None
+    if traced:
+        for what, errs, yard in (("prefill", "engine", "precision"),
+                                 ("decode", "decode", "precision_last")):
+            hit = fd.first_rise(located.points, located.joined(errs), located.joined(yard))
+            if hit is not None:
+                point, r = hit
+                named = {"point": point, "op": tr.kind(point), "pass": what, **r}
+                break
+    first = first_difference(located) if traced else None
+    out = {"points": located.points, "sequences": len(sequences),
+           "tokens": sum(len(s) for s in sequences), "curves": curves,
+           "missing": {c: located.missing(c) for c in located.errors},
+           "logits": located.logit_summary(), "named": named,
+           "op": named["op"] if named else None, "first_difference": first,
+           "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype}
+    out["finding"] = fd.finding(out, engine_name, a.engine_dtype, a.trainer_dtype)
+    out["details"] = fd.details(out)
+    return out
 
 
-def sequences_of(r: Rollout, mask: torch.Tensor, n: int) -> Iterable[list[int]]:
-    """The first `n` completions of `r` as whole token sequences, prompt then completion."""
+def sequences_of(r: Rollout, mask: torch.Tensor, n: int) -> Iterable[tuple[list[int], int]]:
+    """The first `n` completions of `r` as whole token sequences, prompt then completion, each
+    with where its completion starts."""
     for b in range(min(n, r.completion_ids.shape[0])):
         p = r.prompt_ids[b][r.prompt_mask[b] > 0]
         c = r.completion_ids[b][mask[b] > 0]
-        yield torch.cat([p, c]).tolist()
-
-
-# What a finding at each kind of op suggests (docs/diagnostics.md, Where the gap comes from).
-SUGGEST = {"embedding": "the engine's embedding differs: check that it holds the trainer's "
-                        "weights (a sync that did not reach it)",
-           "norm": "match the norm's casts: normalise in fp32, cast to the weight's dtype, then "
-                   "multiply by the weight, as transformers does",
-           "attention": "the same attention kernel and split on both sides, and RoPE in fp32 "
-                        "on both (or the engine scores the shadow: --shadow-kernels scored)",
-           "MLP": "the same matmul kernels at the same shapes (batch-invariant kernels, the "
-                  "same tensor-parallel degree)",
-           "residual add": "the residual add in the same dtype on both sides (vLLM fuses it into "
-                           "the next norm)",
-           "head": "an fp32 LM head on both sides (--lm-head-fp32 for parity's engine)"}
+        yield torch.cat([p, c]).tolist(), int(p.numel())
 
 
 def advice(result: dict[str, Any]) -> list[str]:
     """The advice's lines from --locate's figures: how much of β the trainer has with itself,
-    and what the first op where the engine parts suggests."""
+    and where the engine's kernels matter, or that precision is the cause."""
     loc = result.get("locate")
     if not loc:
         return []
@@ -273,13 +322,5 @@ def advice(result: dict[str, Any]) -> list[str]:
                            "padding for ℓ_old and ℓ_π, or train in fp32"
                            if worst["abs_mean"] >= SELF_GAP_SHARE * beta
                            else ": the gap is not the trainer's own"))
-    layers = loc.get("layers") or {}
-    op = layers.get("op")
-    if op:
-        where = describe(layers["first_difference"])
-        out.append(f"where the engine parts from the trainer: {where} ({op}); {SUGGEST[op]}")
-    elif "engine" in layers.get("curves", {}):
-        out.append("the engine computes what the trainer's own model computes in its dtype at "
-                   "every traced op: the gap is precision alone (fp16, or a recipe that takes "
-                   "β out of the ratio)")
-    return out
+    line = fd.advice(loc["layers"]) if loc.get("layers") else None
+    return out + ([line] if line else [])

@@ -49,7 +49,7 @@ class Measurement:
         self.left_out = LeftOutTally("the engine (l_mu) or the trainer's forwards")
         # --locate: the trainer against itself on the first batch, and the sequences traced
         self.self_gap = SelfGap(a.trainer_dtype, a.engine_dtype) if a.locate else None
-        self.traced: list[list[int]] = []
+        self.traced: list[tuple[list[int], int]] = []   # (prompt and completion, its start)
         self.layers: dict[str, Any] | None = None
         self.locate_s = {"self_gap": 0.0, "layers": 0.0}
 
@@ -103,7 +103,8 @@ class Measurement:
         """--locate's layer-by-layer pass over the sequences kept by `add`."""
         if self.self_gap is not None:
             t0 = time.perf_counter()
-            self.layers = locate(model, engine, self.a, self.traced, name)
+            self.layers = locate(model, engine, self.a, [s for s, _ in self.traced], name,
+                                 [start for _, start in self.traced])
             self.locate_s["layers"] = time.perf_counter() - t0
 
     def located(self) -> dict[str, Any]:

@@ -93,6 +93,10 @@ class Engine(Protocol):
         """Each token sequence through the engine's own forward on its sampled weights, every
         op's output as parity/models/trace.py names it (`parity audit --locate`)."""
 
+    def trace_decode(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each sequence's last token through the engine's decode step (the rest of the
+        sequence in its KV cache): that step's points under the same names, one row each."""
+
     def replica(self) -> tuple[Callable[..., "Engine"], dict[str, Any]]:
         """(builder, kwargs): `builder(device=..., **kwargs)` makes the same engine in another
         process (the asynchronous engine)."""

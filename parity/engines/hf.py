@@ -34,7 +34,7 @@ from parity.models.precision import (
     restore_copy,
     save_copy,
 )
-from parity.models.trace import trace
+from parity.models.trace import hooked, keep, trace
 from parity.ui import Ticker
 
 
@@ -99,6 +99,25 @@ class HFEngine:
         for ids in sequences:
             with fp16_kernels(self.dtype, self.device, self.cpu_fp16):
                 yield trace(self.model, ids)
+
+    @torch.no_grad()
+    def trace_decode(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each sequence's last token as the engine decodes it: the rest prefilled into its KV
+        cache, then one decode step, as `generate` runs them; that step's points, one row
+        each."""
+        dev = self.device
+        for ids in sequences:
+            x, attn = left_pad([ids[:-1]], self.pad_id, 0, dev)
+            pos, n = positions(attn), len(ids) - 1
+            cache, scratch = self._cache(len(ids)), {}
+            with fp16_kernels(self.dtype, dev, self.cpu_fp16):
+                self._forward(x, attn, pos, cache, scratch, logits_to_keep=keep_last(n, 1, dev))
+                attn = torch.ones((1, n + 1), dtype=attn.dtype, device=dev)
+                with hooked(self.model, 1) as out:
+                    logits = self._forward(torch.tensor([ids[-1:]], device=dev), attn,
+                                           pos[:, -1:] + 1, cache, scratch)
+            out["logits"] = keep(logits, 1)
+            yield out
 
     def replica(self) -> tuple[Callable[..., HFEngine], dict[str, Any]]:
         return _hf_replica, dict(model=copy.deepcopy(self.model).cpu(), dtype=self.dtype,

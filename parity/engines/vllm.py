@@ -86,6 +86,8 @@ def check(config: Any, needs: EngineNeeds) -> None:
         return
     check_architecture(config)
     check_head_size(config)
+    if needs.trace:
+        check_traceable(config)
     # Scoring a finished sequence (`score`) asks for one token beyond it.
     check_fits(config, needs.max_len + needs.scores, needs.scores)
 
@@ -130,6 +132,17 @@ def check_architecture(config: Any) -> None:
         raise ParityError(f"engine=vllm: vLLM {_version()} has no implementation of "
                           f"{', '.join(missing or ['a model without `architectures`'])}; "
                           f"use engine=hf")
+
+
+def check_traceable(config: Any) -> None:
+    """--locate's hooks know the layers of some of vLLM's model classes
+    (parity/engines/vllm_trace.py): any other is refused before the audit samples."""
+    from parity.engines.vllm_trace import TRACED
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a in TRACED for a in archs):
+        raise ParityError(f"engine=vllm: --locate traces vLLM's {', '.join(TRACED)} layers, not "
+                          f"{', '.join(archs) or 'a model without `architectures`'}; use "
+                          f"engine=hf")
 
 
 def _version() -> str:
@@ -408,6 +421,28 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         from parity.engines import vllm_trace
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        for ids in sequences:
+            points, calls = self._traced(ids, params)[0]
+            logits = vllm_trace.traced_logits(calls, len(ids))
+            yield {**points, **({"logits": logits} if logits is not None else {})}
+
+    def trace_decode(self, sequences: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each sequence's last token as vLLM decodes it: a prefill of the rest, the last token
+        sampled as the only one allowed, then the decode step that reads it against the KV
+        cache; that step's points, one row each."""
+        from vllm import SamplingParams
+        for ids in sequences:
+            params = SamplingParams(max_tokens=2, allowed_token_ids=[ids[-1]], ignore_eos=True,
+                                    detokenize=False)
+            forwards = self._traced(ids[:-1], params)
+            points, calls = forwards[-1] if len(forwards) == 2 else ({}, [])
+            rows = [c for c in calls if c.shape[0] == 1]
+            yield {**points, **({"logits": rows[0]} if rows else {})}
+
+    def _traced(self, ids: list[int], params: Any) -> list[tuple[dict, list]]:
+        """The forwards vLLM runs for one request, each its points and logits' rows."""
+        from parity.engines import vllm_trace
         self._fresh()
         if getattr(self, "_tracer", None) is None:
             self._tracer = self.llm.collective_rpc(vllm_trace.install)[0]
@@ -415,15 +450,12 @@ class VLLMEngine:
                 raise ParityError("engine=vllm: this model's layers in vLLM are not of the Llama "
                                   "family's shape, which --locate traces; use engine=hf")
         t = self._tracer
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        for ids in sequences:
-            t.points, t.logits, t.on = {}, [], True
-            try:
-                self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            finally:
-                t.on = False
-            logits = vllm_trace.traced_logits(t.logits, len(ids))
-            yield {**t.points, **({"logits": logits} if logits is not None else {})}
+        t.forwards, t.on = [], True
+        try:
+            self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        finally:
+            t.on = False
+        return t.forwards
 
     def replica(self) -> tuple[Any, dict[str, Any]]:
         """How another process builds this engine: `builder(device=..., **kwargs)`."""

@@ -5,10 +5,14 @@ vLLM's decoder layers (Llama, Qwen2, Qwen3, Mistral) pass the residual stream be
 state and add it inside the next norm (`input_layernorm(x, residual)` returns the normed sum and
 the sum): the stream after layer i is what layer i+1's input norm, or the final norm, returns as
 its second output, and the stream after attention's add is what the post-attention norm returns
-second. That sum is what vLLM keeps (in its dtype), so it is what is compared. The logits are
-vLLM's own head, read from `compute_logits`: the sampled position's row, and with
-`prompt_logprobs` every other position's. The traced forward is a prefill of the whole
-sequence, which vLLM runs eagerly even where it replays CUDA graphs (those are decode-only).
+second. That sum is what vLLM keeps (in its dtype), so it is what is compared. Its attention
+projects q, k and v in one matmul (`qkv_proj`, split here at the attention's q_size and
+kv_size), rotates them in one module shared by every layer (`rotary_emb`, which returns q and
+k), and its MLP projects
+gate and up in one (`gate_up_proj`, gate first, as `SiluAndMul` reads it). The logits are vLLM's
+own head, read from `compute_logits`. Every forward is recorded apart (`forwards`): a prefill of
+the whole sequence, or the decode step after it. vLLM runs both eagerly on the CPU and wherever
+parity's traces run it (CUDA graphs replay decode steps only where asked for).
 Private vLLM interfaces: `tests/test_vllm_real.py` holds them to the trainer's own trace.
 """
 
@@ -20,72 +24,105 @@ import torch
 
 from parity.models.trace import keep
 
+# The architectures whose vLLM layers the hooks know (checked before an audit samples).
+TRACED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
 
 class Tracer:
-    """Hooks on one vLLM model in the worker; `points` fills at each forward while `on`."""
+    """Hooks on one vLLM model in the worker; while `on`, each forward appends its points and
+    its logits' rows to `forwards`."""
 
     def __init__(self, model: Any):
         inner = model.model
-        self.points: dict[str, torch.Tensor] = {}
-        self.logits: list[torch.Tensor] = []
+        self.forwards: list[tuple[dict[str, torch.Tensor], list[torch.Tensor]]] = []
         self.on = False
+        self.rows = 0    # the tokens of the forward running
+        self.layer = 0   # the layer running
         layers = inner.layers
         last = len(layers) - 1
-
-        def hook(fn: Any) -> Any:
-            def run(mod: Any, args: tuple, kwargs: dict, out: Any) -> None:
-                if self.on:
-                    fn(args, kwargs, out)
-            return run
-
-        def put(name: str) -> Any:
-            return hook(lambda a, k, out: self.points.__setitem__(name, keep(out)))
-
-        def input_norm(i: int) -> Any:
-            def f(a: tuple, k: dict, out: Any) -> None:
-                if isinstance(out, tuple):   # (normed, the stream after layer i − 1)
-                    self.points[f"layers.{i - 1}.output"] = keep(out[1])
-                self.points[f"layers.{i}.input_norm"] = keep(out)
-            return hook(f)
-
-        def post_norm(i: int) -> Any:
-            def f(a: tuple, k: dict, out: Any) -> None:
-                self.points[f"layers.{i}.post_norm"] = keep(out)
-                self.points[f"layers.{i}.attention_add"] = keep(out[1])
-            return hook(f)
-
-        def final(a: tuple, k: dict, out: Any) -> None:
-            self.points["final_norm"] = keep(out)
-            self.points[f"layers.{last}.output"] = keep(out[1])
-
-        def embed(mod: Any, args: tuple, kwargs: dict) -> None:
-            if self.on:
-                x = args[1] if len(args) > 1 else kwargs["hidden_states"]
-                self.points["embed"] = keep(x)
-
-        self.handles = [layers[0].register_forward_pre_hook(embed, with_kwargs=True),
-                        inner.norm.register_forward_hook(hook(final), with_kwargs=True)]
-        for i, layer in enumerate(layers):
-            self.handles += [
-                layer.input_layernorm.register_forward_hook(input_norm(i), with_kwargs=True),
-                layer.self_attn.register_forward_hook(put(f"layers.{i}.attention"),
-                                                      with_kwargs=True),
-                layer.post_attention_layernorm.register_forward_hook(post_norm(i),
-                                                                     with_kwargs=True),
-                layer.mlp.register_forward_hook(put(f"layers.{i}.mlp"), with_kwargs=True)]
+        self.handles = [layers[0].register_forward_pre_hook(self._embed, with_kwargs=True),
+                        inner.norm.register_forward_hook(self._hook(
+                            lambda pts, out: self._stream(pts, out, "final_norm",
+                                                          f"layers.{last}.output")),
+                            with_kwargs=True)]
+        # vLLM builds one rotary module for all layers (`get_rope` caches it): its hook names
+        # the layer running, which a pre-hook on each layer sets.
+        self.handles += [layer.register_forward_pre_hook(
+            lambda m, args, i=i: setattr(self, "layer", i)) for i, layer in enumerate(layers)]
+        ropes = {id(r): r for r in (getattr(x.self_attn, "rotary_emb", None) for x in layers)
+                 if r is not None}
+        self.handles += [r.register_forward_hook(self._hook(self._rope), with_kwargs=True)
+                         for r in ropes.values()]
+        # per layer, so that a test can take one layer's away
+        self.layer_handles = {i: [m.register_forward_hook(self._hook(f), with_kwargs=True)
+                                  for m, f in self._layer_hooks(i, layer)]
+                              for i, layer in enumerate(layers)}
         compute = model.compute_logits
 
         def compute_logits(hidden: torch.Tensor, *a: Any, **kw: Any) -> Any:
             out = compute(hidden, *a, **kw)
-            if self.on and out is not None:
-                self.logits.append(keep(out))
+            if self.on and out is not None and self.forwards:
+                self.forwards[-1][1].append(keep(out))
             return out
 
         model.compute_logits = compute_logits
         self._restore = lambda: setattr(model, "compute_logits", compute)
 
+    def _layer_hooks(self, i: int, layer: Any) -> list[tuple[Any, Any]]:
+        """(module, what its output gives) for layer i's modules that exist."""
+        attn, mlp = layer.self_attn, layer.mlp
+        name = lambda p: f"layers.{i}.{p}"   # noqa: E731
+        put = lambda p: lambda pts, out: pts.__setitem__(name(p), keep(out, self.rows))  # noqa
+        on = [(layer.input_layernorm, lambda pts, out: self._input_norm(pts, out, i)),
+              (attn, put("attention")),
+              (layer.post_attention_layernorm,
+               lambda pts, out: self._stream(pts, out, name("post_norm"), name("attention_add"))),
+              (mlp, put("mlp"))]
+        sub = {"qkv_proj": self._parts((name("q"), name("k"), name("v")),
+                                       lambda: [attn.q_size, attn.kv_size, attn.kv_size]),
+               "q_norm": put("q_norm"), "k_norm": put("k_norm"), "attn": put("attn_kernel")}
+        mlp_sub = {"gate_up_proj": self._parts((name("gate"), name("up")), lambda: None),
+                   "act_fn": put("act")}
+        return on + [(getattr(attn, n), f) for n, f in sub.items() if hasattr(attn, n)] \
+            + [(getattr(mlp, n), f) for n, f in mlp_sub.items() if hasattr(mlp, n)]
+
+    def _hook(self, fn: Any) -> Any:
+        def run(mod: Any, args: tuple, kwargs: dict, out: Any) -> None:
+            if self.on and self.forwards:
+                fn(self.forwards[-1][0], out)
+        return run
+
+    def _embed(self, mod: Any, args: tuple, kwargs: dict) -> None:
+        if self.on:   # a forward starts
+            x = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            self.rows = x.shape[0]
+            self.forwards.append(({"embed": keep(x, self.rows)}, []))
+
+    def _parts(self, names: tuple[str, ...], sizes: Any) -> Any:
+        """A fused projection's output split into its parts (halves where `sizes()` is None)."""
+        def f(pts: dict, out: Any) -> None:
+            x = keep(out, self.rows)
+            for name, part in zip(names, x.split(sizes() or x.shape[-1] // 2, dim=-1)):
+                pts[name] = part
+        return f
+
+    def _stream(self, pts: dict, out: Any, normed: str, stream: str) -> None:
+        """A norm fused with the residual add: (normed, the stream it added)."""
+        pts[normed] = keep(out, self.rows)
+        pts[stream] = keep(out[1], self.rows)
+
+    def _input_norm(self, pts: dict, out: Any, i: int) -> None:
+        if isinstance(out, tuple):   # (normed, the stream after layer i − 1)
+            pts[f"layers.{i - 1}.output"] = keep(out[1], self.rows)
+        pts[f"layers.{i}.input_norm"] = keep(out, self.rows)
+
+    def _rope(self, pts: dict, out: Any) -> None:
+        pts[f"layers.{self.layer}.q_rope"] = keep(out[0], self.rows)
+        pts[f"layers.{self.layer}.k_rope"] = keep(out[1], self.rows)
+
     def close(self) -> None:
-        for h in self.handles:
+        for h in self.handles + [h for hs in self.layer_handles.values() for h in hs]:
             h.remove()
         self._restore()
 
@@ -97,8 +134,7 @@ def install(worker: Any) -> Tracer | None:
     model = getattr(runner, "model", None)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    names = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    if layers is None or not all(hasattr(layers[0], n) for n in names) or \
+    if layers is None or not all(hasattr(layers[0], n) for n in _LAYER) or \
             not hasattr(model, "compute_logits"):
         return None
     return Tracer(model)

@@ -27,6 +27,7 @@ from parity.logprobs import (
     seen_before,
 )
 from parity.runs.distributed import sharded
+from parity.ui import say
 
 # logprob_chunk's value that scores a whole forward's logits at once, as the model returns them.
 WHOLE = -1
@@ -57,11 +58,47 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)  # DDP holds the model as .module
 
 
+# Positions the check at first use scores both ways: enough to see a scale or a cap.
+PROBE_POSITIONS = 4
+
+
 def _transforms_logits(model: torch.nn.Module) -> bool:
     """The model changes its logits after the output projection (Gemma 2's soft-capping,
-    Cohere's scale), so the head alone does not give them."""
+    Cohere's and Granite's scales, Falcon-H1's multiplier), so the head alone does not give
+    them. Known from the config where it names the change; otherwise measured once per model
+    (`head_gives_logits`)."""
     cfg = _unwrapped(model).config
-    return bool(getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None))
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return True
+    return not head_gives_logits(model)
+
+
+@torch.no_grad()
+def head_gives_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's output projection of its last hidden state is its logits, measured
+    on a few positions the first time a model is asked (the answer kept on the model); where it
+    is not, one line says so and the model is scored from its own logits."""
+    m = _unwrapped(model)
+    known = m.__dict__.get("_parity_head_gives_logits")
+    if known is not None:
+        return known
+    dev = next(m.parameters()).device
+    ids = (torch.arange(PROBE_POSITIONS, device=dev)[None] + 1) % m.config.vocab_size
+    mask = torch.ones_like(ids)
+    with _gathered(model):
+        h = last_hidden(model, ids, mask)
+        head = m.get_output_embeddings()(h)
+        own = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    use_cache=False).logits
+    diff = float((head.float() - own.float()).abs().max())
+    scale = float(own.float().abs().max())
+    same = head.shape == own.shape and diff <= 1e-3 * max(scale, 1e-6)
+    m.__dict__["_parity_head_gives_logits"] = same
+    if not same:
+        say(f"{type(m).__name__}: its logits are not its output projection's (they differ by up "
+            f"to {diff:.3g} of {scale:.3g} on {PROBE_POSITIONS} positions): scored from its own "
+            f"logits, whole (logprob_chunk={WHOLE})")
+    return same
 
 
 def _check_chunkable(model: torch.nn.Module) -> None:
@@ -207,9 +244,15 @@ def score_right_padded(model: torch.nn.Module, r: Rollout, s: Sampling) -> torch
         ids[b, :n] = r.prompt_ids[b, r.prompt_ids.shape[1] - n:]
         ids[b, n:n + T] = r.completion_ids[b]
         mask[b, :n], mask[b, n:n + T] = 1, r.completion_mask[b].long()
-    h = last_hidden(model, ids, mask)
     # row b's completion token j is predicted at position plen[b] - 1 + j
     at = (plen - 1)[:, None] + torch.arange(T, device=ids.device)[None]
+    if _transforms_logits(model):   # its own logits, whole, as score_full scores it
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                       use_cache=False).logits
+        logits = logits.gather(1, at[..., None].expand(B, T, logits.shape[-1]))
+        seen = seen_in(r, logits.shape[-1], s)
+        return logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
+    h = last_hidden(model, ids, mask)
     h = h.gather(1, at[..., None].expand(B, T, h.shape[-1]))
     return _from_hidden(model, _head(model), h, r, s, 0)
 

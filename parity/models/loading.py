@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from parity.errors import ParityError, one_line
 from parity.files import check_safetensors, quiet_libraries
+from parity.models.forward import head_gives_logits
 
 # Model types whose transformers "causal LM" class is an encoder run as a decoder: their
 # weights were trained bidirectionally, so their log-probs are not a policy's.
@@ -74,6 +75,7 @@ def load_policy(model_dir: Path) -> tuple[torch.nn.Module, Any]:
     except Exception as e:
         raise ParityError(f"cannot load a causal LM from {model_dir}: {one_line(e)}") from None
     _check_weights_fit(model, info, model_dir)
+    head_gives_logits(model)   # chunked scoring proves itself here, its one line at load
     try:
         with quiet_libraries():
             tok = AutoTokenizer.from_pretrained(model_dir)

@@ -257,6 +257,25 @@ def without_patches(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+ROPE_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+@torch.no_grad()
+def rope_tables_as_master(master: torch.nn.Module, copy_: torch.nn.Module) -> None:
+    """RoPE's inverse frequencies in the copy as the master holds them (fp32). A model cast with
+    `.to(bf16)` rounds them to bf16, which a model loaded in bf16 (transformers, vLLM) does not:
+    its angles, position × frequency, would be off by up to a few hundredths of a radian per
+    hundred positions, a gap that grows along the sequence. Matched by order: the copy has the
+    master's modules."""
+    theirs = [b for n, b in master.named_buffers() if n.rsplit(".", 1)[-1] in ROPE_BUFFERS]
+    mine = [(m, n) for m in copy_.modules() for n in ROPE_BUFFERS if n in m._buffers
+            and m._buffers[n] is not None]
+    if len(theirs) != len(mine):
+        return
+    for (m, n), b in zip(mine, theirs):
+        m._buffers[n] = full_tensor(b).detach().clone()
+
+
 def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool = False
                        ) -> torch.nn.Module:
     """An eval-mode, grad-free copy of the master in `dtype` (the engine's or the shadow's),
@@ -266,6 +285,7 @@ def low_precision_copy(master: torch.nn.Module, dtype: str, lm_head_fp32: bool =
         copy_ = lora.engine_copy(master, torch_dtype(dtype))
     else:
         copy_ = copy.deepcopy(master).to(torch_dtype(dtype)).eval()
+    rope_tables_as_master(master, copy_)
     without_patches(copy_)
     for p in copy_.parameters():
         p.requires_grad_(False)
