@@ -224,3 +224,14 @@ def test_the_engines_copy_keeps_ropes_frequencies_as_a_model_loaded_in_bf16_does
     got = copy_.model.rotary_emb.inv_freq
     assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
     assert copy_.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_a_bf16_engine_against_a_bf16_trainer_is_read_against_precision_not_the_floor(master):
+    """The same dtype on both sides is not agreement: a bf16 trainer runs under autocast over
+    fp32 weights, its engine on a bf16 copy, and they part by a bf16 rounding."""
+    a = AuditSettings(model="m", task="neg-length", engine_dtype="bf16", trainer_dtype="bf16")
+    res = loc.locate(master, HFEngine(master, "bf16", 1, 0), a, sequences(), "engine=hf")
+    assert res["named"] is None and "the gap is precision" in res["finding"]
+    assert "stays within" not in res["finding"]
+    assert loc.advice({"metrics": {}, "locate": {"self_gap": [], "layers": res}}) == [
+        f"no op of the engine's rises above precision: {fd.PRECISION}"]

@@ -111,11 +111,18 @@ def finding(loc: dict[str, Any], engine: str, engine_dtype: str, trainer_dtype: 
                 f"of resamples above {named['low']:.3g}x){at}")
     untraced = (f" ({len(missing)} of {len(points)} points not traced, nothing claimed there)"
                 if missing else "")
-    if engine_dtype == trainer_dtype:
+    if _within_floor(loc):
         return (f"{engine} in {engine_dtype} stays within {FLOOR:g} of the {trainer_dtype} "
                 f"trainer at every traced point{untraced}: no op of the engine's is a cause{at}")
     return (f"nothing in {engine}'s forward rises above {engine_dtype} precision by {RISE:g}x at "
             f"any traced point{untraced}: the gap is precision{at}")
+
+
+def _within_floor(loc: dict[str, Any]) -> bool:
+    """The engine's median error against the trainer is under FLOOR at every traced point
+    (fp32 on both sides): there is no gap to place."""
+    med = [v for v in loc["curves"]["engine"]["median"] if v is not None]
+    return bool(med) and max(med) < FLOOR
 
 
 def details(loc: dict[str, Any]) -> list[str]:
@@ -139,7 +146,7 @@ def advice(loc: dict[str, Any]) -> str | None:
         when = " in decode steps" if named["pass"] == "decode" else ""
         return (f"where the engine's kernels matter{when}: {tr.describe(named['point'])} "
                 f"({named['op']}); {SUGGEST[named['op']]}")
-    if "engine" in loc.get("curves", {}) and loc["engine_dtype"] != loc["trainer_dtype"] and \
+    if "engine" in loc.get("curves", {}) and not _within_floor(loc) and \
             len(loc["missing"].get("engine", [])) < len(loc["points"]):
         return f"no op of the engine's rises above precision: {PRECISION}"
     return None
