@@ -90,6 +90,11 @@ def low_precision_copy(model):
     # the queries: the same sums in products of other shapes, which may round apart.
     low = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
     low.set_attn_implementation("eager")
+    # RoPE's inverse frequencies stay fp32, as in a model transformers or vLLM loads in bf16:
+    # rounded to bf16, the angles drift along the sequence.
+    for mine, theirs in zip(low.modules(), model.modules()):
+        if isinstance(getattr(theirs, "inv_freq", None), torch.Tensor):
+            mine.inv_freq = theirs.inv_freq.clone()
     return low
 
 

@@ -614,7 +614,8 @@ class _CtrlC:
     KeyboardInterrupt that lands in a `__del__` the garbage collector is running (the regex
     module's, as a tokenizer loads) is printed as "Exception ignored" and dropped, so whether
     the run stops depends on the moment. Here SIGINT is parity's own, and a dropped interrupt
-    is raised again in the code the collector interrupted."""
+    is raised again in the code the collector interrupted. An interrupt while a module imports
+    waits for the import to finish (an extension's C++ would abort on it)."""
 
     def __init__(self) -> None:
         self.seen, self._owned, self._before = False, False, None
@@ -640,6 +641,12 @@ class _CtrlC:
             if frame.f_code is self._unraisable.__code__:
                 self._again()   # raised in the hook, it would be dropped once more
                 return
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                # A module is importing, and an extension's initialisation may be running
+                # Python for C++ (pybind11): a KeyboardInterrupt thrown through it aborts the
+                # process (SIGABRT, nothing cleaned up). Taken once the import is done.
+                self._again(0.05)
+                return
             frame = frame.f_back
         raise KeyboardInterrupt
 
@@ -650,15 +657,19 @@ class _CtrlC:
             self._hook(u)
 
     @staticmethod
-    def _again() -> None:
-        """SIGINT once more, 10 ms from now and from another thread: by then the hook that
-        asks for it has returned, and the main thread takes it in the code it runs next."""
+    def _again(after_s: float = 0.01) -> None:
+        """SIGINT once more, `after_s` from now and from another thread: by then the hook (or
+        the import) that asks for it has returned, and the main thread takes it in the code it
+        runs next."""
         import _thread
         import signal
+        import threading
+        main = threading.main_thread().ident
 
         def later() -> None:
-            time.sleep(0.01)
-            _thread.interrupt_main(signal.SIGINT)
+            time.sleep(after_s)
+            # a signal to the main thread itself, which also cuts short a wait it is in
+            signal.pthread_kill(main, signal.SIGINT)
         _thread.start_new_thread(later, ())
 
 

@@ -543,3 +543,26 @@ def test_a_deleted_working_directory_is_one_line_from_the_entry_point(tmp_path, 
     p = run_main("recipes")
     assert_user_error(p, "the current directory was deleted")
     assert p.stdout == ""
+
+
+def test_a_ctrl_c_while_a_module_imports_is_taken_once_the_import_is_done(tmp_path, monkeypatch):
+    """An extension module's initialisation may run Python for C++ (pybind11), and a
+    KeyboardInterrupt thrown through it aborts the process (SIGABRT): parity takes an
+    interrupt that lands in an import when the import has finished, and then at once."""
+    import signal
+    import sys
+    import time
+
+    from parity import cli as parity_cli
+    (tmp_path / "interrupted_mid_import.py").write_text(
+        "import signal, time\nsignal.raise_signal(signal.SIGINT)\ntime.sleep(0.2)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t0 = time.monotonic()
+    with parity_cli._CtrlC() as ctrl_c:
+        with pytest.raises(KeyboardInterrupt):
+            import interrupted_mid_import  # noqa: F401
+            time.sleep(5)   # the interrupt is taken here, after the import
+    assert sys.modules["interrupted_mid_import"].DONE and ctrl_c.seen
+    assert time.monotonic() - t0 < 2
+    assert signal.getsignal(signal.SIGINT) is not ctrl_c._on_sigint
+    sys.modules.pop("interrupted_mid_import")

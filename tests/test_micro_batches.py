@@ -171,6 +171,13 @@ def test_chunked_logprobs_give_the_whole_logits_step(text_model, tmp_path, case)
     # Under fp16 autocast each chunk's head gradient is an fp16 product rounded on its own
     # (fp16's relative rounding is 4.9e-4) before the chunks are summed in fp32.
     rel = 2e-3 if case.startswith("fp16") else 2e-4
+    if kw.get("recipe") in ("bf16-engine", "fp16"):
+        # One step: its two minibatches' updates on one rollout. A second step samples from the
+        # engine's low-precision cast of weights the chunks left apart in their last fp32 bits;
+        # a cast that rounds the other way moves ℓ_μ, and with it a clip, a token's weight or a
+        # draw. fp16 chunks of 5: the first step 1.5e-4 of the update apart, both 4.2e-2, on a
+        # CPU without AMX (step 2's gradient norm 0.2% apart).
+        kw = {**kw, "steps": 1}
     whole, m0 = _run(tmp_path, "whole", logprob_chunk=-1, **kw)
     for name, chunk in (("default", 0), ("five", 5)):
         chunked, m1 = _run(tmp_path, name, logprob_chunk=chunk, **kw)
@@ -276,6 +283,10 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
         r = eng.generate(prompts, 60, Sampling(), g, record_rows=[1, 6, 11], max_batch=n)
         out[n] = r, torch.rand(4, generator=g)
     (r0, after0) = out[0]
+    # fp32 products give a row the same bits in any batch; bf16 ones may not (on a CPU whose
+    # bf16 kernels depend on the batch's shape): ℓ_μ within bf16's rounding, as in
+    # `_same_until_a_draw_falls_the_other_way`, even where every draw lands the same.
+    atol = 0.05 if dtype == "bf16" else 1e-5
     for n in (5, 1):
         r, after = out[n]
         if dtype == "bf16" and not torch.equal(r.completion_ids, r0.completion_ids):
@@ -283,10 +294,10 @@ def test_the_engine_samples_in_pieces_with_the_same_results(text_model, dtype):
             continue
         assert torch.equal(r.completion_ids, r0.completion_ids)
         assert torch.equal(r.completion_mask, r0.completion_mask)
-        torch.testing.assert_close(r.engine_logprobs, r0.engine_logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.engine_logprobs, r0.engine_logprobs, atol=atol, rtol=0)
         assert r.dist_rows.tolist() == [1, 6, 11]
         valid = r0.completion_mask[[1, 6, 11]] > 0  # past a row's end its distribution is unused
-        torch.testing.assert_close(r.dists[valid], r0.dists[valid], atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.dists[valid], r0.dists[valid], atol=atol, rtol=0)
         assert torch.equal(after, after0)
     assert r0.completion_mask.sum(-1).float().std() > 0  # rows of different lengths were cut
 

@@ -239,6 +239,28 @@ def test_a_nudged_op_in_vllm_changes_its_trace_from_that_op_on(master, engine, n
     nudged_op_is_named(master[0], engine, name, first)
 
 
+def test_one_row_of_vllms_fused_gate_up_is_named_at_up_and_nothing_before(master, engine):
+    """vLLM's fused `gate_up_proj` with one row of its up half scaled (the master's up_proj row
+    5 by 3, synced): --locate names layer 1's up projection, from vLLM's own trace, with the
+    gate half and everything before it on the precision curve."""
+    from parity.audit import locate as loc
+    from parity.config import AuditSettings
+    model, tok = master
+    moved = type(model)(model.config)
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        moved.model.layers[1].mlp.up_proj.weight[5].mul_(3.0)
+    seqs = [prompts_of(tok)[i] + [5, 9, 14, 3, 27, 8, 11, 40] for i in range(3)]
+    a = AuditSettings(model="m", task="neg-length", engine="vllm", engine_dtype="bf16")
+    try:
+        engine.sync(moved)
+        res = loc.locate(model, engine, a, seqs, "engine=vllm")
+    finally:
+        engine.sync(model)
+    assert (res["named"]["point"], res["op"]) == ("layers.1.up", "matmul"), res["finding"]
+    assert "from layer 1's up projection (matmul)" in res["finding"]
+
+
 def test_a_vllm_trace_without_one_layers_hooks_says_those_points_and_claims_nothing(master,
                                                                                    engine):
     """vLLM's hooks at layer 1 removed (as a compiled layer, or a renamed module, would leave
