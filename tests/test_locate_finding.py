@@ -235,3 +235,20 @@ def test_a_bf16_engine_against_a_bf16_trainer_is_read_against_precision_not_the_
     assert "stays within" not in res["finding"]
     assert loc.advice({"metrics": {}, "locate": {"self_gap": [], "layers": res}}) == [
         f"no op of the engine's rises above precision: {fd.PRECISION}"]
+
+
+def test_logits_that_overflowed_are_left_out_and_counted_every_figure_finite():
+    """An fp16 forward's logits can overflow; a token no side gives mass to is -inf on both:
+    the figures stay finite, the overflowed position is left out and said once."""
+    ref = torch.tensor([[1.0, 2.0, float("-inf")], [0.5, -1.0, 3.0], [0.0, 1e4, -1e4]])
+    x = ref.clone()
+    x[1, 0] = float("inf")   # position 1 overflowed in the engine
+    located = loc.Located(["logits"])
+    located.logits("engine", {"logits": x}, {"logits": ref}, [0, 1, 0, 1], 1)
+    got = located.logit_summary()["engine"]
+    assert got["left_out"] == 1 and got["tokens"] == 2
+    assert all(v is not None and torch.isfinite(torch.tensor(float(v)))
+               for k, v in got.items())
+    res = {"logits": {"engine": got}, "missing": {}, "first_difference": None}
+    assert fd.details(res) == ["at the logits (engine): 1 positions whose logits are not "
+                               "finite, left out"]

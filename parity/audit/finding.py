@@ -26,7 +26,8 @@ from parity.models import trace as tr
 # gives about √2).
 RISE = 2.0
 # A relative error of 1e-4 is a fifth of fp16's unit roundoff (4.9e-4) and far under bf16's
-# (3.9e-3): below it no op is named. fp32 kernels that sum in another order part by about 1e-7.
+# (3.9e-3): below it no op is named; fp32 kernels that sum in another order part far below it
+# (tests/test_locate_finding.py, fp32 on both sides).
 FLOOR = 1e-4
 BOOT = 200
 LOW = 0.05   # the interval's lower quantile
@@ -132,6 +133,10 @@ def details(loc: dict[str, Any]) -> list[str]:
     if first:
         out.append(f"first bit-level difference from the trainer's own {loc['engine_dtype']} "
                    f"forward: {tr.describe(first)} ({tr.kind(first)})")
+    for c, v in loc.get("logits", {}).items():
+        if v.get("left_out"):
+            out.append(f"at the logits ({c}): {v['left_out']} positions whose logits are not "
+                       f"finite, left out")
     for c, pts in loc["missing"].items():
         if pts:
             shown = ", ".join(pts[:6]) + (f" and {len(pts) - 6} more" if len(pts) > 6 else "")

@@ -195,22 +195,30 @@ class Located:
         rows = slice(start - 1, len(ids) - 1) if ids is not None else slice(None)
         lx = torch.log_softmax(x["logits"][rows].double(), -1)
         lr = torch.log_softmax(ref["logits"][rows].double(), -1)
-        into = self.logit_rows.setdefault(comparison, {})
-        into.setdefault("kl", []).append((lr.exp() * (lr - lx)).sum(-1))
+        p = lr.exp()   # a token the reference gives no mass adds nothing, whatever x gives it
+        kl = torch.where(p > 0, p * (lr - lx), torch.zeros_like(p)).sum(-1)
+        dl = None
         if ids is not None:
             nxt = torch.tensor(ids[start:], device=lx.device)[:, None]
-            into.setdefault("dlogp", []).append((lx.gather(-1, nxt) - lr.gather(-1, nxt))
-                                                .squeeze(-1).abs())
+            dl = (lx.gather(-1, nxt) - lr.gather(-1, nxt)).squeeze(-1).abs()
+        # A position whose logits overflowed (an fp16 forward) gives no figure: left out, counted.
+        ok = torch.isfinite(kl) & (torch.isfinite(dl) if dl is not None else True)
+        into = self.logit_rows.setdefault(comparison, {})
+        into.setdefault("kl", []).append(kl[ok])
+        into.setdefault("left_out", []).append(torch.tensor([int((~ok).sum())]))
+        if dl is not None:
+            into.setdefault("dlogp", []).append(dl[ok])
 
     def logit_summary(self) -> dict[str, dict[str, float | int | None]]:
         out = {}
         for c, rows in self.logit_rows.items():
             kl = torch.cat(rows["kl"])
-            dl = torch.cat(rows["dlogp"]) if "dlogp" in rows else None
-            has = dl is not None and dl.numel() > 0
-            out[c] = {"tokens": int(kl.numel()), "kl_mean": float(kl.mean()),
-                      "abs_dlogp_mean": float(dl.mean()) if has else None,
-                      "abs_dlogp_max": float(dl.max()) if has else None}
+            dl = torch.cat(rows["dlogp"]) if "dlogp" in rows else torch.zeros(0)
+            out[c] = {"tokens": int(kl.numel()),
+                      "kl_mean": float(kl.mean()) if kl.numel() else None,
+                      "abs_dlogp_mean": float(dl.mean()) if dl.numel() else None,
+                      "abs_dlogp_max": float(dl.max()) if dl.numel() else None,
+                      "left_out": int(torch.cat(rows["left_out"]).sum())}
         return out
 
 

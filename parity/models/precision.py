@@ -264,8 +264,8 @@ ROPE_BUFFERS = ("inv_freq", "original_inv_freq")
 def rope_tables_as_master(master: torch.nn.Module, copy_: torch.nn.Module) -> None:
     """RoPE's inverse frequencies in the copy as the master holds them (fp32). A model cast with
     `.to(bf16)` rounds them to bf16, which a model loaded in bf16 (transformers, vLLM) does not:
-    its angles, position × frequency, would drift by up to 0.04-0.14 rad per hundred positions
-    (head size 64-128), a gap that grows along the sequence. Matched by order: the copy has the
+    its angles, position × frequency, would drift in proportion to the position, a gap that
+    grows along the sequence. Matched by order: the copy has the
     master's modules."""
     theirs = [b for n, b in master.named_buffers() if n.rsplit(".", 1)[-1] in ROPE_BUFFERS]
     mine = [(m, n) for m in copy_.modules() for n in ROPE_BUFFERS if n in m._buffers
