@@ -55,6 +55,16 @@ SEQ_LOG_RATIO_SLOPE = "mismatch/seq_log_ratio_slope"
 NON_FINITE_TOKENS = "mismatch/non_finite_tokens"
 POSITIVE_TOKENS = "mismatch/positive_tokens"
 
+ROUTING_FLIP_FRAC = "routing/flip_frac"
+ROUTING_FLIP_FRAC_LAYER = "routing/flip_frac_layer/{layer}"
+ROUTING_TOKEN_FLIP_FRAC = "routing/token_flip_frac"
+ROUTING_MARGIN_MEAN = "routing/margin_mean"
+ROUTING_MARGIN_AT_FLIPS = "routing/margin_at_flips"
+ROUTING_BETA_ABS_FLIPPED = "routing/beta_abs_flipped"
+ROUTING_BETA_ABS_UNFLIPPED = "routing/beta_abs_unflipped"
+ROUTING_PHANTOM_FLIPPED_SHARE = "routing/phantom_flipped_share"
+ROUTING_KL_K3_FLIPPED_SHARE = "routing/kl_k3_flipped_share"
+
 SYNC_CHANGED_FRAC = "sync/changed_frac"
 LOSS_POLICY = "loss/policy"
 LOSS_VALUE = "loss/value"
@@ -117,6 +127,7 @@ TOKENS_NATS = "nats per token"
 NO_TOKENS = "a step with no valid completion token"
 ASYNC_ONLY = "without `--async-engine`"
 AUDIT_ONLY = "`parity train` (an audit's metrics only)"
+MOE_ONLY = "a dense model, or an engine that returns no routing"
 
 # docs/design.md's table, in its order.
 ROWS: tuple[Row, ...] = (
@@ -177,6 +188,23 @@ ROWS: tuple[Row, ...] = (
          "positive, so these are something else, logits most often; left out of every figure "
          "above",
          (POSITIVE_TOKENS, "count", "no log-prob above 1e-3")),
+    _row("a mixture of experts' routing on the step's first update: the share of router "
+         "decisions (position × MoE layer) where the trainer's own top-k differs from the "
+         "engine's recorded one, overall and by MoE layer (from 0); the share of completion "
+         "tokens whose predicting position flipped in any layer (docs/moe.md)",
+         (ROUTING_FLIP_FRAC, "share of decisions", MOE_ONLY),
+         (ROUTING_FLIP_FRAC_LAYER, "share of decisions", MOE_ONLY),
+         (ROUTING_TOKEN_FLIP_FRAC, "share of tokens", MOE_ONLY)),
+    _row("the trainer's router margin, its k-th largest logit minus the (k+1)-th: over every "
+         "decision, and at the flips",
+         (ROUTING_MARGIN_MEAN, "router logit", MOE_ONLY),
+         (ROUTING_MARGIN_AT_FLIPS, "router logit", MOE_ONLY + "; no flip")),
+    _row("mean \\|β\\| on tokens with a flip and on tokens without; the flipped tokens' share "
+         "of the phantom clips and of k3's sum",
+         (ROUTING_BETA_ABS_FLIPPED, TOKENS_NATS, MOE_ONLY + "; no flip"),
+         (ROUTING_BETA_ABS_UNFLIPPED, TOKENS_NATS, MOE_ONLY),
+         (ROUTING_PHANTOM_FLIPPED_SHARE, "share of phantom clips", MOE_ONLY + "; no phantom clip"),
+         (ROUTING_KL_K3_FLIPPED_SHARE, "share of k3", MOE_ONLY)),
     _row("share of engine-precision weights changed at this step's sync",
          (SYNC_CHANGED_FRAC, "share of weights")),
     _row("the policy objective's loss alone, mean over the step's updates",

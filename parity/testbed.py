@@ -32,7 +32,8 @@ class ModelSpec:
     name: key in SPECS and the directory name under cache/models.
     kind: "arith" (SFT on `a+b=` problems, char tokenizer), "text" (LM on stdlib paragraphs) or
         "shape" (a real model's shape with random weights, untrained: for speed benches only).
-    arch: transformers architecture, "llama", "qwen2", "qwen3" or "gpt2".
+    arch: transformers architecture, "llama", "qwen2", "qwen3", "qwen3_moe" (a mixture of
+        experts: `MOE_EXPERTS` experts, `MOE_TOP_K` per token, in every layer) or "gpt2".
     n_layer, d_model, n_head: depth, width and attention heads.
     vocab_size: byte-level BPE vocab size for text models (a shape model's is padded to it with
         tokens no text encodes to); ignored for arith (fixed char vocab).
@@ -78,6 +79,11 @@ _ALL = [
     # logits fall out of cache; docs/performance.md), and more, smaller steps learn more in a
     # fixed budget.
     _text("text", "llama", 6, 256, 4096, 320, desc="default model for the neg-length task"),
+    # Mixtures of experts on the same text (parity/models/routing.py, docs/moe.md).
+    _text("moe-xs", "qwen3_moe", 2, 64, 512, 200, batch=16, lr=3e-3, seq=64,
+          desc="test-size mixture of experts (Qwen3-MoE: 8 experts, top-2)"),
+    _text("moe", "qwen3_moe", 4, 256, 4096, 320,
+          desc="mixture of experts for the neg-length task (Qwen3-MoE: 8 experts, top-2)"),
     # The ladder varies one of depth, width, vocab around ladder-base (4 x 256, vocab 4096); every
     # point sees the same tokens (200 steps), so the points differ only in shape.
     _text("ladder-d2", "qwen2", 2, 256, 4096, 200, desc="ladder: depth 2"),
@@ -117,6 +123,7 @@ LADDER_AXES: dict[str, list[str]] = {
 
 
 _MAX_POS = 256
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 _EOS_TEXT, _PAD_TEXT = "<|endoftext|>", "<|pad|>"
 _ARITH_VOCAB = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "-", "*", "=", " "]
 _DONE = "testbed.json"  # written last: its presence marks a finished build
@@ -131,6 +138,10 @@ def _n_params(s: ModelSpec) -> int:
     d, v = s.d_model, s.vocab_size or len(_ARITH_VOCAB)
     if s.arch == "gpt2":  # tied head, learned positions, 4d MLP
         return s.n_layer * 12 * d * d + (v + _MAX_POS) * d
+    if s.arch == "qwen3_moe":   # attention at head size 128, experts of width d/2, the router
+        heads = s.n_head * 128
+        attn = d * heads * 2 + d * (heads // 2) * 2
+        return s.n_layer * (attn + MOE_EXPERTS * 3 * d * (d // 2) + MOE_EXPERTS * d) + 2 * v * d
     return s.n_layer * (4 * d * d + 3 * d * _mlp_width(d)) + 2 * v * d
 
 
@@ -219,6 +230,21 @@ def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
                              intermediate_size=3 * spec.d_model,
                              max_position_embeddings=max(4096, spec.seq_len),
                              tie_word_embeddings=True, **ids)
+    elif spec.arch == "qwen3_moe":
+        # Qwen3-30B-A3B's proportions: head size 128, half as many key-value heads, experts
+        # whose MLP is half the width, top-k weights renormalised; every layer sparse. Trained
+        # with the load-balancing loss its release used, so the experts share the tokens and
+        # the router sees real near ties (parity/models/routing.py).
+        cfg = tf.Qwen3MoeConfig(num_hidden_layers=spec.n_layer, hidden_size=spec.d_model,
+                                num_attention_heads=spec.n_head,
+                                num_key_value_heads=max(1, spec.n_head // 2), head_dim=128,
+                                num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                                moe_intermediate_size=spec.d_model // 2,
+                                intermediate_size=3 * spec.d_model, norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[],
+                                router_aux_loss_coef=0.01, output_router_logits=True,
+                                max_position_embeddings=max(_MAX_POS, spec.seq_len),
+                                tie_word_embeddings=False, **ids)
     elif spec.arch in ("llama", "qwen2"):
         cls = tf.LlamaConfig if spec.arch == "llama" else tf.Qwen2Config
         # Untied head: the head's precision behaviour is one of the things parity studies.
@@ -228,8 +254,8 @@ def _model(spec: ModelSpec, vocab: int, eos: int, pad: int):
                   max_position_embeddings=max(_MAX_POS, spec.seq_len), tie_word_embeddings=False,
                   **ids)
     else:
-        raise ParityError(f"unknown testbed arch {spec.arch!r}; expected llama, qwen2, qwen3 "
-                          f"or gpt2")
+        raise ParityError(f"unknown testbed arch {spec.arch!r}; expected llama, qwen2, qwen3, "
+                          f"qwen3_moe or gpt2")
     model = tf.AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
@@ -359,6 +385,8 @@ def _build_into(tmp: Path, spec: ModelSpec, progress: bool) -> None:
         raise ParityError(f"unknown testbed kind {spec.kind!r}")
     model = _model(spec, len(tok), tok.eos_token_id, tok.pad_token_id)
     loss = _train(model, batches, spec, progress) if batches is not None else None
+    # the load-balancing loss is a training term: a saved model's forward returns no router logits
+    model.config.output_router_logits = False
     info = {"spec": asdict(spec), "torch": torch.__version__, "bf16": cpu_bf16.describe(),
             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "final_train_loss": loss,

@@ -55,7 +55,7 @@ from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_t
 from parity.errors import ParityError
 from parity.files import LineLog, write_failure
 from parity.logprobs import Rollout, Sampling
-from parity.models import lora
+from parity.models import lora, routing
 from parity.models.forward import (
     disable_dropout,
     pieces,
@@ -78,7 +78,7 @@ from parity.objectives import (
     units,
     whiten,
 )
-from parity.runs import checkpoints, distributed, memory
+from parity.runs import checkpoints, distributed, memory, routing_gap
 from parity.runs.dirs import (
     DirLock,
     check_run_dir,
@@ -190,8 +190,12 @@ def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
     texts = run.tok.batch_decode(comp_ids, skip_special_tokens=True)
     total, parts = run.task.reward_parts(plan.rows, texts, comp_ids)
     rewards = torch.tensor(total, device=run.device)
+    # The engine's routing is measured against the trainer's at the first update; the
+    # forwards route with it only under replay (a rollout's record is what scoring replays).
+    routed = r.routed.to(run.device) if r.routed is not None else None
+    r = r if cfg.routing_replay else dataclasses.replace(r, routed=None)
     data = StepData(step=step, rollout=r, rewards=rewards, prep=prepare(run, r, rewards),
-                    minibatch=len(plan.rows) // cfg.minibatches)
+                    minibatch=len(plan.rows) // cfg.minibatches, routed=routed)
     devices.synchronize(run.device)  # the stage times are the device's work, not its queueing
     t1 = time.perf_counter()
     u, skipped_before = Updates(), run.scaler.skipped
@@ -287,6 +291,7 @@ class StepData:
     rewards: torch.Tensor
     prep: Prepared
     minibatch: int                         # rows per minibatch
+    routed: torch.Tensor | None = None     # the engine's routing, [B, P + T, L, k], or None
 
 
 @dataclass(kw_only=True)
@@ -312,7 +317,7 @@ def update(run: Run, data: StepData, epoch: int, start: int, u: Updates) -> None
     # equal those the engine sampled with: after the step's first update they would carry the
     # policy's own move.
     first = epoch == 0 and start == 0
-    batch, loss, exact_kl = _forward_backward(run, data, idx, mb, first)
+    batch, loss, exact_kl, own = _forward_backward(run, data, idx, mb, first)
     for kl in exact_kl:
         u.diag.add_exact_kl(kl)
     logp_pi, logp_s = batch.logp_pi.detach(), batch.logp_s
@@ -320,6 +325,10 @@ def update(run: Run, data: StepData, epoch: int, start: int, u: Updates) -> None
     att = measure(u.diag, logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask,
                   eps_low, eps_high, clipped=loss.clipped,
                   sequence=run.objective.clip == "sequence", first=first)
+    if own is not None:
+        u.metrics.append(routing_gap.figures(
+            data.routed[idx], own[0], own[1], mb.prompt_mask, mb.completion_mask,
+            routing.shape(run.model)[1], att.beta, att.phantom, logp_pi, mb.engine_logprobs))
     if u.dump_ids is not None:
         sample_ids, prompt_ids = u.dump_ids
         u.dump.append(dump_table(data.step, len(u.policy_losses), epoch, sample_ids[idx],
@@ -349,11 +358,14 @@ def _warning(message: str) -> None:
 
 
 def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: bool
-                      ) -> tuple[Minibatch, Loss, list[torch.Tensor]]:
+                      ) -> tuple[Minibatch, Loss, list[torch.Tensor],
+                                 tuple[torch.Tensor, torch.Tensor] | None]:
     """The minibatch `mb`, rows `idx` of the step, piece by piece (micro-batches, gradients
     accumulating): ℓ_π, ℓ_s, log r, the objective's loss and its backward. Returns the minibatch
     and its loss as one forward over it gives them, and, at the step's `first` update, the
-    exact KL of the rows whose distribution the engine kept."""
+    exact KL of the rows whose distribution the engine kept and, for a mixture of experts whose
+    engine recorded its routing, the trainer's own routing and margins in the record's layout
+    (`routing.recording`)."""
     cfg, s, prep = run.cfg, run.sampling, data.prep
     share = run.dist.sharer(units(mb.completion_mask, data.rewards[idx], cfg.samples_per_prompt,
                                   run.objective.pairs))
@@ -361,15 +373,22 @@ def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: 
     whole = len(slices) == 1
     done: list[Minibatch] = []
     exact_kl: list[torch.Tensor] = []
+    own = _own_routing(data.routed[idx]) if first and data.routed is not None else None
     for k, sl in enumerate(slices):
         g = slice(idx.start + sl.start, idx.start + sl.stop)  # the piece's rows in the step
         piece = mb if whole else trimmed(mb.select(sl))
         t = piece.completion_ids.shape[1]
         kl_rows = kept_rows(data.rollout, g) if first else []
         local = [row - g.start for row in kl_rows]
-        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+        with (routing.recording(run.model) if own else contextlib.nullcontext()) as rec, \
+                autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
             sc = score_full(run.policy, piece, s, hidden=run.value_head is not None,
                             keep_logits=local, chunk=cfg.logprob_chunk)
+        if own:   # the piece's columns: its prompt trimmed from the left, completion to t
+            a = mb.prompt_ids.shape[1] - piece.prompt_ids.shape[1]
+            cols = slice(a, mb.prompt_ids.shape[1] + t)
+            n = piece.completion_ids.shape[0]
+            own[0][sl, cols], own[1][sl, cols] = rec.ids(n).to(own[0].dtype), rec.margins(n)
         logp_pi = sc.logp
         # ℓ_s on the weights ℓ_π just saw, before this update moves them.
         logp_s = (run.shadow.logprobs(run.model, piece, s, logp_pi, cast=k == 0)
@@ -391,12 +410,18 @@ def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: 
             run.scaler.backward(loss.total)
         done.append(_detached(batch, mb.completion_ids.shape[1]))
     if whole:
-        return batch, loss, exact_kl
+        return batch, loss, exact_kl, own
     batch = _joined(done, mb, prep.adv[idx], data.rewards[idx])
     with torch.no_grad():  # the loss's figures over the whole minibatch
         loss = run.objective.loss(cfg, batch, share)
-    return batch, loss, exact_kl
+    return batch, loss, exact_kl, own
 
+
+def _own_routing(engine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the trainer's own routing in the layout of the engine's record: ids (the
+    unknown mark until a piece fills its columns) and fp32 margins."""
+    return (torch.full_like(engine, torch.iinfo(engine.dtype).max),
+            torch.zeros(engine.shape[:-1], dtype=torch.float32, device=engine.device))
 
 def _rows(x: torch.Tensor | None, idx: slice, t: int | None = None) -> torch.Tensor | None:
     """Rows `idx` of a per-completion ([B]) or per-token ([B, T]) tensor; a per-token one cut
@@ -542,6 +567,7 @@ def plan_run(cfg: Config, dist: Dist, resume: bool) -> Plan:
             backends = check_backends(cfg.report_to)  # a requested one not installed fails here
             check_engine(cfg.engine)   # before a model is loaded or built
             loaded = load_model_and_task(cfg)
+            routing.check_replay(loaded.model, cfg.routing_replay, cfg.model)
             check_engine(cfg.engine, loaded.model.config, dataclasses.replace(
                 engine_needs(cfg), max_len=loaded.longest_prompt() + cfg.max_new_tokens,
                 scores=cfg.shadow_kernels == "scored" and (cfg.diagnostics or _needs_shadow(cfg))))

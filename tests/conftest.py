@@ -18,8 +18,8 @@ pytest_plugins = ["pytester"]
 # The fixtures below that build or load a model (a testbed build takes minutes on a fresh cache)
 # or need vLLM. A test that asks for one, itself or through another fixture, is end to end: it
 # must carry the `e2e` mark (pyproject.toml's markers), or it would slow the fast tier.
-E2E_FIXTURES = frozenset({"text_model", "arith_model", "gpt2_model", "chat_model", "tiny_lm",
-                          "vllm_ready"})
+E2E_FIXTURES = frozenset({"text_model", "arith_model", "gpt2_model", "moe_model", "chat_model",
+                          "tiny_lm", "vllm_ready"})
 
 
 # A test's own call (its fixtures' set-up aside: shared engines and testbed builds are paid
@@ -165,6 +165,13 @@ def gpt2_model(cache) -> Path:
     inside a test's call would count against its budget."""
     from parity import testbed
     return testbed.ensure("text-gpt2-xs", cache, progress=False)
+
+
+@pytest.fixture(scope="session")
+def moe_model(cache) -> Path:
+    """The test-size mixture of experts (Qwen3-MoE), built once for the session."""
+    from parity import testbed
+    return testbed.ensure("moe-xs", cache, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ EXPERIMENTS = "parity.experiments"
 TRAINER_USERS = {"parity.cli", "parity.experiments.sweep"}
 # Commands the command line runs (each one a whole job). Components never reach up to them.
 COMMANDS = {"parity.trainer", "parity.audit.command", "parity.audit.locate_report",
+            "parity.audit.routing_report",
             "parity.audit.scale", "parity.audit.server",
             "parity.fp16_check", "parity.reports"}
 MAX_LINES = 60

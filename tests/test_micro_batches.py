@@ -172,12 +172,13 @@ def test_chunked_logprobs_give_the_whole_logits_step(text_model, tmp_path, case)
     # (fp16's relative rounding is 4.9e-4) before the chunks are summed in fp32.
     rel = 2e-3 if case.startswith("fp16") else 2e-4
     if kw.get("recipe") in ("bf16-engine", "fp16"):
-        # One step: its two minibatches' updates on one rollout. A second step samples from the
-        # engine's low-precision cast of weights the chunks left apart in their last fp32 bits;
-        # a cast that rounds the other way moves ℓ_μ, and with it a clip, a token's weight or a
-        # draw. fp16 chunks of 5: the first step 1.5e-4 of the update apart, both 4.2e-2, on a
-        # CPU without AMX (step 2's gradient norm 0.2% apart).
-        kw = {**kw, "steps": 1}
+        # One step of one update. A later forward sees weights the chunks left apart in their
+        # last fp32 bits (fp16 chunks of 5: 1.5e-4 of the update apart on a CPU without AMX),
+        # and in low precision a weight that far apart can round the other way: one fp16 ulp,
+        # 4.9e-4 of a logit of ~10, moves that token's ℓ by ~5e-3, a bucket mean of ~100
+        # tokens by ~5e-5, over BETA_SHIFT (3.3e-5 seen on a CPU with AMX, a second minibatch's
+        # beta_by_pos/8-32). A second step samples from such a cast: ℓ_μ, a clip or a draw moves.
+        kw = {**kw, "steps": 1, "minibatches": 1}
     whole, m0 = _run(tmp_path, "whole", logprob_chunk=-1, **kw)
     for name, chunk in (("default", 0), ("five", 5)):
         chunked, m1 = _run(tmp_path, name, logprob_chunk=chunk, **kw)

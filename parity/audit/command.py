@@ -32,6 +32,7 @@ from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to
 from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
 from parity.audit.locate_report import locate_sections, print_located
 from parity.audit.measurement import Measurement
+from parity.audit.routing_report import print_routing, routing_sections
 from parity.config import AuditSettings, engine_needs
 from parity.diagnostics import (
     Shadow,
@@ -288,7 +289,8 @@ def _write(a: AuditSettings, out: Path, result: dict[str, Any], meas: Measuremen
                      f"parity audit: {a.model}, {a.engine_dtype} engine vs {a.trainer_dtype} "
                      f"trainer ({result['input']})", verdict=result["verdict"],
                      advice=what_to_do(result),
-                     extra=locate_sections(result, out) if "locate" in result else ())
+                     extra=[*routing_sections(result, out),
+                            *(locate_sections(result, out) if "locate" in result else ())])
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -336,6 +338,7 @@ def print_audit(result: dict[str, Any]) -> None:
     if "server" in result:
         console.print(server_lines(result["server"]), highlight=False)
     console.print(f"verdict: {result['verdict']}")
+    print_routing(result, console)
     if "locate" in result:
         print_located(result, console)
     if "advice" in result:

@@ -77,7 +77,10 @@ SUGGEST = {"embedding": "the engine's embedding differs: check that it holds the
                          "fuses SiLU and the product)",
            "residual add": "the residual add in the same dtype on both sides (vLLM fuses it into "
                            "the next norm)",
-           "head": "an fp32 LM head on both sides (--lm-head-fp32 for parity's engine)"}
+           "head": "an fp32 LM head on both sides (--lm-head-fp32 for parity's engine)",
+           "router": "train on the engine's experts (--routing-replay, Rollout Routing Replay; "
+                     "docs/moe.md), or the router's logits in fp32 with the same kernel on both "
+                     "sides"}
 PRECISION = ("precision is the cause: fp16 on both sides, or a recipe that takes β out of the "
              "ratio (bf16-shadow)")
 
@@ -101,6 +104,10 @@ def finding(loc: dict[str, Any], engine: str, engine_dtype: str, trainer_dtype: 
         e, p = logits["engine"], logits["precision"]
         at = (f"; at the logits the sampled tokens' mean |Δℓ| is {_g(e['abs_dlogp_mean'])} "
               f"(precision alone {_g(p['abs_dlogp_mean'])}), KL {_g(e['kl_mean'])}")
+    if named is not None and "flip_frac" in named:
+        return (f"{engine}'s routing parts from the trainer's at {tr.describe(named['point'])}: "
+                f"{named['flip_frac']:.2%} of its decisions flipped (other experts than the "
+                f"trainer's top {named['top_k']}), ahead of any kernel{at}")
     if named is not None:
         when = " in its decode steps" if named["pass"] == "decode" else ""
         i = points.index(named["point"])
@@ -128,7 +135,9 @@ def _within_floor(loc: dict[str, Any]) -> bool:
 
 def details(loc: dict[str, Any]) -> list[str]:
     """The finding's detail lines: the first bit-level difference, what was not traced."""
-    out = []
+    out = ["flipped router decisions by layer: " + ", ".join(
+        f"{layer} {share:.2%}" for layer, share in loc["router_flips"].items())] \
+        if loc.get("router_flips") else []
     first = loc.get("first_difference")
     if first:
         out.append(f"first bit-level difference from the trainer's own {loc['engine_dtype']} "

@@ -34,6 +34,7 @@ import torch
 from parity import metric_names as mn
 from parity.audit import finding as fd
 from parity.errors import ParityError
+from parity.models import routing
 from parity.models import trace as tr
 from parity.models.forward import pieces, score_pieces, score_right_padded
 from parity.models.precision import autocast, fp16_kernels, low_precision_copy
@@ -150,6 +151,18 @@ class Located:
     errors: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     lacked: dict[str, set[str]] = field(default_factory=dict)
     logit_rows: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    router_flips: dict[int, list[int]] = field(default_factory=dict)   # layer: [flips, tokens]
+
+    def flips(self, x: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], k: int) -> None:
+        """Per MoE layer, the tokens whose top-k experts by `x`'s router logits are not
+        `ref`'s."""
+        for p in x:
+            if k and p.endswith(".router") and p in ref and x[p].shape == ref[p].shape:
+                d = routing.decisions_differ(x[p].topk(k, -1).indices[:, None],
+                                             ref[p].topk(k, -1).indices[:, None])
+                tally = self.router_flips.setdefault(tr.layer_of(p), [0, 0])
+                tally[0] += int(d.sum())
+                tally[1] += d.numel()
 
     def add(self, comparison: str, errs: dict[str, torch.Tensor],
             expected: Iterable[str] | None = None) -> None:
@@ -270,6 +283,7 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
         located.add("precision_last", relative_errors(last_row(prec), last_row(ref)))
         located.logits("precision", prec, ref, ids, start)
         if eng is not None:
+            located.flips(eng, ref, routing.shape(model)[2] if routing.is_moe(model) else 0)
             located.add("engine", relative_errors(eng, ref))
             located.add("engine_vs_precision", relative_errors(eng, prec))
             located.logits("engine", eng, ref, ids, start)
@@ -281,25 +295,37 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
     curves = {c: located.curve(c) for c in (*COMPARISONS, "precision_last")
               if c in located.errors}
     traced = "engine" in located.errors
-    named = None
-    if traced:
-        for what, errs, yard in (("prefill", "engine", "precision"),
-                                 ("decode", "decode", "precision_last")):
-            hit = fd.first_rise(located.points, located.joined(errs), located.joined(yard))
-            if hit is not None:
-                point, r = hit
-                named = {"point": point, "op": tr.kind(point), "pass": what, **r}
-                break
+    flips = {layer: f / n for layer, (f, n) in sorted(located.router_flips.items())}
+    named = _named(located, flips, model) if traced else None
     first = first_difference(located) if traced else None
     out = {"points": located.points, "sequences": len(sequences),
            "tokens": sum(len(s) for s in sequences), "curves": curves,
            "missing": {c: located.missing(c) for c in located.errors},
-           "logits": located.logit_summary(), "named": named,
+           "logits": located.logit_summary(), "named": named, "router_flips": flips,
            "op": named["op"] if named else None, "first_difference": first,
            "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype}
     out["finding"] = fd.finding(out, engine_name, a.engine_dtype, a.trainer_dtype)
     out["details"] = fd.details(out)
     return out
+
+
+def _named(located: Located, flips: dict[int, float], model: torch.nn.Module
+           ) -> dict[str, Any] | None:
+    """The op a finding names: the first MoE layer whose router chose other experts (a flipped
+    expert moves a token more than any kernel), else the first point whose error rises above
+    precision's, in the prefill, then in the decode step."""
+    hit = next(((layer, share) for layer, share in flips.items() if share > 0), None)
+    if hit is not None:
+        return {"point": f"layers.{hit[0]}.router", "op": "router", "pass": "prefill",
+                "flip_frac": hit[1], "top_k": routing.shape(model)[2], "ratio": None,
+                "low": None}
+    for what, errs, yard in (("prefill", "engine", "precision"),
+                             ("decode", "decode", "precision_last")):
+        rose = fd.first_rise(located.points, located.joined(errs), located.joined(yard))
+        if rose is not None:
+            point, r = rose
+            return {"point": point, "op": tr.kind(point), "pass": what, **r}
+    return None
 
 
 def sequences_of(r: Rollout, mask: torch.Tensor, n: int) -> Iterable[tuple[list[int], int]]:

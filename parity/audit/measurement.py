@@ -26,13 +26,23 @@ from parity.diagnostics import (
 )
 from parity.engines import Engine
 from parity.logprobs import Rollout, Sampling
+from parity.models import routing
 from parity.models.forward import score_full
 from parity.models.precision import autocast
 from parity.runs.finite import LeftOutTally, usable_tokens
+from parity.runs.routing_gap import Tally
 
 
 def _warning(message: str) -> None:
     print(f"parity: warning: {message}", file=sys.stderr)
+
+
+@dataclasses.dataclass
+class Attributed:
+    """What a batch's routing figures need of its attribution, [B, T]."""
+    beta: torch.Tensor
+    phantom: torch.Tensor
+    mask: torch.Tensor      # the tokens counted (non-finite and positive log-probs left out)
 
 
 class Measurement:
@@ -52,16 +62,22 @@ class Measurement:
         self.traced: list[tuple[list[int], int]] = []   # (prompt and completion, its start)
         self.layers: dict[str, Any] | None = None
         self.locate_s = {"self_gap": 0.0, "layers": 0.0}
+        self.routing = Tally()   # a mixture of experts whose engine recorded its routing
 
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, adv: torch.Tensor | None,
             s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
         a, dev = self.a, self.device
         r, prompt_ids = r.to(dev), prompt_ids.to(dev)
-        with autocast(a.trainer_dtype, dev, a.cpu_fp16):
+        # The trainer routes for itself (the audit measures the gap, it replays nothing); its
+        # own choice is recorded where the engine's was.
+        routed, r = r.routed, dataclasses.replace(r, routed=None)
+        with autocast(a.trainer_dtype, dev, a.cpu_fp16), routing.recording(model) as rec:
             rows = kept_rows(r, slice(0, len(r.completion_ids)))
             sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
+        own = (rec.ids(len(r.completion_ids)), rec.margins(len(r.completion_ids))) \
+            if routed is not None and rec.layers else None
         logp_s = shadow.logprobs(model, r, s, logp_pi)
         if self.self_gap is not None and not self.self_gap.pairs:   # the first batch
             t0 = time.perf_counter()
@@ -69,13 +85,19 @@ class Measurement:
             self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, r.completion_mask,
                               a.cpu_fp16, a.logprob_chunk, a.locate_rows)
             self.locate_s["self_gap"] = time.perf_counter() - t0
-        self.add_scored(r, logp_pi, logp_s, logits, rows, adv, s, prompt_ids, first_sample)
+        att = self.add_scored(r, logp_pi, logp_s, logits, rows, adv, s, prompt_ids,
+                              first_sample)
+        if own is not None:
+            self.routing.add(routed, own[0], own[1], r.prompt_mask, att.mask,
+                             routing.shape(model)[1], att.beta, att.phantom, logp_pi,
+                             r.engine_logprobs)
 
     def add_scored(self, r: Rollout, logp_pi: torch.Tensor, logp_s: torch.Tensor,
                    logits: torch.Tensor | None, rows: list[int], adv: torch.Tensor | None,
-                   s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> None:
+                   s: Sampling, prompt_ids: torch.Tensor, first_sample: int) -> Attributed:
         """A batch's figures from its scores: ℓ_π and ℓ_s of `r`'s tokens on this device, and the
-        trainer's logits of `rows` (the rows whose distribution the engine kept)."""
+        trainer's logits of `rows` (the rows whose distribution the engine kept). Returns the
+        attribution and the tokens it counted."""
         a, dev = self.a, self.device
         self.has_adv &= adv is not None
         adv_t = adv.to(dev) if adv is not None else torch.zeros(len(r.completion_ids), device=dev)
@@ -98,6 +120,7 @@ class Measurement:
         sample_ids = torch.arange(first_sample, first_sample + len(r.completion_ids), device=dev)
         self.tables.append(dump_table(0, len(self.tables), 0, sample_ids, prompt_ids, r, adv_t,
                                       logp_pi, logp_s, att, a.eps, a.eps))
+        return Attributed(att.beta, att.phantom, mask)
 
     def trace(self, model: torch.nn.Module, engine: Engine | None, name: str) -> None:
         """--locate's layer-by-layer pass over the sequences kept by `add`."""
@@ -133,6 +156,7 @@ class Measurement:
             metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
                             mn.LOG_RATIO_ABS_MAX: float(gap.max())})
         metrics.update({k: n for k, n in self.left_out.total.counts().items() if n})
+        metrics.update(self.routing.metrics())
         if adv is None:
             metrics.pop(mn.BETA_ADV_CORR, None)
             metrics.pop(mn.BETA_ADV_CORR_SE, None)

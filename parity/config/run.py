@@ -41,7 +41,8 @@ def engine_needs(c: Any) -> EngineNeeds:
     """What the settings `c` (a Config, AuditSettings, or the TRL integration's) ask of the
     engine, for its registry entry to refuse what it cannot do (parity/engines/abilities.py)."""
     adapters = getattr(c, "lora_rank", 0) or getattr(c, "adapter", None)
-    return EngineNeeds(lm_head_fp32=c.lm_head_fp32, lora_unmerged=bool(adapters)
+    return EngineNeeds(lm_head_fp32=c.lm_head_fp32, routing=getattr(c, "routing_replay", False),
+                       lora_unmerged=bool(adapters)
                        and not c.lora_merge, scores=c.shadow_kernels == "scored",
                        temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                        min_p=getattr(c, "min_p", 0.0),
@@ -119,6 +120,11 @@ class Config:
                             "gap beta (docs/design.md).")
     lm_head_fp32: bool = _f(False, "Compute the LM head in fp32 on both sides (engine and "
                             "trainer), whatever the dtype of the rest.")
+    routing_replay: bool = _f(False, "A mixture of experts: every trainer forward (l_pi, l_old, "
+                              "the shadow, the reference) routes each token to the experts the "
+                              "engine chose, with gate weights from its own router over them "
+                              "(Rollout Routing Replay, R3; docs/moe.md). Needs an engine that "
+                              "records its routing.")
     shadow_kernels: ShadowKernels = _f("engine", "The shadow forward's arithmetic: `engine` "
                                        "(the engine's attention implementation, so its kernel "
                                        "gap is batch-shape noise alone) or `independent` (the "

@@ -159,7 +159,8 @@ def _vllm_check(config: Any, needs: EngineNeeds) -> None:
 register(EngineEntry(
     name="hf", summary="parity's own: the transformers model in engine precision with a KV "
                        "cache",
-    can=EngineCan(score_processed=True, lm_head_fp32=True, lora_unmerged=True, trace=True),
+    can=EngineCan(score_processed=True, lm_head_fp32=True, lora_unmerged=True, trace=True,
+                  routing=True),
     build=_hf))
 register(EngineEntry(
     name="vllm", summary="vLLM in the trainer's process, its CPU or CUDA build; install: "

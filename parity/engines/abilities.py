@@ -26,6 +26,8 @@ class EngineCan:
     min_temperature: float = 0.0
     # `Engine.trace`: its forward can be followed op by op (`parity audit --locate`).
     trace: bool = False
+    # A mixture of experts' rollout carries the experts each token went through (`routed`).
+    routing: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,7 @@ class EngineNeeds:
     lora_unmerged: bool = False
     scores: bool = False          # `Engine.score` is called (shadow_kernels=scored)
     trace: bool = False           # `Engine.trace` is called (`parity audit --locate`)
+    routing: bool = False         # the rollout's routing is replayed (`routing_replay`)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,6 +57,9 @@ def refuse_what_it_cannot(name: str, can: EngineCan, needs: EngineNeeds,
                           able: Callable[[Callable[[EngineCan], bool]], str]) -> None:
     """One line for the first need engine `name` cannot meet; `able(test)` names the engines
     whose abilities pass `test`, for the refusal to offer."""
+    if needs.routing and not can.routing:
+        raise ParityError(f"engine={name} returns no routing to replay: --routing-replay needs "
+                          f"{able(lambda c: c.routing)}")
     if needs.lm_head_fp32 and not can.lm_head_fp32:
         raise ParityError(f"engine={name} runs its LM head in the engine's dtype: "
                           f"--lm-head-fp32 needs {able(lambda c: c.lm_head_fp32)}")

@@ -24,6 +24,7 @@ from parity.logprobs import (
     recorded_positions,
     see,
 )
+from parity.models import routing
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import score
 from parity.models.precision import (
@@ -185,6 +186,8 @@ class HFEngine:
                       torch.cat([wide(r.completion_mask, 0.0) for _, r in parts]),
                       torch.cat([wide(r.engine_logprobs, 0.0) for _, r in parts]),
                       torch.cat([r.finished for _, r in parts]))
+        if parts[0][1].routed is not None:
+            out.routed = torch.cat([r.routed_to(T) for _, r in parts])
         kept = [(a, r) for a, r in parts if r.dists is not None]
         if kept:
             out.dist_rows = torch.cat([r.dist_rows + a for a, r in kept])
@@ -212,26 +215,32 @@ class HFEngine:
         u = draw()
         keep = torch.tensor(record_rows, dtype=torch.long, device=dev) if record_rows else None
         scratch: dict = {}   # engine_attention's key buffer, freed with this rollout
-        logits = self._forward(ids, attn, pos, cache, scratch,
-                               logits_to_keep=keep_last(ids.shape[1], 1, dev))
-        d = _Decoding.start(ids, mask, max_new_tokens, logits.shape[-1], s, keep, self)
-        pos = pos[:, -1:]
-        tick = Ticker("rollout", max_new_tokens, "positions")
-        for t in range(max_new_tokens):
-            tick(t)
-            d.sample(t, logits, s, u)
-            if shard.all_done(bool(d.done.all())) or t == max_new_tokens - 1:
-                break
-            # Finished rows keep decoding a pad token; their output is discarded in `sample`.
-            # Stopping is the decode loop's one wait for the device (`done.all()` above).
-            u = draw()
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
-            pos = pos + 1
-            logits = self._forward(d.tokens[:, t:t + 1], attn, pos, cache, scratch)
+        # a mixture of experts' routers record their choice at every forward (a dense model's
+        # record is empty and costs nothing)
+        with routing.recording(self.model) as routed:
+            logits = self._forward(ids, attn, pos, cache, scratch,
+                                   logits_to_keep=keep_last(ids.shape[1], 1, dev))
+            d = _Decoding.start(ids, mask, max_new_tokens, logits.shape[-1], s, keep, self)
+            pos = pos[:, -1:]
+            tick = Ticker("rollout", max_new_tokens, "positions")
+            for t in range(max_new_tokens):
+                tick(t)
+                d.sample(t, logits, s, u)
+                if shard.all_done(bool(d.done.all())) or t == max_new_tokens - 1:
+                    break
+                # Finished rows keep decoding a pad token; their output is discarded in
+                # `sample`. Stopping is the decode loop's one wait for the device.
+                u = draw()
+                attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+                pos = pos + 1
+                logits = self._forward(d.tokens[:, t:t + 1], attn, pos, cache, scratch)
         if shard.fixed_draws:
             for _ in range(t + 1, max_new_tokens):
                 uniforms(generator, shard.batch)
-        return d.rollout(ids, mask), t + 1
+        r = d.rollout(ids, mask)
+        if routed.layers:
+            r.routed = routed.sequence(B, ids.shape[1], r.completion_ids.shape[1])
+        return r, t + 1
 
     def _cache(self, length: int) -> StaticCache:
         # Preallocated: a growing cache copies every layer's keys and values at every token

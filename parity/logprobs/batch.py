@@ -23,13 +23,18 @@ class Rollout:
     # 0..n-1 (n: `recorded_positions`, or T where that is fewer; a row's valid ones count).
     dist_rows: torch.Tensor | None = None
     dists: torch.Tensor | None = None
+    # A mixture of experts' routing as the engine ran it: [B, P + T, L, k] expert ids per
+    # position (prompt columns, then completion columns) and MoE layer, in the narrowest integer
+    # type; an id at or above the expert count where unknown (parity/models/routing.py).
+    routed: torch.Tensor | None = None
 
     _BATCHED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
                 "engine_logprobs", "finished")
 
     def select(self, idx: torch.Tensor | slice) -> "Rollout":
         """The completions `idx` picks (the recorded distributions stay with the full batch)."""
-        return Rollout(*(getattr(self, f)[idx] for f in self._BATCHED))
+        return Rollout(*(getattr(self, f)[idx] for f in self._BATCHED),
+                       routed=self.routed[idx] if self.routed is not None else None)
 
     def pad_to(self, T: int, pad_id: int) -> "Rollout":
         """The same completions right-padded to T positions (the batch's length on every rank,
@@ -41,13 +46,25 @@ class Rollout:
         return Rollout(self.prompt_ids, self.prompt_mask,
                        pad(self.completion_ids, (0, n), value=pad_id),
                        pad(self.completion_mask, (0, n)), pad(self.engine_logprobs, (0, n)),
-                       self.finished, self.dist_rows, self.dists)
+                       self.finished, self.dist_rows, self.dists, self.routed_to(T))
+
+    def routed_to(self, T: int) -> torch.Tensor | None:
+        """`routed` for T completion columns: cut, or padded with the unknown mark."""
+        if self.routed is None:
+            return None
+        keep = self.prompt_ids.shape[1] + T
+        r = self.routed[:, :keep]
+        if r.shape[1] < keep:
+            fill = torch.iinfo(r.dtype).max
+            r = torch.cat([r, r.new_full((r.shape[0], keep - r.shape[1], *r.shape[2:]), fill)],
+                          dim=1)
+        return r
 
     def to(self, device: torch.device) -> "Rollout":
         """The rollout on `device` (one from another process, or from vLLM, arrives on the CPU)."""
         move = lambda x: x.to(device) if x is not None else None
         return Rollout(*(move(getattr(self, f)) for f in self._BATCHED), move(self.dist_rows),
-                       move(self.dists))
+                       move(self.dists), move(self.routed))
 
     def completions(self) -> list[list[int]]:
         lens = self.completion_mask.sum(-1).long().tolist()

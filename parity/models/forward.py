@@ -26,6 +26,7 @@ from parity.logprobs import (
     recorded_positions,
     seen_before,
 )
+from parity.models import routing
 from parity.runs.distributed import sharded
 from parity.ui import say
 
@@ -133,7 +134,8 @@ def score_full(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool = F
         return _score_whole(model, r, s, hidden, keep_logits or [])
     ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
     L, T = ids.shape[1], r.completion_ids.shape[1]
-    h = last_hidden(model, ids, torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1))
+    with routing.replaying(_unwrapped(model), r.routed):   # a record routes the forward (R3)
+        h = last_hidden(model, ids, torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1))
     h = h[:, L - T - 1:L - 1]   # position t predicts token t + 1
     head = _head(model)
     logp = _from_hidden(model, head, h, r, s, chunk)
@@ -192,9 +194,10 @@ def _score_whole(model: torch.nn.Module, r: Rollout, s: Sampling, hidden: bool,
     mask = torch.cat([r.prompt_mask, r.completion_mask.long()], dim=1)
     L, T = ids.shape[1], r.completion_ids.shape[1]
     # logits at position t predict token t+1: keep only those that predict completion tokens.
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                use_cache=False, logits_to_keep=keep_last(L, T + 1, ids.device),
-                output_hidden_states=hidden)
+    with routing.replaying(_unwrapped(model), r.routed):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    use_cache=False, logits_to_keep=keep_last(L, T + 1, ids.device),
+                    output_hidden_states=hidden)
     logits = out.logits[:, :T]
     seen = seen_in(r, logits.shape[-1], s)
     logp = logprobs_from_logits(logits, r.completion_ids, s, seen=seen) * r.completion_mask
@@ -309,7 +312,8 @@ def trimmed(r: Rollout) -> Rollout:
     P = r.prompt_ids.shape[1]
     p0, t1 = P - max(plen), max(max(clen), 1)
     return Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.completion_ids[:, :t1],
-                   r.completion_mask[:, :t1], r.engine_logprobs[:, :t1], r.finished)
+                   r.completion_mask[:, :t1], r.engine_logprobs[:, :t1], r.finished,
+                   routed=r.routed[:, p0:P + t1] if r.routed is not None else None)
 
 
 def widened(x: torch.Tensor, T: int) -> torch.Tensor:

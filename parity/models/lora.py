@@ -83,6 +83,9 @@ def wrap(model: torch.nn.Module, rank: int, alpha: float | None, targets: str, m
             # peft asks transformers 5 a deprecated name (is_gradient_checkpointing) on every
             # wrap; the warning is theirs to fix and says nothing about this run.
             warnings.simplefilter("ignore", FutureWarning)
+            # peft's own pattern for a mixture of experts' fused weights, unmatched where the
+            # model names them otherwise: nothing about this run
+            warnings.filterwarnings("ignore", "The following alpha_pattern keys", RuntimeWarning)
             # autocast_adapter_dtype: the adapters in fp32 whatever the base's dtype
             peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as e:
@@ -132,8 +135,13 @@ def merged_state(master: torch.nn.Module) -> dict[str, torch.Tensor]:
            if "lora_" not in k}
     for name, mod in base.named_modules():
         if isinstance(mod, LoraLayer) and ADAPTER in mod.lora_A:
-            w = mod.get_base_layer().weight
-            src[f"{name}.weight"] = w.float() + mod.get_delta_weight(ADAPTER).float()
+            # a Linear's weight, or the parameter peft adapts in place (a mixture of experts'
+            # [experts, out, in] weights and its router: peft's ParamWrapper, nested per
+            # parameter)
+            param = getattr(mod, "parameter_name", None) or "weight"
+            w = getattr(mod.get_base_layer(), param)
+            key = f"{name.replace('.base_layer', '')}.{param}"
+            src[key] = w.float() + mod.get_delta_weight(ADAPTER).float()
     return src
 
 

@@ -6,7 +6,8 @@ A trace is one sequence's forward as a dict from point name to a float32 copy, [
 here once (`LAYER_POINTS`, `MODEL_POINTS`): every engine's trace uses these names (vLLM's:
 parity/engines/vllm_trace.py), so a point is compared with the same point of the trainer's model.
 A model has the points its modules allow: q_norm and k_norm only where the attention normalises
-its heads (Qwen3), RoPE only where the attention rotates (not GPT-2), gate only in a gated MLP. A
+its heads (Qwen3), RoPE only where the attention rotates (not GPT-2), gate only in a gated MLP,
+router only in a mixture of experts (its logits; `mlp` is then the MoE block's output). A
 model whose layers do not name their ops as Llama's or GPT-2's do is traced at `embed`, each
 layer's `output`, `final_norm` and `logits`.
 """
@@ -34,6 +35,7 @@ LAYER_POINTS = (
     ("attention", "matmul", "o_proj (attention's output)"),
     ("attention_add", "residual add", "residual add after attention"),
     ("post_norm", "norm", "post-attention norm"),
+    ("router", "router", "router"),
     ("gate", "matmul", "gate projection"),
     ("up", "matmul", "up projection"),
     ("act", "activation", "activation product (down_proj's input)"),
@@ -54,6 +56,7 @@ _HF_POINTS = (("input_norm", ("input_layernorm", "ln_1"), "out"),
               ("attention", ("self_attn", "attn"), "out"),
               ("attention_add", ("post_attention_layernorm", "ln_2"), "in"),
               ("post_norm", ("post_attention_layernorm", "ln_2"), "out"),
+              ("router", ("mlp.gate",), "out"),   # a MoE block's router: its logits first
               ("gate", ("mlp.gate_proj",), "out"), ("up", ("mlp.up_proj", "mlp.c_fc"), "out"),
               ("act", ("mlp.down_proj", "mlp.c_proj"), "in"),
               ("mlp", ("mlp",), "out"))

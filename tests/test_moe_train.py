@@ -1,0 +1,82 @@
+"""`parity train` on the test-size mixture of experts: the engine's routing is recorded, the
+trainer's own routing compared with it and the figures logged under `routing/`; with
+`--routing-replay` the trainer routes as the engine did, so the tokens whose routing flipped
+lose the gap the flips gave them; replay is refused in one line where nothing can be replayed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import assert_user_error, run_main
+from parity import metric_names as mn
+
+pytestmark = pytest.mark.e2e
+
+RUN = ("--task", "neg-length", "--steps", "2", "--prompts-per-step", "4",
+       "--samples-per-prompt", "4", "--max-new-tokens", "24", "--no-progress")
+
+
+def train(model, out, *extra):
+    p = run_main("train", "--model", model, *RUN, "--out", out, *extra)
+    assert p.returncode == 0, p.stderr
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_routing_is_measured_and_replay_closes_the_flipped_tokens_gap(moe_model, tmp_path):
+    free = train(moe_model, tmp_path / "free")
+    replayed = train(moe_model, tmp_path / "replayed", "--routing-replay")
+    for step in free + replayed:
+        assert 0 <= step[mn.ROUTING_FLIP_FRAC] <= 1
+        assert 0 <= step[mn.ROUTING_TOKEN_FLIP_FRAC] <= 1
+        layers = [step[mn.ROUTING_FLIP_FRAC_LAYER.format(layer=j)] for j in (0, 1)]
+        assert step[mn.ROUTING_FLIP_FRAC] == pytest.approx(sum(layers) / 2)
+        assert step[mn.ROUTING_MARGIN_MEAN] > 0
+    a, b = free[0], replayed[0]
+    # the same seed samples the same first rollout; the trainer's own choice at the first MoE
+    # layer is made on the same hidden states with or without replay (deeper layers' on the
+    # hidden states replay gave them)
+    first = mn.ROUTING_FLIP_FRAC_LAYER.format(layer=0)
+    assert a[first] == b[first]
+    assert a[mn.REWARD_MEAN] == b[mn.REWARD_MEAN]
+    if a[mn.ROUTING_TOKEN_FLIP_FRAC] > 0:
+        assert b[mn.ROUTING_BETA_ABS_FLIPPED] < a[mn.ROUTING_BETA_ABS_FLIPPED]
+        # an unflipped token routes the same either way: its gap does not move
+        assert b[mn.ROUTING_BETA_ABS_UNFLIPPED] == pytest.approx(a[mn.ROUTING_BETA_ABS_UNFLIPPED],
+                                                                 rel=0.05)
+
+
+def test_replay_is_refused_where_nothing_can_be_replayed(moe_model, text_model, tmp_path):
+    assert_user_error(run_main("train", "--model", text_model, "--routing-replay", "--steps", "1",
+                               "--out", tmp_path / "dense"), "--routing-replay",
+                      "no mixture-of-experts")
+    assert not (tmp_path / "dense").exists()
+    assert_user_error(run_main("train", "--model", moe_model, "--engine", "vllm",
+                               "--routing-replay", "--steps", "1", "--out", tmp_path / "v"),
+                      "engine=vllm", "--routing-replay needs engine=hf")
+
+
+def test_an_audit_of_a_mixture_of_experts_reports_its_routing(moe_model, tmp_path):
+    out = tmp_path / "audit"
+    p = run_main("audit", "--model", moe_model, "--samples", "16", "--max-new-tokens", "24",
+                 "--locate", "--no-progress", "--out", out)
+    assert p.returncode == 0, p.stderr
+    m = json.loads((out / "audit.json").read_text())["metrics"]
+    layers = [m[mn.ROUTING_FLIP_FRAC_LAYER.format(layer=j)] for j in (0, 1)]
+    assert m[mn.ROUTING_FLIP_FRAC] == pytest.approx(sum(layers) / 2)
+    assert "routing: " in p.stdout and "of router decisions flipped" in p.stdout
+    page = (out / "report.html").read_text()
+    assert "Routing (a mixture of experts)" in page and (out / "routing.png").is_file()
+    located = json.loads((out / "audit.json").read_text())["locate"]["layers"]
+    assert set(located["router_flips"]) == {"0", "1"}   # JSON's keys
+    assert "layers.0.router" in located["points"] and "layers.1.router" in located["points"]
+
+
+def test_lora_adapts_the_experts_and_the_engine_serves_the_merged_weights(moe_model, tmp_path):
+    """peft adapts a mixture of experts' 3-D expert weights and its routers in place (its
+    ParamWrapper); the engine's merged copy takes each of them, summed in fp32."""
+    rows = train(moe_model, tmp_path / "lora", "--lora-rank", "4", "--max-new-tokens", "48")
+    assert rows[-1][mn.SYNC_CHANGED_FRAC] > 0.1    # the update reached the engine's weights
+    assert rows[0][mn.KERNEL_GAP_ABS_MEAN] < 1e-4  # the shadow sees the engine's merged weights
+    assert mn.ROUTING_FLIP_FRAC in rows[0]
