@@ -16,7 +16,9 @@ same rollout, so its figures differ by what replay changes alone. Tables:
 - `layers`: the flip share by MoE layer at step 1;
 - `cost`: the engine's rollout with its routing recorded against the same rollout without, the
   trainer's forward and backward with the comparison's recording, and with replay, against the
-  plain one (alternating, best of `--repeats`), and the record's bytes per 1,000 tokens.
+  plain one (alternating, best of `--repeats`), and the record's bytes per 1,000 tokens;
+- `training`: `--seeds` runs of `--train-steps` steps each, fp32 trainer, without and with
+  replay: the reward, the length and the gap's figures, run by run, as they come out.
 
 Absolute seconds drift on a shared machine; compare the rows of one run.
 """
@@ -42,14 +44,14 @@ GAP = (mn.ROUTING_FLIP_FRAC, mn.ROUTING_TOKEN_FLIP_FRAC, mn.ROUTING_BETA_ABS_FLI
        mn.ROUTING_KL_K3_FLIPPED_SHARE)
 
 
-def train_run(model: str, trainer: str, replay: bool, a: argparse.Namespace, out: Path
-              ) -> list[dict[str, Any]]:
+def train_run(model: str, trainer: str, replay: bool, a: argparse.Namespace, out: Path,
+              steps: int = 0, seed: int = 0) -> list[dict[str, Any]]:
     from parity.cli import main
     code = main(["train", "--model", model, "--task", "neg-length", "--recipe", "bf16-engine",
-                 "--trainer-dtype", trainer, "--steps", str(a.steps), "--prompts-per-step",
-                 str(a.prompts), "--samples-per-prompt", str(a.samples), "--max-new-tokens",
-                 str(a.tokens), "--seed", "0", "--no-progress", "--out", str(out)]
-                + (["--routing-replay"] if replay else []))
+                 "--trainer-dtype", trainer, "--steps", str(steps or a.steps),
+                 "--prompts-per-step", str(a.prompts), "--samples-per-prompt", str(a.samples),
+                 "--max-new-tokens", str(a.tokens), "--seed", str(seed), "--no-progress",
+                 "--out", str(out)] + (["--routing-replay"] if replay else []))
     if code:
         raise SystemExit(f"bench.moe: parity train exited {code} ({trainer}, replay={replay})")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -137,6 +139,29 @@ def costs(model_name: str, a: argparse.Namespace) -> Table:
     return tab
 
 
+TRAINING = (mn.ROUTING_TOKEN_FLIP_FRAC, mn.ROUTING_BETA_ABS_FLIPPED, mn.BETA_ABS_MEAN,
+            mn.PHANTOM_FRAC, mn.KL_K3)
+
+
+def training(a: argparse.Namespace, out: Path) -> Table:
+    """fp32 trainer, bf16 engine, without and with replay, `--seeds` seeds of
+    `--train-steps` steps: what training does, run by run."""
+    tab = Table("training", f"{a.model}: neg-length, bf16 engine against an fp32 trainer, "
+                f"{a.train_steps} steps a run; reward and length over the last 5 steps, the "
+                f"rest means over all steps",
+                [("seed", None), ("replay", None), ("reward step 1", "{:.2f}"),
+                 ("reward last 5", "{:.2f}"), ("length last 5", "{:.1f}")]
+                + [(k.split("/", 1)[1], "{:.4g}") for k in TRAINING])
+    for seed in range(a.seeds):
+        for replay in (False, True):
+            rows = train_run(a.model, "fp32", replay, a, out / f"train-s{seed}-{int(replay)}",
+                             a.train_steps, seed)
+            tail = rows[-5:]
+            tab.add(seed, replay, rows[0][mn.REWARD_MEAN], _mean(tail, mn.REWARD_MEAN),
+                    _mean(tail, mn.LEN_MEAN), *(_mean(rows, k) for k in TRAINING))
+    return tab
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="moe")
@@ -145,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seeds", type=int, default=3, help="training runs a setting (0: none)")
+    ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--out", default=None, help="keep the runs here")
     json_option(ap, "moe")
     a = ap.parse_args(argv)
@@ -167,7 +194,10 @@ def main(argv: list[str] | None = None) -> None:
                                           for j in range(len(layers.columns) - 2)))
             gap.add(trainer, replay, "1", *(rows[0].get(k) for k in GAP))
             gap.add(trainer, replay, "mean", *(_mean(rows, k) for k in GAP))
-    publish("moe", [gap, layers, costs(a.model, a)], a)
+    tables = [gap, layers, costs(a.model, a)]
+    if a.seeds:
+        tables.append(training(a, out))
+    publish("moe", tables, a)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ def test_an_audit_of_a_mixture_of_experts_reports_its_routing(moe_model, tmp_pat
     assert "Routing (a mixture of experts)" in page and (out / "routing.png").is_file()
     located = json.loads((out / "audit.json").read_text())["locate"]["layers"]
     assert set(located["router_flips"]) == {"0", "1"}   # JSON's keys
+    assert set(located["router_flips_sampled"]) == {"0", "1"}
+    assert [located["router_flips_sampled"][j] for j in "01"] == pytest.approx(layers)
     assert "layers.0.router" in located["points"] and "layers.1.router" in located["points"]
 
 

@@ -105,9 +105,12 @@ def finding(loc: dict[str, Any], engine: str, engine_dtype: str, trainer_dtype: 
         at = (f"; at the logits the sampled tokens' mean |Δℓ| is {_g(e['abs_dlogp_mean'])} "
               f"(precision alone {_g(p['abs_dlogp_mean'])}), KL {_g(e['kl_mean'])}")
     if named is not None and "flip_frac" in named:
-        return (f"{engine}'s routing parts from the trainer's at {tr.describe(named['point'])}: "
-                f"{named['flip_frac']:.2%} of its decisions flipped (other experts than the "
-                f"trainer's top {named['top_k']}), ahead of any kernel{at}")
+        where = (" over the sampled completions' decode" if named["pass"] == "sampled decode"
+                 else " in the traced sequences")
+        return (f"{engine}'s routing parts from the trainer's from "
+                f"{tr.describe(named['point'])}: {named['flip_frac']:.2%} of its decisions "
+                f"flipped{where} (other experts than the trainer's top {named['top_k']}), ahead "
+                f"of any kernel{at}")
     if named is not None:
         when = " in its decode steps" if named["pass"] == "decode" else ""
         i = points.index(named["point"])
@@ -135,9 +138,10 @@ def _within_floor(loc: dict[str, Any]) -> bool:
 
 def details(loc: dict[str, Any]) -> list[str]:
     """The finding's detail lines: the first bit-level difference, what was not traced."""
-    out = ["flipped router decisions by layer: " + ", ".join(
-        f"{layer} {share:.2%}" for layer, share in loc["router_flips"].items())] \
-        if loc.get("router_flips") else []
+    out = [f"flipped router decisions by layer, {what}: " + ", ".join(
+        f"{layer} {share:.2%}" for layer, share in loc[key].items())
+        for key, what in (("router_flips_sampled", "sampled completions (decode)"),
+                          ("router_flips", "traced sequences (prefill)")) if loc.get(key)]
     first = loc.get("first_difference")
     if first:
         out.append(f"first bit-level difference from the trainer's own {loc['engine_dtype']} "

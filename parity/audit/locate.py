@@ -258,11 +258,14 @@ def check_traceable(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
-           sequences: list[list[int]], engine_name: str, starts: list[int] | None = None
-           ) -> dict[str, Any]:
+           sequences: list[list[int]], engine_name: str, starts: list[int] | None = None,
+           sampled_flips: list[float] | None = None) -> dict[str, Any]:
     """Trace `sequences` through the trainer, its model in the engine's dtype and (when there is
     one in this process) the engine, prefill and decode; audit.json's `locate.layers`. A
-    sequence's completion starts at `starts` (1: every token after the first is scored)."""
+    sequence's completion starts at `starts` (1: every token after the first is scored).
+    `sampled_flips`: a mixture of experts' flip share by MoE layer over the audit's sampled
+    completions, as the engine routed them while decoding (parity/runs/routing_gap.py): far
+    more tokens than the traced sequences, and the decode's own routing."""
     dev = next(model.parameters()).device
     layers = tr.layer_count(model)
     located = Located()
@@ -296,12 +299,15 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
               if c in located.errors}
     traced = "engine" in located.errors
     flips = {layer: f / n for layer, (f, n) in sorted(located.router_flips.items())}
-    named = _named(located, flips, model) if traced else None
+    layer_ids = sorted(flips) or list(range(len(sampled_flips or [])))
+    sampled = dict(zip(layer_ids, sampled_flips)) if sampled_flips else {}
+    named = _named(located, sampled or flips, model, bool(sampled)) if traced else None
     first = first_difference(located) if traced else None
     out = {"points": located.points, "sequences": len(sequences),
            "tokens": sum(len(s) for s in sequences), "curves": curves,
            "missing": {c: located.missing(c) for c in located.errors},
            "logits": located.logit_summary(), "named": named, "router_flips": flips,
+           "router_flips_sampled": sampled,
            "op": named["op"] if named else None, "first_difference": first,
            "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype}
     out["finding"] = fd.finding(out, engine_name, a.engine_dtype, a.trainer_dtype)
@@ -309,16 +315,18 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
     return out
 
 
-def _named(located: Located, flips: dict[int, float], model: torch.nn.Module
+def _named(located: Located, flips: dict[int, float], model: torch.nn.Module, sampled: bool
            ) -> dict[str, Any] | None:
     """The op a finding names: the first MoE layer whose router chose other experts (a flipped
-    expert moves a token more than any kernel), else the first point whose error rises above
-    precision's, in the prefill, then in the decode step."""
+    expert moves a token more than any kernel, and every layer after it sees the move;
+    `sampled`: the flips of the sampled completions' decode, else the traced prefill's), else
+    the first point whose error rises above precision's, in the prefill, then in the decode
+    step."""
     hit = next(((layer, share) for layer, share in flips.items() if share > 0), None)
     if hit is not None:
-        return {"point": f"layers.{hit[0]}.router", "op": "router", "pass": "prefill",
-                "flip_frac": hit[1], "top_k": routing.shape(model)[2], "ratio": None,
-                "low": None}
+        return {"point": f"layers.{hit[0]}.router", "op": "router",
+                "pass": "sampled decode" if sampled else "prefill", "flip_frac": hit[1],
+                "top_k": routing.shape(model)[2], "ratio": None, "low": None}
     for what, errs, yard in (("prefill", "engine", "precision"),
                              ("decode", "decode", "precision_last")):
         rose = fd.first_rise(located.points, located.joined(errs), located.joined(yard))

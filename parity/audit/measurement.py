@@ -127,7 +127,7 @@ class Measurement:
         if self.self_gap is not None:
             t0 = time.perf_counter()
             self.layers = locate(model, engine, self.a, [s for s, _ in self.traced], name,
-                                 [start for _, start in self.traced])
+                                 [start for _, start in self.traced], self.routing.by_layer())
             self.locate_s["layers"] = time.perf_counter() - t0
 
     def located(self) -> dict[str, Any]:

@@ -56,7 +56,8 @@ def routing_sections(result: dict[str, Any], out: Path) -> list[Any]:
         return []
     layers = by_layer(m)
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(range(len(layers)), [100 * v for v in layers], color="tab:orange")
+    ax.bar(range(len(layers)), [100 * v for v in layers], color="tab:orange",
+           label=f"{result['completions']} sampled completions")
     ax.set_xticks(range(len(layers)))
     plot = finish(fig, ax, out / "routing.png", alt="share of router decisions flipped by layer",
                   xlabel="MoE layer", ylabel="decisions flipped (%)",

@@ -70,7 +70,7 @@ def shape(model: torch.nn.Module) -> tuple[int, int, int]:
 
 
 def id_dtype(experts: int) -> torch.dtype:
-    """The narrowest integer type that holds every id and the unknown mark (`experts`)."""
+    """The narrowest integer type that holds every id and, above them, the unknown mark."""
     return torch.uint8 if experts < 256 else torch.int16 if experts < 32768 else torch.int32
 
 
@@ -126,7 +126,7 @@ class Recorded:
     def sequence(self, batch: int, width: int, total: int) -> torch.Tensor:
         """[B, width + total, L, k] in `id_dtype`: a decode's routing, the prefill of `width`
         prompt columns first, then one completion column per decode step; the columns no
-        forward fed (the last sampled token's) `UNKNOWN`."""
+        forward fed (the last sampled token's) hold the unknown mark."""
         first = self.ids(batch, 0)
         L, k = first.shape[2], first.shape[3]
         out = torch.full((batch, width + total, L, k), unknown(self.experts),

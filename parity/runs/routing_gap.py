@@ -57,6 +57,11 @@ class Tally:
             n[f"k3_{key}"] += float(k3[where].sum())
         return self
 
+    def by_layer(self) -> list[float]:
+        """The share of decisions that flipped in each MoE layer (empty before any batch)."""
+        n = self.n["positions"]
+        return [f / n for f in self.layers] if n else []
+
     def metrics(self) -> dict[str, float]:
         n, L = self.n, len(self.layers)
         if not n["positions"] or not L:
