@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -264,3 +265,23 @@ def test_locate_names_the_nudged_router_ahead_of_any_kernel_and_a_twin_names_non
 def fd_advice(res) -> str:
     from parity.audit import finding as fd
     return fd.advice(res)
+
+
+def test_the_figures_leave_out_what_every_other_figure_leaves_out():
+    # the hand-made batch above, with ℓ_μ of the flipped token 2 NaN, and a gap of 100 and a
+    # log-prob of -1e4 on the others: every figure finite, token 2 not counted
+    eng = torch.tensor([[[[0], [1]], [[2], [3]], [[1], [1]], [[0], [2]], [[255], [255]]]],
+                       dtype=torch.uint8)
+    own = eng.clone()
+    own[0, 1, 0, 0] = 3
+    own[0, 3, 1, 0] = 0
+    margins = torch.ones(1, 5, 2)
+    pm, cm = torch.tensor([[0, 1]]), torch.tensor([[1.0, 1, 1]])
+    lp_mu = torch.tensor([[-1e4, -2.0, float("nan")]])
+    lp_pi = torch.tensor([[-1e4 + 100, -2.0, -3.0]])
+    f = routing_gap.figures(eng, own, margins, pm, cm, 4, torch.tensor([[100.0, 0, 5]]),
+                            torch.tensor([[True, False, True]]), lp_pi, lp_mu)
+    assert all(math.isfinite(v) for v in f.values())
+    assert f[mn.ROUTING_TOKEN_FLIP_FRAC] == pytest.approx(1 / 2)   # tokens 0 and 1 counted
+    assert f[mn.ROUTING_BETA_ABS_FLIPPED] == pytest.approx(100.0)
+    assert f[mn.ROUTING_KL_K3_FLIPPED_SHARE] == pytest.approx(1.0)

@@ -263,9 +263,10 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
     """Trace `sequences` through the trainer, its model in the engine's dtype and (when there is
     one in this process) the engine, prefill and decode; audit.json's `locate.layers`. A
     sequence's completion starts at `starts` (1: every token after the first is scored).
-    `sampled_flips`: a mixture of experts' flip share by MoE layer over the audit's sampled
-    completions, as the engine routed them while decoding (parity/runs/routing_gap.py): far
-    more tokens than the traced sequences, and the decode's own routing."""
+    `sampled_flips`: a mixture of experts' flip share by MoE layer (in router order) over the
+    audit's sampled completions, as the engine routed them while decoding
+    (parity/runs/routing_gap.py): far more tokens than the traced sequences, and the decode's
+    own routing."""
     dev = next(model.parameters()).device
     layers = tr.layer_count(model)
     located = Located()
@@ -273,6 +274,7 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
     # (which attends with the engine's attention).
     prec_model = low_precision_copy(model, a.engine_dtype)
     none = itertools.repeat(None)
+    top_k = routing.shape(model)[2] if routing.is_moe(model) else 0
     traces = engine.trace(sequences) if engine is not None else none
     decodes = engine.trace_decode(sequences) if engine is not None else none
     for ids, start, eng, dec in zip(sequences, starts or [1] * len(sequences), traces, decodes):
@@ -286,7 +288,7 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
         located.add("precision_last", relative_errors(last_row(prec), last_row(ref)))
         located.logits("precision", prec, ref, ids, start)
         if eng is not None:
-            located.flips(eng, ref, routing.shape(model)[2] if routing.is_moe(model) else 0)
+            located.flips(eng, ref, top_k)
             located.add("engine", relative_errors(eng, ref))
             located.add("engine_vs_precision", relative_errors(eng, prec))
             located.logits("engine", eng, ref, ids, start)
@@ -299,8 +301,7 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
               if c in located.errors}
     traced = "engine" in located.errors
     flips = {layer: f / n for layer, (f, n) in sorted(located.router_flips.items())}
-    layer_ids = sorted(flips) or list(range(len(sampled_flips or [])))
-    sampled = dict(zip(layer_ids, sampled_flips)) if sampled_flips else {}
+    sampled = dict(zip(routing.layer_ids(model), sampled_flips or []))
     named = _named(located, sampled or flips, model, bool(sampled)) if traced else None
     first = first_difference(located) if traced else None
     out = {"points": located.points, "sequences": len(sequences),

@@ -63,6 +63,11 @@ def check_replay(model: torch.nn.Module, replay: bool, name: str) -> None:
                           f"router module with top_k and num_experts) to replay")
 
 
+def layer_ids(model: torch.nn.Module) -> list[int]:
+    """The decoder layer of each MoE layer, in order (a model may keep dense layers between)."""
+    return [m._parity_layer for m in routers(model)]
+
+
 def shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(MoE layers, experts, experts per token)."""
     rs = routers(model)

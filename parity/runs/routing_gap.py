@@ -11,6 +11,7 @@ import torch
 
 from parity import metric_names as mn
 from parity.models import routing
+from parity.runs.finite import usable_tokens
 
 
 def flipped(engine: torch.Tensor, trainer: torch.Tensor, prompt_mask: torch.Tensor,
@@ -38,6 +39,10 @@ class Tally:
         trainer's top-k margins [B, S, L], and the per-token β, phantom clips and log-probs
         [B, T]. A completion token has a flip where the position that predicts it (the token
         before it) flipped in any layer."""
+        # the tokens every other figure counts: a NaN, inf or positive log-prob is left out
+        # (the step's diagnostics count and warn of it once)
+        completion_mask, (logp_pi, logp_mu), _ = usable_tokens(completion_mask, logp_pi,
+                                                               logp_mu)
         counted, flips = flipped(engine, trainer, prompt_mask, completion_mask, experts)
         n, per_layer = self.n, flips.sum((0, 1)).tolist()
         self.layers = [a + b for a, b in zip(self.layers, per_layer)] or per_layer
