@@ -434,6 +434,43 @@ def quiet_libraries() -> Iterator[None]:
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def one_builder(final: Path, progress: bool = False) -> Iterator[None]:
+    """Held while this process builds `final`: a second process that wants the same directory
+    (two runs started together, the test workers) waits here and then finds it built, instead of
+    spending the same minutes again. An advisory lock on a file beside it, which the holder
+    removes, so the cache keeps no trace; the kernel releases it if the holder dies. Where the
+    platform has no fcntl, every process builds its own and publish_dir keeps the first."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock = final.parent / f".{final.name}.lock"
+    said = False
+    while True:
+        f = open(lock, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress and not said:
+                from parity.ui import say
+                say(f"waiting for another process that is building {final.name}: {final}")
+                said = True
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:  # the holder before us removed the file: our lock is on a file nobody else sees
+            if os.fstat(f.fileno()).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)   # before the unlock, so a waiter sees the stale file
+        f.close()
+
+
 def publish_dir(make: Callable[[], object], tmp: Path, final: Path,
                 is_done: Callable[[Path], bool]) -> None:
     """Run `make` (which fills the fresh directory `tmp` beside `final`), then put `tmp` in

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from parity.errors import ParityError
-from parity.files import cache_dir, ensure_writable, exists, publish_dir
+from parity.files import cache_dir, ensure_writable, exists, one_builder, publish_dir
 from parity.tasks.data import arith_correct, arith_problem, text_corpus
 from parity.ui import say
 
@@ -425,11 +425,14 @@ def build(name: str, cache: Path | None = None, force: bool = False, progress: b
         return final
     ensure_writable(final.parent, "testbed cache")  # before minutes of training, not after
     final.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        say(f"building testbed model {name} ({spec.description}), once: {final}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
-    publish_dir(lambda: _build_into(tmp, spec, progress), tmp, final,
-                lambda p: _is_built(p, spec))
+    with one_builder(final, progress):
+        if _is_built(final, spec) and not force:  # another process built it while this waited
+            return final
+        if progress:
+            say(f"building testbed model {name} ({spec.description}), once: {final}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+        publish_dir(lambda: _build_into(tmp, spec, progress), tmp, final,
+                    lambda p: _is_built(p, spec))
     return final
 
 

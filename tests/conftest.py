@@ -127,6 +127,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
 
 
+def pytest_configure(config):
+    """A test worker of `pytest -n N` takes its share of the cores for torch's threads: N
+    workers at torch's default (every core) would oversubscribe them, and idle OpenMP threads
+    spin, so two workers would take twice the CPU time for the same wall time."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers > 1:
+        import torch
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     """A run in this process sets torch's thread count (`threads`, 1 in most test runs) and
@@ -142,7 +152,16 @@ def _torch_threads():
 def cache(tmp_path_factory) -> Path:
     """PARITY_CACHE for the whole session, so tests never touch the user's cache. A developer
     can point PARITY_TEST_CACHE at a directory to reuse builds between sessions."""
-    path = Path(os.environ.get("PARITY_TEST_CACHE") or tmp_path_factory.mktemp("parity-cache"))
+    if os.environ.get("PARITY_TEST_CACHE"):
+        path = Path(os.environ["PARITY_TEST_CACHE"])
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        # The workers of one run (pyproject.toml's `-n`) share one cache, the directory above
+        # their own: each model is built once, by the first worker that asks, while the others
+        # wait for it (parity.files.one_builder).
+        path = tmp_path_factory.getbasetemp().parent / "parity-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("parity-cache")
     os.environ["PARITY_CACHE"] = str(path)
     return path
 

@@ -4,6 +4,8 @@ import dataclasses
 import json
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from parity import testbed as tb
 from parity.errors import ParityError
-from parity.files import cache_dir
+from parity.files import cache_dir, one_builder
 from parity.tasks.data import arith_correct, arith_problem, text_corpus, text_prompts
 
 
@@ -150,6 +152,39 @@ def test_ensure_and_resolve_reuse_a_built_model(cache, arith_dir):
     assert tb.resolve_model(tb.TEST_ARITH, cache) == arith_dir
     assert tb.resolve_model(str(arith_dir)) == arith_dir
     assert (arith_dir / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from parity.files import one_builder
+final = Path(sys.argv[1])
+with one_builder(final):
+    log = final.parent / "log"
+    before = log.read_text() if log.exists() else ""
+    log.write_text(before + sys.argv[2] + " in\\n")
+    time.sleep(0.3)
+    log.write_text(log.read_text() + sys.argv[2] + " out\\n")
+"""
+
+
+def test_one_builder_lets_one_process_build_at_a_time_and_leaves_no_file(tmp_path):
+    """Three processes that want the same model directory (the test workers, two runs started
+    together) build it one after another, each seeing the others' work finished; the lock file
+    is gone afterwards, also after a waiter found it removed under it."""
+    final = tmp_path / "m"
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLD, str(final), str(i)])
+             for i in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    lines = (tmp_path / "log").read_text().split("\n")[:-1]
+    assert len(lines) == 6
+    for i in range(0, 6, 2):   # each "in" followed by its own "out": no overlap
+        who = lines[i].split()[0]
+        assert lines[i:i + 2] == [f"{who} in", f"{who} out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+    with one_builder(final):   # and it can be taken again in this process
+        assert (tmp_path / ".m.lock").exists()
+    assert not (tmp_path / ".m.lock").exists()
 
 
 def test_resolve_model_errors_name_the_problem(tmp_path):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from parity.errors import ParityError, one_line
-from parity.files import check_gguf, ensure_writable, publish_dir, quiet_libraries
+from parity.files import check_gguf, ensure_writable, one_builder, publish_dir, quiet_libraries
 from parity.ui import say
 
 _DONE = "pretrained.json"
@@ -209,8 +209,12 @@ def build(name: str, cache: Path, force: bool = False, progress: bool = True) ->
     gguf = gguf_path(src)
     ensure_writable(final.parent, "model cache")
     final.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        say(f"converting {name} from its package to a Hugging Face directory, once: {final}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
-    publish_dir(lambda: convert_gguf(gguf, tmp, progress, src.round_to), tmp, final, is_converted)
+    with one_builder(final, progress):
+        if is_converted(final) and not force:  # another process converted it while this waited
+            return final
+        if progress:
+            say(f"converting {name} from its package to a Hugging Face directory, once: {final}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+        publish_dir(lambda: convert_gguf(gguf, tmp, progress, src.round_to), tmp, final,
+                    is_converted)
     return final
