@@ -4,9 +4,10 @@ it cost (docs/moe.md).
     python -m bench.moe                       # `moe`: 4 steps a run, 8 x 8 completions of 64
     python -m bench.moe --model moe-xs --steps 2 --json ''       # a quick look
 
-Runs: `parity train` with a bf16 engine (parity's) against an fp32 trainer and a bf16 one,
-each without and with `--routing-replay`, on one seed: the first step of a pair samples the
-same rollout, so its figures differ by what replay changes alone. Tables:
+Runs: `parity train` with a bf16 engine (`--engines`: parity's, and vLLM's where it is
+installed) against an fp32 trainer and a bf16 one, each without and with `--routing-replay`, on
+one seed: the first step of a pair samples the same rollout, so its figures differ by what
+replay changes alone. Tables:
 
 - `gap`: per run, step 1 and the mean over the steps: the share of router decisions that
   flipped, of tokens with a flip, mean |β| on flipped and unflipped tokens, the phantom clips,
@@ -45,16 +46,23 @@ GAP = (mn.ROUTING_FLIP_FRAC, mn.ROUTING_TOKEN_FLIP_FRAC, mn.ROUTING_BETA_ABS_FLI
 
 
 def train_run(model: str, trainer: str, replay: bool, a: argparse.Namespace, out: Path,
-              steps: int = 0, seed: int = 0) -> list[dict[str, Any]]:
+              steps: int = 0, seed: int = 0, engine: str = "hf") -> list[dict[str, Any]]:
     from parity.cli import main
     code = main(["train", "--model", model, "--task", "neg-length", "--recipe", "bf16-engine",
+                 "--engine", engine,
                  "--trainer-dtype", trainer, "--steps", str(steps or a.steps),
                  "--prompts-per-step", str(a.prompts), "--samples-per-prompt", str(a.samples),
                  "--max-new-tokens", str(a.tokens), "--seed", str(seed), "--no-progress",
                  "--out", str(out)] + (["--routing-replay"] if replay else []))
     if code:
-        raise SystemExit(f"bench.moe: parity train exited {code} ({trainer}, replay={replay})")
+        raise SystemExit(f"bench.moe: parity train exited {code} ({engine}, {trainer}, "
+                         f"replay={replay})")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -172,28 +180,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=3, help="training runs a setting (0: none)")
     ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--engines", default=None,
+                    help="comma-separated engines for the gap and layers tables (default: hf, "
+                         "and vllm where it is installed)")
     ap.add_argument("--out", default=None, help="keep the runs here")
     json_option(ap, "moe")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-moe-"))
-    gap = Table("gap", f"{a.model}: bf16 engine (parity's) against the trainer, without and with "
-                f"replay; step 1 / mean of {a.steps} steps",
-                [("trainer", None), ("replay", None), ("step", None)]
+    engines = a.engines.split(",") if a.engines else ["hf"] + (["vllm"] if _has_vllm() else [])
+    gap = Table("gap", f"{a.model}: bf16 engine against the trainer, without and with replay; "
+                f"step 1 / mean of {a.steps} steps",
+                [("engine", None), ("trainer", None), ("replay", None), ("step", None)]
                 + [(k.split("/", 1)[1], "{:.4g}") for k in GAP])
+    if "vllm" not in engines:
+        gap.notes.append("vLLM is not installed here: no vllm rows (README.md installs it)")
     layers = None
-    for trainer in ("fp32", "bf16"):
-        for replay in (False, True):
-            name = f"{trainer}-{'r3' if replay else 'free'}"
-            rows = train_run(a.model, trainer, replay, a, out / name)
-            if layers is None:
-                n = sum(k.startswith("routing/flip_frac_layer/") for k in rows[0])
-                layers = Table("layers", f"{a.model}: flip share by MoE layer, step 1",
-                               [("trainer", None), ("replay", None)]
-                               + [(f"layer {j}", "{:.2%}") for j in range(n)])
-            layers.add(trainer, replay, *(rows[0].get(mn.ROUTING_FLIP_FRAC_LAYER.format(layer=j))
-                                          for j in range(len(layers.columns) - 2)))
-            gap.add(trainer, replay, "1", *(rows[0].get(k) for k in GAP))
-            gap.add(trainer, replay, "mean", *(_mean(rows, k) for k in GAP))
+    for engine in engines:
+        for trainer in ("fp32", "bf16"):
+            for replay in (False, True):
+                name = f"{engine}-{trainer}-{'r3' if replay else 'free'}"
+                rows = train_run(a.model, trainer, replay, a, out / name, engine=engine)
+                if layers is None:
+                    n = sum(k.startswith("routing/flip_frac_layer/") for k in rows[0])
+                    layers = Table("layers", f"{a.model}: flip share by MoE layer, step 1",
+                                   [("engine", None), ("trainer", None), ("replay", None)]
+                                   + [(f"layer {j}", "{:.2%}") for j in range(n)])
+                layers.add(engine, trainer, replay,
+                           *(rows[0].get(mn.ROUTING_FLIP_FRAC_LAYER.format(layer=j))
+                             for j in range(len(layers.columns) - 3)))
+                gap.add(engine, trainer, replay, "1", *(rows[0].get(k) for k in GAP))
+                gap.add(engine, trainer, replay, "mean", *(_mean(rows, k) for k in GAP))
     tables = [gap, layers, costs(a.model, a)]
     if a.seeds:
         tables.append(training(a, out))

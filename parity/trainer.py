@@ -193,6 +193,10 @@ def rl_step(run: Run, step: int) -> tuple[StepPart, dict[str, Any], Updates]:
     # The engine's routing is measured against the trainer's at the first update; the
     # forwards route with it only under replay (a rollout's record is what scoring replays).
     routed = r.routed.to(run.device) if r.routed is not None else None
+    if cfg.routing_replay and routed is None:
+        raise ParityError(f"--routing-replay: engine={cfg.engine} returned no routing with step "
+                          f"{step}'s rollout, so there is nothing to replay (its warning above "
+                          f"says why)")
     r = r if cfg.routing_replay else dataclasses.replace(r, routed=None)
     data = StepData(step=step, rollout=r, rewards=rewards, prep=prepare(run, r, rewards),
                     minibatch=len(plan.rows) // cfg.minibatches, routed=routed)

@@ -204,6 +204,22 @@ def vllm_ready():
         if os.environ.get("PARITY_REQUIRE_VLLM") == "1":
             pytest.fail(f"PARITY_REQUIRE_VLLM=1 but vLLM cannot be imported: {e}")
         pytest.skip(f"vLLM is not installed here ({e})")
+    _compile_vllms_sampler_ops()
+
+
+def _compile_vllms_sampler_ops() -> None:
+    """vLLM's sampler compiles two ops with torch.compile at their first call in a process,
+    10-40 s on one core: paid here, in the session's set-up, rather than by whichever test of
+    a worker samples with vLLM first (against its budget). Two shapes each, as a batch of
+    another size recompiles them with dynamic shapes."""
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+    from vllm.v1.sample.ops.topk_topp_sampler import compiled_random_sample
+    with torch.random.fork_rng():   # the tests' random state stays as it was
+        for rows, vocab in ((4, 512), (8, 4096)):
+            x = torch.randn(rows, vocab)
+            batched_count_greater_than(x, x[:, :1])
+            compiled_random_sample(torch.softmax(x, -1))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,9 @@ import pytest
 
 from cli_helpers import assert_user_error, run_main
 from parity import metric_names as mn
+from parity.engines import engines_that
+from parity.engines.abilities import EngineCan, EngineNeeds, refuse_what_it_cannot
+from parity.errors import ParityError
 
 pytestmark = pytest.mark.e2e
 
@@ -52,9 +55,11 @@ def test_replay_is_refused_where_nothing_can_be_replayed(moe_model, text_model, 
                                "--out", tmp_path / "dense"), "--routing-replay",
                       "no mixture-of-experts")
     assert not (tmp_path / "dense").exists()
-    assert_user_error(run_main("train", "--model", moe_model, "--engine", "vllm",
-                               "--routing-replay", "--steps", "1", "--out", tmp_path / "v"),
-                      "engine=vllm", "--routing-replay needs engine=hf")
+    # an engine that returns no routing (both of parity's return it) is refused by its entry
+    with pytest.raises(ParityError, match="engine=other returns no routing to replay: "
+                                          "--routing-replay needs engine=hf or engine=vllm"):
+        refuse_what_it_cannot("other", EngineCan(False, False, False), EngineNeeds(routing=True),
+                              engines_that)
 
 
 def test_an_audit_of_a_mixture_of_experts_reports_its_routing(moe_model, tmp_path):

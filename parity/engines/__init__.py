@@ -166,7 +166,7 @@ register(EngineEntry(
     name="vllm", summary="vLLM in the trainer's process, its CPU or CUDA build; install: "
                          "README.md, figures: docs/vllm.md",
     can=EngineCan(score_processed=False, lm_head_fp32=False, lora_unmerged=False,
-                  min_p_after_top_p=False, min_temperature=0.01, trace=True),
+                  min_p_after_top_p=False, min_temperature=0.01, trace=True, routing=True),
     build=_vllm, check=_vllm_check))
 # A live server audited by `parity audit --server` is vLLM's (or SGLang's, whose greedy floor is
 # lower): its temperature floor is the vllm engine's.

@@ -12,7 +12,8 @@ worker's `reload_weights`: the in-place path that also works on the CPU backend,
 layers are repacked at load so that their `load_weights` no longer applies.
 
 The exact KL's rows: vLLM's own processed distribution at every position, read as a tensor
-from its sampler (`Recorder`), never as `logprobs=-1`'s Python objects (docs/vllm.md).
+from its sampler (`Recorder`), never as `logprobs=-1`'s Python objects (docs/vllm.md). A mixture
+of experts' routing: the ids vLLM's routers chose, read in process (parity/engines/vllm_routing.py).
 
 vLLM's kernels are not the trainer's: a shadow forward parity computes carries a kernel gap
 (docs/design.md, the engine section). `score` lets vLLM compute the shadow itself: it scores a
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 # Imports inside functions: vllm is optional (README.md's vLLM command); it loads when the
 # engine is checked or started.
+import contextlib
 import copy
 import functools
 import logging
@@ -33,11 +35,12 @@ from typing import Any, Iterator
 
 import torch
 
+from parity.engines import vllm_routing
 from parity.engines.abilities import EngineNeeds
 from parity.engines.rollout import Shard
 from parity.errors import ParityError, one_line
 from parity.logprobs import Rollout, Sampling, left_pad, recorded_positions
-from parity.models import lora
+from parity.models import lora, routing
 from parity.models.precision import (
     cast_weights_into,
     copy_bytes,
@@ -164,15 +167,17 @@ def check_fits(config: Any, max_len: int, scores: bool = False) -> None:
 
 
 def sampling_kwargs(s: Sampling, max_new_tokens: int, eos_ids: list[int], seed: int,
-                    record: str | None = None) -> dict[str, Any]:
+                    record: str | None = None, route: str | None = None) -> dict[str, Any]:
     """vLLM SamplingParams for one completion per prompt, with the sampled token's log-prob;
-    `record`: the key under which `Recorder` keeps this request's whole distributions."""
+    `record`: the key under which `Recorder` keeps this request's whole distributions; `route`:
+    the key under which `RouteRecorder` keeps its experts."""
+    extra = {k: v for k, v in ((RECORD, record), (vllm_routing.ROUTE, route)) if v is not None}
     return dict(n=1, temperature=s.temperature, top_p=s.top_p,
                 top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
                 repetition_penalty=s.repetition_penalty, max_tokens=max_new_tokens,
                 logprobs=0, seed=seed, stop_token_ids=list(eos_ids),
                 ignore_eos=False, detokenize=False, skip_special_tokens=False,
-                extra_args={RECORD: record} if record is not None else None)
+                extra_args=extra or None)
 
 
 def row_seeds(base: int, rows: list[int]) -> list[int]:
@@ -266,6 +271,26 @@ def _install_recorder(worker: Any) -> Recorder | None:
     return Recorder(runner)
 
 
+def _prepack_cpu_experts(worker: Any) -> int:
+    """Runs on vLLM's worker (collective_rpc), after each weight reload: the CPU build packs a
+    mixture of experts' weights into its grouped-gemm layout once, at start. vLLM 0.32 skips
+    that packing when weights are reloaded (UnquantizedFusedMoEMethod._setup_kernel runs the
+    experts' `process_weights_after_loading` only on the first call), so its experts compute
+    with unpacked weights: 0.14 nats a token from the trainer in fp32 on `moe-xs`, after
+    reloading the very checkpoint it started from. Packed here as at start (bit for bit the
+    start's weights: tests/test_vllm_routing.py). Returns the layers packed."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    packed = 0
+    for m in runner.get_model().modules() if runner is not None else ():
+        experts = getattr(getattr(getattr(m, "quant_method", None), "moe_kernel", None),
+                          "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(m)
+            packed += 1
+    return packed
+
+
 class VLLMEngine:
     """The `Engine` protocol (parity/engines/) on vLLM."""
 
@@ -281,6 +306,7 @@ class VLLMEngine:
         self._spec = dict(model_dir=model_dir, dtype=dtype, seed=seed, max_len=max_len,
                           rows=rows, gpu_memory=gpu_memory, cuda_graphs=cuda_graphs)
         self._llm, self._stale, self._recorder, self._tracer = None, True, None, None
+        self._routes = None
 
     @property
     def device(self) -> torch.device:
@@ -297,16 +323,30 @@ class VLLMEngine:
                 f"{self._spec['model_dir']}")
             self._llm = start_llm(self.model.config, **self._spec, device=self.device)
             self._recorder = self._llm.collective_rpc(_install_recorder)[0]
+            self._routes = self._route_recorder()
         return self._llm
 
-    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    def _route_recorder(self) -> vllm_routing.RouteRecorder | None:
+        """The reader of vLLM's expert choices, for a mixture of experts whose MoE layers vLLM's
+        routers match one for one; otherwise None, said once for a mixture of experts."""
+        if not routing.is_moe(self.model):
+            return None
+        found = self._llm.collective_rpc(vllm_routing.install)[0]
+        if found is None or len(found.layers) != routing.shape(self.model)[0]:
+            _warn_no_routes(len(found.layers) if found else 0, routing.shape(self.model)[0])
+            return None
+        return found
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": iter(state.items())})
+        self.llm.collective_rpc(_prepack_cpu_experts)
         self.llm.reset_prefix_cache()
 
     def _fresh(self) -> None:
         """vLLM holds the engine copy's weights (they are loaded once per sync, when used)."""
         if self._stale:
-            self._load(iter(self.model.state_dict().items()))
+            self._load(self.model.state_dict())
             self._stale = False
 
     @torch.no_grad()
@@ -349,13 +389,14 @@ class VLLMEngine:
         # a GRPO group would be G copies of one completion.
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         seeds, whole = row_seeds(base, rows), set(record_rows or [])
-        tap = self._recorder
+        tap, routes = self._recorder, self._routes
         if whole and tap is None:
             _warn_no_recorder()
         recording = bool(whole) and tap is not None
         params = [SamplingParams(**sampling_kwargs(
                       s, max_new_tokens, self.eos_ids, seed,
-                      str(i) if recording and i in whole else None))
+                      str(i) if recording and i in whole else None,
+                      str(i) if routes is not None else None))
                   for i, seed in enumerate(seeds)]
         step = max_batch or len(prompts)
         outs = []
@@ -365,10 +406,11 @@ class VLLMEngine:
             pieces = -(-len(prompts) // step)
             tap.tick = Ticker("rollout (vLLM)", pieces * max_new_tokens, "decode steps")
         try:
-            for a in range(0, len(prompts), step):
-                outs += self.llm.generate([{"prompt_token_ids": p}
-                                           for p in prompts[a:a + step]],
-                                          params[a:a + step], use_tqdm=False)
+            with routes.recording() if routes is not None else contextlib.nullcontext():
+                for a in range(0, len(prompts), step):
+                    outs += self.llm.generate([{"prompt_token_ids": p}
+                                               for p in prompts[a:a + step]],
+                                              params[a:a + step], use_tqdm=False)
         finally:
             if tap is not None:
                 tap.rows_wanted, tap.tick = False, None
@@ -385,6 +427,9 @@ class VLLMEngine:
         if recording:
             r.dist_rows, r.dists = recorded_dists(tap, sorted(whole), comps,
                                                   r.completion_ids.shape[1])
+        if routes is not None:
+            r.routed = routes.take([len(p) for p in prompts], r.prompt_ids.shape[1],
+                                   r.completion_ids.shape[1])
         return r.to(self.device)
 
     @torch.no_grad()
@@ -398,7 +443,7 @@ class VLLMEngine:
         # stand still is not safe: under TRL with fp16 the weights change across optimizer
         # steps while those counters do not.
         dt = torch_dtype(self.dtype)
-        self._load((k, v.to(dt)) for k, v in _master_state(master, self.model).items())
+        self._load({k: v.to(dt) for k, v in _master_state(master, self.model).items()})
         self._stale = True   # vLLM now holds the master's weights, not the sampled ones
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
                                 temperature=s.temperature, top_p=s.top_p,
@@ -501,6 +546,13 @@ def _warn_no_recorder() -> None:
                   "mismatch/kl_exact is absent; unset it for the exact KL", stacklevel=3)
 
 
+@functools.cache
+def _warn_no_routes(found: int, layers: int) -> None:
+    warnings.warn(f"engine=vllm: {found} of this model's {layers} MoE layers have a vLLM router "
+                  f"parity can read, so vLLM's routing is not recorded: no routing/ figures, and "
+                  f"--routing-replay stops at the first step", stacklevel=3)
+
+
 def _warn_misaligned(row: int, got: int, want: int) -> None:
     warnings.warn(f"engine=vllm: vLLM's sampler gave {got} distributions for row {row}'s "
                   f"{want} tokens; the row is left out of mismatch/kl_exact", stacklevel=3)
@@ -572,5 +624,5 @@ def build_replica(model: torch.nn.Module, eos_ids: list[int], pad_id: int,
     self.model = model.to(device)
     self.dtype, self.eos_ids, self.pad_id, self.version = spec["dtype"], eos_ids, pad_id, 0
     self.vocab, self._spec = model.config.vocab_size, spec
-    self._llm, self._stale, self._recorder = None, True, None
+    self._llm, self._stale, self._recorder, self._routes = None, True, None, None
     return self
