@@ -4,10 +4,10 @@ it cost (docs/moe.md).
     python -m bench.moe                       # `moe`: 4 steps a run, 8 x 8 completions of 64
     python -m bench.moe --model moe-xs --steps 2 --json ''       # a quick look
 
-Runs: `parity train` with a bf16 engine (`--engines`: parity's, and vLLM's where it is
-installed) against an fp32 trainer and a bf16 one, each without and with `--routing-replay`, on
-one seed: the first step of a pair samples the same rollout, so its figures differ by what
-replay changes alone. Tables:
+Runs: `parity train` with a bf16 engine (parity's; `--engines hf,vllm` adds vLLM's) against an
+fp32 trainer and a bf16 one, each without and with `--routing-replay`, on one seed: the first
+step of a pair samples the same rollout, so its figures differ by what replay changes alone.
+Tables:
 
 - `gap`: per run, step 1 and the mean over the steps: the share of router decisions that
   flipped, of tokens with a flip, mean |β| on flipped and unflipped tokens, the phantom clips,
@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from bench.report import Table, json_option, publish
+from bench.report import Table, engines_option, json_option, publish
 from parity import metric_names as mn
 from parity.models import routing
 
@@ -58,11 +58,6 @@ def train_run(model: str, trainer: str, replay: bool, a: argparse.Namespace, out
         raise SystemExit(f"bench.moe: parity train exited {code} ({engine}, {trainer}, "
                          f"replay={replay})")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -180,20 +175,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=3, help="training runs a setting (0: none)")
     ap.add_argument("--train-steps", type=int, default=30)
-    ap.add_argument("--engines", default=None,
-                    help="comma-separated engines for the gap and layers tables (default: hf, "
-                         "and vllm where it is installed)")
+    engines_option(ap)
     ap.add_argument("--out", default=None, help="keep the runs here")
     json_option(ap, "moe")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-moe-"))
-    engines = a.engines.split(",") if a.engines else ["hf"] + (["vllm"] if _has_vllm() else [])
+    engines = a.engines
     gap = Table("gap", f"{a.model}: bf16 engine against the trainer, without and with replay; "
                 f"step 1 / mean of {a.steps} steps",
                 [("engine", None), ("trainer", None), ("replay", None), ("step", None)]
                 + [(k.split("/", 1)[1], "{:.4g}") for k in GAP])
-    if "vllm" not in engines:
-        gap.notes.append("vLLM is not installed here: no vllm rows (README.md installs it)")
     layers = None
     for engine in engines:
         for trainer in ("fp32", "bf16"):

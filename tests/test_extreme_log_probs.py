@@ -411,9 +411,10 @@ def test_trls_micro_batch_figures_are_finite_and_exact(b, source, fresh):
         t = {k: b.tensor(k, junk=junk) for k in ("pi", "s", "mu", "old")}
         # _compute_loss hands TRL ℓ_μ as ℓ_old unless the ratio is recompute's
         old = t["old"] if source == "recompute" else t["mu"]
-        diag, left = micro_batch_diagnostics(t["pi"], t["s"], t["mu"], old, torch.tensor(b.adv),
-                                             b.mask(mask_dtype), *b.eps, ratio_source=source,
-                                             sequence=b.sequence, first=fresh)
+        diag, left, _ = micro_batch_diagnostics(t["pi"], t["s"], t["mu"], old,
+                                                torch.tensor(b.adv), b.mask(mask_dtype), *b.eps,
+                                                ratio_source=source, sequence=b.sequence,
+                                                first=fresh)
         return diag.metrics(), left
     checked = ("pi", "s", "mu", "old") if source == "recompute" else ("pi", "s", "mu")
     want, scale, left = reference(b, source, checked)

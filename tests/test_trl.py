@@ -555,9 +555,9 @@ def test_a_row_of_positive_engine_log_probs_is_left_out_counted_and_named_once(c
     logits = mu.clone()
     logits[0] = torch.linspace(2.0, 9.0, T)
     kw = dict(ratio_source="engine", sequence=False, first=True)
-    diag, left = micro_batch_diagnostics(pi, s, logits, None, adv, mask, 0.2, 0.2, **kw)
-    sliced, none = micro_batch_diagnostics(pi[1:], s[1:], mu[1:], None, adv[1:], mask[1:],
-                                           0.2, 0.2, **kw)
+    diag, left, _ = micro_batch_diagnostics(pi, s, logits, None, adv, mask, 0.2, 0.2, **kw)
+    sliced, none, _ = micro_batch_diagnostics(pi[1:], s[1:], mu[1:], None, adv[1:], mask[1:],
+                                              0.2, 0.2, **kw)
     assert left == LeftOut(positive=T, largest=9.0) and not none
     # per completion: the emptied row is still one, of no token (tests/test_verl.py)
     per_completion = {mn.SEQ_LOG_RATIO_MEAN, mn.SEQ_LOG_RATIO_SLOPE}

@@ -48,6 +48,7 @@ loss scaler on accelerate's own hooks.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -71,10 +72,10 @@ from parity.config import (
     quoted,
     shared,
 )
-from parity.diagnostics import StepDiagnostics, measure
+from parity.diagnostics import Attribution, StepDiagnostics, measure
 from parity.engines import VLLM, EngineSpec, check_engine, make_engine, refuse_unable
 from parity.errors import ParityError
-from parity.integrations import trl_config, trl_vllm
+from parity.integrations import trl_config, trl_routing, trl_vllm
 from parity.integrations.trl_sampling import (
     bypassed,
     check_sampling,
@@ -84,6 +85,7 @@ from parity.integrations.trl_sampling import (
 )
 from parity.integrations.trl_updates import UpdateGuard
 from parity.logprobs import Rollout, Sampling, positions
+from parity.models import routing
 from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import disable_dropout
 from parity.models.loading import max_positions
@@ -253,6 +255,7 @@ class ParityGRPOTrainer(GRPOTrainer):
                               cast_lm_head_to_fp32=head32)
         self._shadow_step: int | None = None
         self._loss_call: dict[str, torch.Tensor] | None = None
+        self._routing = trl_routing.Tracker()
         if self.trainer_dtype == "fp16":
             install_cpu_fp16_scaler(self.accelerator)
 
@@ -351,8 +354,16 @@ class ParityGRPOTrainer(GRPOTrainer):
             self._metrics[mode][mn.SYNC_CHANGED_FRAC].append(changed)
         r = self.engine.generate(prompt_ids, self.max_completion_length, self.sampling,
                                  self.generator)
+        self._routing.note(r.routed, r.prompt_ids.shape[1])
         ids = r.completions()
         return ids, [r.engine_logprobs[i, :len(c)].tolist() for i, c in enumerate(ids)]
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        routed = self._routing.batch(out["prompt_ids"], out["completion_ids"])
+        if routed is not None:   # split and shuffled with the rest of TRL's batch
+            out[trl_routing.ROUTED] = routed
+        return out
 
     def _trl_vllm_turn(self, prompt_ids, *rest):
         """TRL's own vLLM turn; parity logs its sync, which TRL makes at each new step."""
@@ -385,12 +396,17 @@ class ParityGRPOTrainer(GRPOTrainer):
                                            logits_to_keep, *args, **kwargs):
         forward = (self._processed_logps if self.sampling.truncates or self.sampling.penalises
                    else super()._get_per_token_logps_and_entropies)
-        logps, entropies, aux = forward(model, input_ids, attention_mask, logits_to_keep, *args,
-                                        **kwargs)
         call = self._loss_call
+        own = call is not None and "pi" not in call and self._routing.loss is not None
+        with (routing.recording(self.accelerator.unwrap_model(model)) if own
+              else contextlib.nullcontext()) as rec:
+            logps, entropies, aux = forward(model, input_ids, attention_mask, logits_to_keep,
+                                            *args, **kwargs)
         if call is None or "pi" in call:  # not the loss's own forward (old, ref, eval)
             return logps, entropies, aux
         call["pi"] = logps.detach()
+        if own:   # the trainer's own routing of the loss's tokens, in TRL's batch layout
+            call["own"] = rec.pieces(input_ids.shape[1])
         if self.parity.diagnostics or self.parity.ratio_source == "shadow":
             call["s"] = self._shadow_logps(input_ids, attention_mask, logits_to_keep, logps)
             if self.parity.ratio_source == "shadow":
@@ -481,11 +497,12 @@ class ParityGRPOTrainer(GRPOTrainer):
             checkpoint_under_emulation(self.accelerator.unwrap_model(model),
                                        self.args.gradient_checkpointing_kwargs)
         self._loss_call = {}
+        self._routing.loss = inputs.get(trl_routing.ROUTED)
         try:
             loss = super()._compute_loss(model, inputs)
             call = self._loss_call
         finally:
-            self._loss_call = None
+            self._loss_call, self._routing.loss = None, None
         mode = "train" if self.model.training else "eval"
         if mode == "train" and "pi" in call:
             self.guard.note("l_pi", call["pi"].where(inputs["completion_mask"] > 0, 0.0))
@@ -509,7 +526,7 @@ class ParityGRPOTrainer(GRPOTrainer):
         # ℓ_π − ℓ_μ the mismatch before the policy moves. On completions reused by a later
         # step (num_iterations > 1, steps_per_generation) both include the policy change.
         fresh = self._synced_step == self.state.global_step
-        diag, left_out = micro_batch_diagnostics(
+        diag, left_out, att = micro_batch_diagnostics(
             call["pi"], call["s"], mu, inputs.get("old_per_token_logps"), inputs["advantages"],
             mask, *eps, ratio_source=self.parity.ratio_source,
             sequence=self.importance_sampling_level == "sequence", first=fresh)
@@ -525,23 +542,32 @@ class ParityGRPOTrainer(GRPOTrainer):
         m = diag.metrics()
         if not fresh:
             m.pop(mn.KERNEL_GAP_ABS_MEAN, None)
+        elif "own" in call:   # the routing compared where the weights are the sampled ones
+            m.update(self._routing_figures(inputs, call, mu, mask, att))
         return m
+
+    def _routing_figures(self, inputs: dict, call: dict, mu: torch.Tensor, mask: torch.Tensor,
+                         att: Attribution) -> dict[str, float]:
+        experts = routing.shape(self.accelerator.unwrap_model(self.model))[1]
+        return trl_routing.figures(self.accelerator, inputs, call["own"], call["pi"], mu, mask,
+                                   experts, att)
 
 
 def micro_batch_diagnostics(pi: torch.Tensor, s: torch.Tensor, mu: torch.Tensor,
                             old: torch.Tensor | None, adv: torch.Tensor, mask: torch.Tensor,
                             eps_low: float | None, eps_high: float | None, *,
                             ratio_source: str, sequence: bool, first: bool
-                            ) -> tuple[StepDiagnostics, LeftOut]:
+                            ) -> tuple[StepDiagnostics, LeftOut, Attribution]:
     """parity's measurement of one TRL micro-batch on this rank (`GRPOTrainer._diagnose`; its
-    figures are `.metrics()` once the ranks' parts are merged), and its tokens left out for a
-    log-prob NaN, inf or positive. `old`: TRL's ℓ_old; None: the ratio is 1."""
+    figures are `.metrics()` once the ranks' parts are merged), its tokens left out for a
+    log-prob NaN, inf or positive, and its per-token attribution. `old`: TRL's ℓ_old; None:
+    the ratio is 1."""
     mask = mask.float().cpu()
     pi, s, mu = pi.float().cpu(), s.float().cpu(), mu.float().cpu()
     old = pi if old is None else old.float().cpu()
     mask, (pi, s, mu, old), left_out = usable_tokens(mask, pi, s, mu, old)
     pi, s, mu, old = pi * mask, s * mask, mu * mask, old * mask
     diag = StepDiagnostics()
-    measure(diag, pi, s, mu, adv.float().cpu(), mask, eps_low, eps_high,
-            ratio_source=ratio_source, logp_old=old, sequence=sequence, first=first)
-    return diag, left_out
+    att = measure(diag, pi, s, mu, adv.float().cpu(), mask, eps_low, eps_high,
+                  ratio_source=ratio_source, logp_old=old, sequence=sequence, first=first)
+    return diag, left_out, att

@@ -141,6 +141,15 @@ class Recorded:
             out[:, width + t - 1] = self.ids(batch, t)[:, 0]
         return out
 
+    def pieces(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every forward inside, each over a [b, width] batch, put back together in order:
+        ids [B, width, L, k] and margins [B, width, L] of a batch scored in pieces."""
+        ids = torch.stack([torch.cat([f[0].reshape(-1, width, f[0].shape[-1]) for f in rec])
+                           for rec in self.layers], dim=2)
+        margins = torch.stack([torch.cat([f[1].reshape(-1, width) for f in rec])
+                               for rec in self.layers], dim=2)
+        return ids, margins
+
     def margins(self, batch: int) -> torch.Tensor:
         """[B, S, L] fp32 top-k margins of the last forward."""
         return torch.stack([rec[-1][1].reshape(batch, -1) for rec in self.layers], dim=2)

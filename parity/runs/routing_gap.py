@@ -24,6 +24,11 @@ def flipped(engine: torch.Tensor, trainer: torch.Tensor, prompt_mask: torch.Tens
     return counted, routing.decisions_differ(engine, trainer) & counted[..., None]
 
 
+# The sums a Tally keeps besides its per-layer flips.
+KEYS = ("positions", "margin", "margin_flips", "tokens", "flipped", "beta_tokens",
+        "beta_flipped", "phantom_tokens", "phantom_flipped", "k3_tokens", "k3_flipped")
+
+
 class Tally:
     """Sums of one or more batches, from which the `routing/` figures follow."""
 
@@ -61,6 +66,18 @@ class Tally:
             n[f"phantom_{key}"] += float(phantom[where].sum())
             n[f"k3_{key}"] += float(k3[where].sum())
         return self
+
+    def as_tensor(self) -> torch.Tensor:
+        """The sums as one float64 vector (`KEYS`, then the layers'), to add across ranks."""
+        return torch.tensor([self.n[k] for k in KEYS] + self.layers, dtype=torch.float64)
+
+    @classmethod
+    def of_tensor(cls, t: torch.Tensor) -> "Tally":
+        """The Tally `as_tensor` gave (or a sum of such vectors, one per rank)."""
+        out, vals = cls(), t.tolist()
+        out.n.update(zip(KEYS, vals))
+        out.layers = vals[len(KEYS):]
+        return out
 
     def by_layer(self) -> list[float]:
         """The share of decisions that flipped in each MoE layer (empty before any batch)."""
