@@ -329,10 +329,12 @@ def update(run: Run, data: StepData, epoch: int, start: int, u: Updates) -> None
     att = measure(u.diag, logp_pi, logp_s, mb.engine_logprobs, adv, mb.completion_mask,
                   eps_low, eps_high, clipped=loss.clipped,
                   sequence=run.objective.clip == "sequence", first=first)
-    if own is not None:
-        u.metrics.append(routing_gap.figures(
+    if own is not None:   # every rank's tokens together, as one process would count them
+        t = routing_gap.Tally().add(
             data.routed[idx], own[0], own[1], mb.prompt_mask, mb.completion_mask,
-            routing.shape(run.model)[1], att.beta, att.phantom, logp_pi, mb.engine_logprobs))
+            routing.shape(run.model)[1], att.beta, att.phantom, logp_pi, mb.engine_logprobs)
+        u.metrics.append(routing_gap.Tally.of_tensor(
+            sum(run.dist.gather(t.as_tensor()))).metrics())
     if u.dump_ids is not None:
         sample_ids, prompt_ids = u.dump_ids
         u.dump.append(dump_table(data.step, len(u.policy_losses), epoch, sample_ids[idx],

@@ -85,6 +85,27 @@ def assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
                 assert abs(x[k] - y[k]) <= tol * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
 
 
+@pytest.mark.e2e
+def test_two_fsdp_ranks_give_a_mixture_of_experts_the_one_process_routing(moe_model, tmp_path):
+    """FSDP2 on the test-size mixture of experts (its experts' 3-D weights sharded with the
+    rest): each rank records and compares the routing of its half of the batch, and the
+    `routing/` figures are both halves' counts together, equal to one process's."""
+    cfg = ["--task", "neg-length", "--model", str(moe_model), "--no-progress", "--report-to",
+           "none", "--threads", "1", "--prompts-per-step", "2", "--samples-per-prompt", "4",
+           "--max-new-tokens", "16", "--steps", "2"]
+    p = run_main("train", *cfg, "--out", str(tmp_path / "one"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    two = launch_fsdp(["train", *cfg, "--parallel", "fsdp", "--out", str(tmp_path / "two")],
+                      tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for x, y in zip(a, b):
+        routed = sorted(k for k in x if k.startswith("routing/"))
+        assert routed and routed == sorted(k for k in y if k.startswith("routing/"))
+        for k in routed:   # sums of counts and of fp32 margins, in another order
+            assert y[k] == pytest.approx(x[k], rel=1e-6, abs=1e-9), (x["step"], k)
+
+
 # How far apart two ranks may leave the weights, relative to how far AdamW moved them (lr 3e-4,
 # 4 updates to the step-2 checkpoint). Each rank sums its half of a gradient and the halves are
 # added, where one process sums them at once: the gradients differ by up to 4e-8 (at gradients

@@ -87,3 +87,60 @@ def test_lora_adapts_the_experts_and_the_engine_serves_the_merged_weights(moe_mo
     assert rows[-1][mn.SYNC_CHANGED_FRAC] > 0.1    # the update reached the engine's weights
     assert rows[0][mn.KERNEL_GAP_ABS_MEAN] < 1e-4  # the shadow sees the engine's merged weights
     assert mn.ROUTING_FLIP_FRAC in rows[0]
+
+
+def test_an_audit_file_with_routed_experts_is_compared_with_the_trainers_routing(moe_model,
+                                                                                tmp_path):
+    """An audit input file's `routed_experts` column (as vLLM returns it: [tokens, layers,
+    top-k] over the prompt and completion, the last token left out): the trainer's own fp32
+    routing given back flips (nearly) nothing; the same with layer 1's experts shifted by one
+    flips every decision of layer 1 and none of layer 0. A record of the wrong shape is refused
+    in one line naming its row and column."""
+    import torch
+
+    from parity.engines.hf import HFEngine
+    from parity.logprobs import Sampling
+    from parity.models import routing
+    from parity.models.loading import load_policy
+    model, tok = load_policy(moe_model)
+    model.eval()
+    prompts = [tok(t)["input_ids"] for t in ("the cat", "a man went", "she said", "on a")]
+    r = HFEngine(model, "fp32", tok.eos_token_id, tok.pad_token_id).generate(
+        prompts, 12, Sampling(), torch.Generator().manual_seed(0))
+    ids = torch.cat([r.prompt_ids, r.completion_ids], 1)
+    with torch.no_grad(), routing.recording(model) as rec:
+        model(input_ids=ids, attention_mask=torch.cat([r.prompt_mask, r.completion_mask],
+                                                      1).long())
+    own, P, E = rec.ids(len(prompts)), r.prompt_ids.shape[1], routing.shape(model)[1]
+
+    def audit(name, shift_layer=None):
+        rows = []
+        for i, p in enumerate(prompts):
+            c = r.completions()[i]
+            rec_i = own[i, P - len(p):P + len(c) - 1].clone()
+            if shift_layer is not None:
+                rec_i[:, shift_layer] = (rec_i[:, shift_layer] + 1) % E
+            rows.append({"prompt_token_ids": p, "completion_token_ids": c,
+                         "engine_logprobs": r.engine_logprobs[i, :len(c)].tolist(),
+                         "routed_experts": rec_i.tolist()})
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+        return run_main("audit", "--model", moe_model, "--rollouts", f, "--no-progress",
+                        "--out", tmp_path / name), f
+
+    p, _ = audit("own")
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "own" / "audit.json").read_text())["metrics"]
+    assert m[mn.ROUTING_FLIP_FRAC] < 0.01
+    p, f = audit("shifted", shift_layer=1)
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "shifted" / "audit.json").read_text())["metrics"]
+    assert m[mn.ROUTING_FLIP_FRAC_LAYER.format(layer=1)] == 1.0
+    assert m[mn.ROUTING_FLIP_FRAC_LAYER.format(layer=0)] < 0.01
+    rows = [json.loads(x) for x in f.read_text().splitlines()]
+    rows[2]["routed_experts"][0] = rows[2]["routed_experts"][0][:1]   # one layer, not two
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    assert_user_error(run_main("audit", "--model", moe_model, "--rollouts", f, "--out",
+                               tmp_path / "bad"), "row 2, column 'routed_experts'",
+                      "token 0 must hold 2 layers of 2 expert ids in 0..7")
+    assert not (tmp_path / "bad").exists()

@@ -29,7 +29,13 @@ from parity import metric_names as mn
 from parity.audit import locate as lc
 from parity.audit import server as server_audit
 from parity.audit.advice import advise, as_json, fp16_fit, print_advice, what_to_do
-from parity.audit.inputs import read_prompts, read_rollouts, rollout_advantages, to_rollout
+from parity.audit.inputs import (
+    check_routing,
+    read_prompts,
+    read_rollouts,
+    rollout_advantages,
+    to_rollout,
+)
 from parity.audit.locate_report import locate_sections, print_located
 from parity.audit.measurement import Measurement
 from parity.audit.routing_report import print_routing, routing_sections
@@ -43,7 +49,7 @@ from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_t
 from parity.engines.server import Server
 from parity.errors import ParityError
 from parity.logprobs import Sampling
-from parity.models import lora
+from parity.models import lora, routing
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import fp32_head
 from parity.objectives import grpo_advantages
@@ -157,6 +163,7 @@ def _rows(path: Path, model: torch.nn.Module, tok: PreTrainedTokenizerBase
         if limit is not None and n > limit:
             raise ParityError(f"{path} row {i}: prompt + completion is {n} tokens, beyond "
                               f"the model's context of {limit}")
+    check_routing(rows, str(path), model)
     return rows
 
 
@@ -169,7 +176,8 @@ def _replay(a: AuditSettings, path: Path, model: torch.nn.Module, tok: PreTraine
                                  for r in rows], device="cpu")
     for start in range(0, len(rows), a.batch_size):
         chunk = rows[start:start + a.batch_size]
-        r = to_rollout(chunk, tok.pad_token_id, tok.eos_token_id)
+        r = to_rollout(chunk, tok.pad_token_id, tok.eos_token_id,
+                       routing.shape(model)[1] if routing.is_moe(model) else 0)
         meas.add(model, shadow, r, None if adv is None else adv[start:start + len(chunk)], s,
                  prompt_index[start:start + len(chunk)], start)
         bar.completed(start + len(chunk))

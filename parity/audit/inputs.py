@@ -2,7 +2,10 @@
 
 The audit input schema (docs/design.md), JSONL or parquet, one row per completion:
 `prompt_token_ids`, `completion_token_ids`, `engine_logprobs` (one per completion token), optional
-`advantage` or `reward`. A JSONL file may instead hold a serving engine's saved responses, which
+`advantage` or `reward`, and for a mixture of experts optional `routed_experts`: the experts the
+engine chose, [tokens, MoE layers, top-k] over the prompt and completion tokens in order (as
+vLLM's `CompletionOutput.routed_experts`; the last token may be left out, as no forward fed
+it). A JSONL file may instead hold a serving engine's saved responses, which
 `parity.audit.responses` turns into such rows. Every problem is refused with the file, row (and
 line), column and what is wrong.
 """
@@ -18,6 +21,7 @@ from parity.audit.responses import is_server_line, server_rows
 from parity.errors import ParityError
 from parity.files import arrow_rows, exists, json_lines, lines, read_parquet, read_text
 from parity.logprobs import Rollout, left_pad
+from parity.models import routing
 from parity.runs.finite import above_log_prob
 from parity.tasks import load_rows
 from parity.tasks.rewards import REWARD_LIMIT
@@ -139,7 +143,43 @@ def rollout_advantages(rows: list[dict[str, Any]]) -> torch.Tensor | None:
     return adv
 
 
-def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
+ROUTED = "routed_experts"
+
+
+def check_routing(rows: list[dict[str, Any]], where: str, model: torch.nn.Module) -> None:
+    """`routed_experts`, where a row has it: every row has it, the model is a mixture of
+    experts, and each row's record is [tokens, layers, top-k] of expert ids for this model."""
+    given = [i for i, r in enumerate(rows) if r.get(ROUTED) is not None]
+    if not given:
+        return
+    if len(given) < len(rows):
+        i = next(i for i, r in enumerate(rows) if r.get(ROUTED) is None)
+        raise ParityError(f"{where} row {i}: no {ROUTED!r}, which row {given[0]} has: give "
+                          f"every row's routing or none")
+    if not routing.is_moe(model):
+        raise ParityError(f"{where}: column {ROUTED!r} given, but the model has no "
+                          f"mixture-of-experts layers")
+    L, E, k = routing.shape(model)
+    for i, r in enumerate(rows):
+        at = f"{where} row {i}, column {ROUTED!r}"
+        rec, n = r[ROUTED], len(r["prompt_token_ids"]) + len(r["completion_token_ids"])
+        if not (isinstance(rec, list) and len(rec) in (n - 1, n)):
+            raise ParityError(f"{at}: {len(rec) if isinstance(rec, list) else 'no list of'} "
+                              f"tokens for a prompt and completion of {n} (one entry per "
+                              f"token, the last one may be left out)")
+        for t, layers in enumerate(rec):
+            if not (isinstance(layers, list) and len(layers) == L and all(
+                    isinstance(ids, list) and len(ids) == k and all(
+                        isinstance(e, int) and not isinstance(e, bool) and 0 <= e < E
+                        for e in ids) for ids in layers)):
+                raise ParityError(f"{at}: token {t} must hold {L} layers of {k} expert ids "
+                                  f"in 0..{E - 1} (this model's), got {_show(layers)}")
+
+
+def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int, experts: int = 0
+               ) -> Rollout:
+    """The rows as a Rollout; with `routed_experts` (checked by `check_routing`) and the
+    model's expert count, its `routed` record, the unknown mark where a row gives none."""
     ids, mask = left_pad([r["prompt_token_ids"] for r in rows], pad_id)
     T = max(len(r["completion_token_ids"]) for r in rows)
     comp = torch.full((len(rows), T), pad_id, dtype=torch.long, device="cpu")
@@ -152,7 +192,17 @@ def to_rollout(rows: list[dict[str, Any]], pad_id: int, eos_id: int) -> Rollout:
         lp[i, :n] = torch.tensor(r["engine_logprobs"], dtype=torch.float32, device="cpu")
     finished = torch.tensor([r["completion_token_ids"][-1] == eos_id for r in rows],
                             device="cpu")
-    return Rollout(ids, mask, comp, cmask, lp, finished)
+    out = Rollout(ids, mask, comp, cmask, lp, finished)
+    if experts and rows[0].get(ROUTED) is not None:
+        P = ids.shape[1]
+        L, k = len(rows[0][ROUTED][0]), len(rows[0][ROUTED][0][0])
+        out.routed = torch.full((len(rows), P + T, L, k), routing.unknown(experts),
+                                dtype=routing.id_dtype(experts), device="cpu")
+        for i, r in enumerate(rows):   # position p of a prompt of n tokens is column p + P - n
+            a = P - len(r["prompt_token_ids"])
+            rec = torch.tensor(r[ROUTED], dtype=out.routed.dtype)
+            out.routed[i, a:a + len(rec)] = rec
+    return out
 
 
 def read_prompts(path: str) -> list[str | list[dict]]:

@@ -203,7 +203,9 @@ def _record(raw: bytes) -> dict[str, Any] | None:
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     step = row.get("step") if isinstance(row, dict) else None
-    return row if isinstance(step, int) and not isinstance(step, bool) else None
+    # a step no run reaches (past int64, as no float holds it) is damage, not a step
+    return (row if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**63
+            else None)
 
 
 def unreadable(path: Path, damaged: list[MetricsLine]) -> str:
