@@ -418,7 +418,7 @@ def test_eps_calibration_is_reported_when_it_fails(tmp_path):
 
 @pytest.mark.budget(180)
 @pytest.mark.e2e
-def test_quick_reproduction_on_test_models(tmp_path, text_model, gpt2_model):
+def test_quick_reproduction_on_test_models(tmp_path, text_model, gpt2_model, moe_model):
     """The whole pipeline on the test-size models: every claim, the files, rerun reuses."""
     plan = ReproductionPlan(name="tiny", audit_model="text-xs", samples=32,
                             scale_models=["text-xs", "text-gpt2-xs"], sweep_model="text-gpt2-xs",
@@ -428,7 +428,8 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, gpt2_model):
                             long_tokens=32, horizon_steps=3)
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith",
-                                                "3-async", "4", "5a", "5b", "5b-arith", "10", "6"]
+                                                "3-async", "4", "5a", "5b", "5b-arith", "10", "6",
+                                                "12"]
     # the long horizon went on from the arith sweep's runs, one step further
     long = json.loads((tmp_path / "r" / "sweeps" / "arith-long" / "summary.json").read_text())
     assert sorted(r["recipe"] for r in long["runs"].values()) == ["fp32", "seq-mis", "tis"]
@@ -614,3 +615,24 @@ def test_5b_arith_is_judged_over_the_long_horizon_where_the_plan_ran_one():
     assert over_long.verdict == C.HOLDS and over_long.measured["steps"] == FULL.horizon_steps
     assert f"over {FULL.horizon_steps} steps" in over_long.reason
     assert "recompute" not in over_long.reason   # not in the long runs: not reported from them
+
+
+def test_routing_replay_is_judged_on_the_flipped_tokens_gap():
+    """Claim 12 from two runs' step 1: holds where the flips carry a gap replay closes; not at
+    scale where the flips open none, or replay leaves it; not measurable where a run failed or
+    no sampled token flipped."""
+    from parity import metric_names as mn
+    from parity.experiments.claims_moe import replay_closes_the_routing_gap as judge12
+
+    def step(flipped, rest, flips=0.01):
+        out = {mn.ROUTING_FLIP_FRAC: flips, mn.ROUTING_TOKEN_FLIP_FRAC: 2 * flips,
+               mn.ROUTING_BETA_ABS_UNFLIPPED: rest}
+        return out if flipped is None else {**out, mn.ROUTING_BETA_ABS_FLIPPED: flipped}
+    c = judge12(step(0.07, 0.008), step(0.007, 0.0075), "moe")
+    assert c.id == "12" and c.verdict == C.HOLDS and "0.07" in c.reason
+    assert c.measured["routing/beta_abs_flipped (replay)"] == 0.007
+    assert judge12(step(0.01, 0.008), step(0.007, 0.0075), "moe").verdict == C.NOT_AT_SCALE
+    assert judge12(step(0.07, 0.008), step(0.03, 0.0075), "moe").verdict == C.NOT_AT_SCALE
+    assert judge12(None, step(0.007, 0.0075), "moe").verdict == C.NOT_MEASURABLE
+    c = judge12(step(None, 0.008, 0.0), step(None, 0.0075, 0.0), "moe")
+    assert c.verdict == C.NOT_MEASURABLE and "no sampled token" in c.reason

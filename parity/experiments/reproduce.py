@@ -33,9 +33,11 @@ from parity.audit.scale import fit_loglog, scale
 from parity.config import TASK_DEFAULTS, AuditSettings, Config
 from parity.errors import ParityError
 from parity.experiments import claims as C
+from parity.experiments.claims_moe import replay_closes_the_routing_gap
 from parity.experiments.sweep import SweepSpec, run_sweep
 from parity.files import ensure_writable, read_json
 from parity.objectives import OBJECTIVES
+from parity.reports import load_metrics
 
 MAIN_RECIPES = ["fp32", "bf16-engine", "bf16-shadow", "no-clip", "wide-eps", "recompute", "tis",
                 "seq-mis"]
@@ -85,6 +87,8 @@ class ReproductionPlan:
     scored_seeds: list[int] = field(default_factory=list)
     horizon_steps: int = 0    # claim 5b-arith's horizon (> arith_steps); 0: the sweep's own
     drivers: bool = False     # claim 10: what makes β large
+    moe_model: str = "moe-xs"  # claim 12, routing replay, one step without and with; "": none
+    moe_completions: tuple[int, int, int] = (4, 4, 24)   # its prompts, samples each, tokens
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
@@ -357,6 +361,28 @@ def _arith(plan: ReproductionPlan, out: Path, workers: int, progress: bool, stag
     return sw, eps
 
 
+def _moe(plan: ReproductionPlan, out: Path, workers: int, progress: bool, stage: _Stages
+         ) -> tuple[dict | None, dict | None] | None:
+    """Claim 12's runs: the mixture of experts trained one step with a bf16 engine, without and
+    with routing replay, on one seed; each run's step 1 (None where it failed)."""
+    if not plan.moe_model:
+        return None
+    prompts, samples, tokens = plan.moe_completions
+    firsts = []
+    with stage("mixture of experts"):
+        for name, replay in (("moe", False), ("moe-replay", True)):
+            sw = _sweep(plan, out / "sweeps" / name, ["bf16-engine"], [0], "neg-length",
+                        plan.moe_model, {"steps": 1, "prompts_per_step": prompts,
+                                         "samples_per_prompt": samples,
+                                         "max_new_tokens": tokens, "routing_replay": replay},
+                        workers, progress)
+            run = next(iter(sw["runs"].values()))
+            metrics = Path(run["path"]) / "metrics.jsonl"
+            firsts.append(load_metrics(metrics)[0] if run.get("ok") and metrics.is_file()
+                          else None)
+    return firsts[0], firsts[1]
+
+
 def reproduce(plan: ReproductionPlan, out: Path, workers: int = 0, progress: bool = True
               ) -> dict[str, Any]:
     t_start = time.perf_counter()
@@ -396,6 +422,7 @@ def reproduce(plan: ReproductionPlan, out: Path, workers: int = 0, progress: boo
         lr = _sweep(plan, out / "sweeps" / "small-lr", ["bf16-engine", "fp16", "fp32"], [0],
                     "neg-length", plan.sweep_model,
                     {"steps": plan.small_lr_steps, "lr": plan.small_lr}, workers, progress)
+    moe = _moe(plan, out, workers, progress, stage)
     drivers = None
     if plan.drivers:
         with stage("what makes β large"):
@@ -404,7 +431,7 @@ def reproduce(plan: ReproductionPlan, out: Path, workers: int = 0, progress: boo
 
     claims = judge(a16, f16, sc, main, sw.get("arith"), lr, eps_run, plan, eps_arith,
                    sw.get("algos"), drivers, sw.get("async"), sw.get("lora"), sw.get("long"),
-                   sw.get("scored"))
+                   sw.get("scored"), moe)
     seconds = max(time.perf_counter() - t_start, sum(stage.timing.values()))
     result = {"plan": plan.name, "seconds": seconds, "timing": stage.timing, "eps_run": eps_run,
               "calibration": calibration, "claims": [c.to_dict() for c in claims]}
@@ -444,7 +471,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
           eps_run: float, plan: ReproductionPlan, eps_arith: float | None = None,
           algos: dict[str, dict] | None = None, drivers: dict | None = None,
           asy: dict | None = None, lora_sweep: dict | None = None,
-          long_sweep: dict | None = None, scored: dict | None = None) -> list[C.Claim]:
+          long_sweep: dict | None = None, scored: dict | None = None,
+          moe: tuple[dict | None, dict | None] | None = None) -> list[C.Claim]:
     """Measured numbers → claims. Pure apart from reading the dictionaries it is given. A sweep
     the plan did not run (`None`), or a recipe it left out, judges none of its claims. 5b-arith
     is judged over the long horizon where the plan ran one, else over the sweep's steps."""
@@ -474,6 +502,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     changed = {g["recipe"]: g.get("changed_frac") for g in _groups(lr).values()}
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
                                      changed.get("fp32"), plan.small_lr))
+    if moe is not None:
+        out.append(replay_closes_the_routing_gap(*moe, plan.moe_model))
     return out
 
 
