@@ -102,8 +102,12 @@ def test_two_fsdp_ranks_give_a_mixture_of_experts_the_one_process_routing(moe_mo
     for x, y in zip(a, b):
         routed = sorted(k for k in x if k.startswith("routing/"))
         assert routed and routed == sorted(k for k in y if k.startswith("routing/"))
-        for k in routed:   # sums of counts and of fp32 margins, in another order
-            assert y[k] == pytest.approx(x[k], rel=1e-6, abs=1e-9), (x["step"], k)
+        for k in routed:
+            if "flip_frac" in k:   # counts of decisions and tokens: the same sums
+                assert y[k] == pytest.approx(x[k], rel=1e-12), (x["step"], k)
+            else:   # means of fp32 margins and of |β|, whose ℓ_π each rank computes on its
+                # half of the batch: fp32 rounding at other shapes, a few ulps of ℓ ~ 1e-6
+                assert abs(y[k] - x[k]) <= 1e-5 * max(1.0, abs(x[k])), (x["step"], k)
 
 
 # How far apart two ranks may leave the weights, relative to how far AdamW moved them (lr 3e-4,

@@ -116,3 +116,24 @@ def test_train_with_vllm_logs_the_routing_and_replays_it(moe_model, tmp_path):
     # positions flipped, replay brings that token's gap down
     if plain[mn.ROUTING_TOKEN_FLIP_FRAC] > 0:
         assert replayed[mn.ROUTING_BETA_ABS_FLIPPED] < plain[mn.ROUTING_BETA_ABS_FLIPPED]
+
+
+def test_locate_traces_vllms_routers_against_the_trainers(moe_model, tmp_path):
+    """`--locate --engine vllm` on a mixture of experts: vLLM's forward traced at every layer,
+    the routers' logits (`router`) and the MoE blocks' outputs included, against the trainer's
+    own; in fp32 on both sides every point agrees to float rounding, and no router is named."""
+    import json
+
+    from cli_helpers import run_main
+    out = tmp_path / "audit"
+    p = run_main("audit", "--model", moe_model, "--engine", "vllm", "--engine-dtype", "fp32",
+                 "--trainer-dtype", "fp32", "--samples", "8", "--max-new-tokens", "16",
+                 "--locate", "--no-progress", "--out", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    layers = json.loads((out / "audit.json").read_text())["locate"]["layers"]
+    engine = layers["curves"]["engine"]   # vLLM's prefill against the trainer's forward
+    for j in (0, 1):
+        for point in (f"layers.{j}.router", f"layers.{j}.mlp"):
+            median = engine["median"][layers["points"].index(point)]
+            assert median is not None and median < 1e-4, (point, median)
+    assert (layers["named"] or {}).get("op") != "router"

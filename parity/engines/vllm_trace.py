@@ -9,7 +9,8 @@ second. That sum is what vLLM keeps (in its dtype), so it is what is compared. I
 projects q, k and v in one matmul (`qkv_proj`, split here at the attention's q_size and
 kv_size), rotates them in one module shared by every layer (`rotary_emb`, which returns q and
 k), and its MLP projects
-gate and up in one (`gate_up_proj`, gate first, as `SiluAndMul` reads it). The logits are vLLM's
+gate and up in one (`gate_up_proj`, gate first, as `SiluAndMul` reads it); a mixture of
+experts' block scores its experts with `gate` (the router's logits). The logits are vLLM's
 own head, read from `compute_logits`. Every forward is recorded apart (`forwards`): a prefill of
 the whole sequence, or the decode step after it. vLLM runs both eagerly on the CPU and wherever
 parity's traces run it (CUDA graphs replay decode steps only where asked for).
@@ -25,7 +26,8 @@ import torch
 from parity.models.trace import keep
 
 # The architectures whose vLLM layers the hooks know (checked before an audit samples).
-TRACED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TRACED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+          "Qwen3MoeForCausalLM")
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
@@ -82,8 +84,10 @@ class Tracer:
         sub = {"qkv_proj": self._parts((name("q"), name("k"), name("v")),
                                        lambda: [attn.q_size, attn.kv_size, attn.kv_size]),
                "q_norm": put("q_norm"), "k_norm": put("k_norm"), "attn": put("attn_kernel")}
+        # a mixture of experts' block (Qwen3-MoE) holds its router as `gate`, its logits
+        # the `router` point; `mlp` is then the block's output
         mlp_sub = {"gate_up_proj": self._parts((name("gate"), name("up")), lambda: None),
-                   "act_fn": put("act")}
+                   "act_fn": put("act"), "gate": put("router")}
         return on + [(getattr(attn, n), f) for n, f in sub.items() if hasattr(attn, n)] \
             + [(getattr(mlp, n), f) for n, f in mlp_sub.items() if hasattr(mlp, n)]
 
