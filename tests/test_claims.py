@@ -626,13 +626,17 @@ def test_routing_replay_is_judged_on_the_flipped_tokens_gap():
 
     def step(flipped, rest, flips=0.01):
         out = {mn.ROUTING_FLIP_FRAC: flips, mn.ROUTING_TOKEN_FLIP_FRAC: 2 * flips,
-               mn.ROUTING_BETA_ABS_UNFLIPPED: rest}
+               mn.ROUTING_BETA_ABS_UNFLIPPED: rest, mn.LEN_MEAN: 20.0}
         return out if flipped is None else {**out, mn.ROUTING_BETA_ABS_FLIPPED: flipped}
-    c = judge12(step(0.07, 0.008), step(0.007, 0.0075), "moe")
+    n = 128   # completions: 2% of 2,560 tokens, 51 flipped
+    c = judge12(step(0.07, 0.008), step(0.007, 0.0075), "moe", n)
     assert c.id == "12" and c.verdict == C.HOLDS and "0.07" in c.reason
     assert c.measured["routing/beta_abs_flipped (replay)"] == 0.007
-    assert judge12(step(0.01, 0.008), step(0.007, 0.0075), "moe").verdict == C.NOT_AT_SCALE
-    assert judge12(step(0.07, 0.008), step(0.03, 0.0075), "moe").verdict == C.NOT_AT_SCALE
-    assert judge12(None, step(0.007, 0.0075), "moe").verdict == C.NOT_MEASURABLE
-    c = judge12(step(None, 0.008, 0.0), step(None, 0.0075, 0.0), "moe")
+    assert c.measured["flipped_tokens"] == 51
+    assert judge12(step(0.01, 0.008), step(0.007, 0.0075), "moe", n).verdict == C.NOT_AT_SCALE
+    assert judge12(step(0.07, 0.008), step(0.03, 0.0075), "moe", n).verdict == C.NOT_AT_SCALE
+    assert judge12(None, step(0.007, 0.0075), "moe", n).verdict == C.NOT_MEASURABLE
+    c = judge12(step(None, 0.008, 0.0), step(None, 0.0075, 0.0), "moe", n)
     assert c.verdict == C.NOT_MEASURABLE and "no sampled token" in c.reason
+    c = judge12(step(0.07, 0.008), step(0.007, 0.0075), "moe", 16)   # 6 flipped tokens
+    assert c.verdict == C.NOT_MEASURABLE and "fewer than 10" in c.reason

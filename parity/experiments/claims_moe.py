@@ -12,18 +12,24 @@ from parity.experiments.claims import HOLDS, NOT_AT_SCALE, NOT_MEASURABLE, Claim
 # flips must carry at least FLIPS_CARRY times the others', or there is no routing gap to close.
 REPLAY_LEFT = 1.5
 FLIPS_CARRY = 2.0
+# A mean |β| over fewer flipped tokens than this is one or two tokens' luck, not a gap.
+MIN_FLIPPED = 10
 
 
 def replay_closes_the_routing_gap(free: dict[str, Any] | None, replayed: dict[str, Any] | None,
-                                  model: str) -> Claim:
+                                  model: str, completions: int) -> Claim:
     """12. A bf16 engine's routing flips give the tokens they touch a gap far above the others';
     routing the trainer as the engine did (R3) brings those tokens to the others' gap. `free`
     and `replayed`: step 1 of a run without and with `--routing-replay` on one seed (the same
-    rollout), None where a run failed."""
+    rollout), None where a run failed; `completions` the step's count, which with its mean
+    length gives the sampled tokens."""
     keys = (mn.ROUTING_FLIP_FRAC, mn.ROUTING_TOKEN_FLIP_FRAC, mn.ROUTING_BETA_ABS_FLIPPED,
             mn.ROUTING_BETA_ABS_UNFLIPPED)
     m = {"model": model, **{f"{k}{suffix}": (run or {}).get(k) for run, suffix in
                             ((free, ""), (replayed, " (replay)")) for k in keys}}
+    if free is not None:
+        m["flipped_tokens"] = round(free.get(mn.ROUTING_TOKEN_FLIP_FRAC, 0.0)
+                                    * free.get(mn.LEN_MEAN, 0.0) * completions)
     s = "routing replay brings the tokens whose routing flipped to the others' gap"
     seeds = "R3: replaying the engine's experts removes the routing share of the mismatch"
     if free is None or replayed is None:
@@ -38,6 +44,10 @@ def replay_closes_the_routing_gap(free: dict[str, Any] | None, replayed: dict[st
                      reason=f"no sampled token's routing flipped on {model} "
                             f"({free.get(mn.ROUTING_FLIP_FRAC, 0):.2%} of decisions), so there "
                             f"is no flipped token's gap to compare")
+    if m["flipped_tokens"] < MIN_FLIPPED:
+        return Claim(id="12", statement=s, seeds=seeds, measured=m, verdict=NOT_MEASURABLE,
+                     reason=f"{m['flipped_tokens']} sampled tokens' routing flipped on {model}; "
+                            f"a mean over fewer than {MIN_FLIPPED} is no gap")
     if flipped < FLIPS_CARRY * rest:
         return Claim(id="12", statement=s, seeds=seeds, measured=m, verdict=NOT_AT_SCALE,
                      reason=f"the flipped tokens' |β| ({flipped:.3g}) is not {FLIPS_CARRY:g}x "

@@ -88,7 +88,7 @@ class ReproductionPlan:
     horizon_steps: int = 0    # claim 5b-arith's horizon (> arith_steps); 0: the sweep's own
     drivers: bool = False     # claim 10: what makes β large
     moe_model: str = "moe-xs"  # claim 12, routing replay, one step without and with; "": none
-    moe_completions: tuple[int, int, int] = (4, 4, 24)   # its prompts, samples each, tokens
+    moe_completions: tuple[int, int, int] = (16, 8, 32)   # its prompts, samples each, tokens
     long_tokens: int = 192    # completions of its position audit (the testbed's 256 positions)
     small_lr: float = 3e-6    # where a bf16 cast barely changes per step (claim 6)
     small_lr_steps: int = 6
@@ -503,7 +503,8 @@ def judge(a16: dict, f16: dict, sc: dict, main: dict | None, arith: dict | None,
     out.append(C.bf16_weights_freeze(changed.get("bf16-engine"), changed.get("fp16"),
                                      changed.get("fp32"), plan.small_lr))
     if moe is not None:
-        out.append(replay_closes_the_routing_gap(*moe, plan.moe_model))
+        out.append(replay_closes_the_routing_gap(
+            *moe, plan.moe_model, plan.moe_completions[0] * plan.moe_completions[1]))
     return out
 
 
