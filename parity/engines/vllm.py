@@ -276,9 +276,9 @@ def _prepack_cpu_experts(worker: Any) -> int:
     mixture of experts' weights into its grouped-gemm layout once, at start. vLLM 0.32 skips
     that packing when weights are reloaded (UnquantizedFusedMoEMethod._setup_kernel runs the
     experts' `process_weights_after_loading` only on the first call), so its experts compute
-    with unpacked weights: 0.14 nats a token from the trainer in fp32 on `moe-xs`, after
-    reloading the very checkpoint it started from. Packed here as at start (bit for bit the
-    start's weights: tests/test_vllm_routing.py). Returns the layers packed."""
+    with unpacked weights: 0.139 nats a token from the trainer in fp32 on `moe-xs`, after
+    reloading the very checkpoint it started from. Packed here as at start, bit for bit
+    (`python scripts/vllm_moe_reload.py`, docs/vllm.md). Returns the layers packed."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     packed = 0
