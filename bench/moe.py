@@ -32,7 +32,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -63,22 +63,6 @@ def train_run(model: str, trainer: str, replay: bool, a: argparse.Namespace, out
 def _mean(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return sum(vals) / len(vals) if vals else None
-
-
-@contextlib.contextmanager
-def unhooked(model: torch.nn.Module) -> Iterator[None]:
-    """The model as if parity had never looked for its routers: no hook, nothing recorded."""
-    rs = routing.routers(model)
-    saved = [dict(m._forward_hooks) for m in rs]
-    for m in rs:
-        m._forward_hooks.clear()
-    model.__dict__["_parity_routers"] = []
-    try:
-        yield
-    finally:
-        model.__dict__["_parity_routers"] = rs
-        for m, h in zip(rs, saved):
-            m._forward_hooks.update(h)
 
 
 def _best(fns: dict[str, Any], repeats: int) -> dict[str, float]:
@@ -121,7 +105,7 @@ def costs(model_name: str, a: argparse.Namespace) -> Table:
         master.zero_grad(set_to_none=True)
 
     def plain_rollout() -> None:
-        with unhooked(engine.model):
+        with routing.off(engine.model):
             gen()
 
     t = _best({"rollout": plain_rollout, "rollout, recorded": gen,

@@ -285,3 +285,24 @@ def test_the_figures_leave_out_what_every_other_figure_leaves_out():
     assert f[mn.ROUTING_TOKEN_FLIP_FRAC] == pytest.approx(1 / 2)   # tokens 0 and 1 counted
     assert f[mn.ROUTING_BETA_ABS_FLIPPED] == pytest.approx(100.0)
     assert f[mn.ROUTING_KL_K3_FLIPPED_SHARE] == pytest.approx(1.0)
+
+
+def test_off_takes_parity_out_of_the_routers_and_puts_it_back():
+    """Inside `routing.off` no hook of parity's runs (nothing recorded, the same forward), a
+    hook of someone else's stays, and parity's is back after."""
+    m, x = model(), ids()
+    seen = []
+    first = routing.routers(m)[0]
+    first.register_forward_hook(lambda mod, a, out: seen.append(1))
+    with torch.no_grad():
+        want = m(x).logits
+        with routing.off(m):
+            assert not routing.is_moe(m)
+            with routing.recording(m) as rec:
+                got = m(x).logits
+            assert rec.layers == []
+            assert not any(h is routing._route for h in first._forward_hooks.values())
+        assert torch.equal(got, want) and len(seen) == 2
+        with routing.recording(m) as rec:
+            m(x)
+    assert len(rec.layers) == len(routing.routers(m)) and len(rec.layers[0]) == 1

@@ -52,6 +52,23 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+@contextmanager
+def off(model: torch.nn.Module) -> Iterator[None]:
+    """The model as if parity had never looked for its routers: no hook of parity's runs, so
+    nothing is recorded or replayed inside (what the routing costs is measured against it:
+    bench/moe.py). Other hooks on the routers stay; parity's come back after."""
+    rs = routers(model)
+    for m in rs:
+        for key in [k for k, h in m._forward_hooks.items() if h is _route]:
+            del m._forward_hooks[key]
+    model.__dict__["_parity_routers"] = []
+    try:
+        yield
+    finally:
+        model.__dict__["_parity_routers"] = rs
+        routers(model)   # registers the hooks again
+
+
 def is_moe(model: torch.nn.Module) -> bool:
     return bool(routers(model))
 
