@@ -116,12 +116,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = resume_config(args) if args.resume else config_from_args(args)
     device = devices.resolve(cfg.device)  # a device this machine lacks: one line, no header
     console = Console(stderr=True)
+    # One line however long (soft_wrap): piped to a log, rich would break it at 80 columns.
     # Once the model is loaded and every check passed (the trainer's model hook): a refusal
     # while loading is then the only line printed.
     header = lambda model: console.print(
         f"[bold]parity train[/] task={cfg.task} recipe={cfg.recipe} engine={cfg.engine_dtype} "
         f"trainer={cfg.trainer_dtype} ratio={cfg.ratio_source} steps={cfg.steps} "
-        f"device={devices.describe(device)}")
+        f"device={devices.describe(device)}", soft_wrap=True)
     t0 = time.perf_counter()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _stop_on_sigterm()

@@ -164,11 +164,11 @@ def test_onednn_kept_off_bf16_instructions_counts_as_a_cpu_without_them(monkeypa
 @pytest.mark.e2e
 def test_a_run_with_emulated_bf16_gives_the_native_runs_figures(tmp_path, text_model,
                                                                 monkeypatch):
-    """The same bf16-engine run with torch's bf16 kernels and with the emulation: the same
-    rollouts (rewards), and the precision gap of the same size, within what rounding ~10⁻⁴ of
+    """The same bf16-engine run with torch's bf16 kernels and with the emulation: the
+    precision gap of the same size, within what rounding ~10⁻⁴ of
     the products the other way moves it. The shadow reproduces the engine on either path."""
     from parity.config import make_config
-    from parity.metric_names import BETA_ABS_MEAN, KERNEL_GAP_ABS_MEAN, KL_K3, REWARD_MEAN
+    from parity.metric_names import BETA_ABS_MEAN, KERNEL_GAP_ABS_MEAN, KL_K3
     from parity.trainer import train
     rows = {}
     for path in ("native", "emulate"):
@@ -181,7 +181,10 @@ def test_a_run_with_emulated_bf16_gives_the_native_runs_figures(tmp_path, text_m
             assert cpu_bf16.active() is (path == "emulate")
         rows[path] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for native, emulated in zip(rows["native"], rows["emulate"]):
-        assert emulated[REWARD_MEAN] == native[REWARD_MEAN]
+        # The rewards are not compared: a draw near a token's edge of the CDF takes the other
+        # token when a logit moves by an ulp, and then the completions part. On an AVX2-only CPU
+        # (whose native bf16 kernels sum in another order than on one with AMX) the first
+        # step's mean reward was -10.31 native against -11.13 emulated, one completion apart.
         # β over 192 tokens: its mean moves by a few % where a product rounds the other way
         # (measured: 0 to 3.3% on a CPU with AMX), far inside its spread over tokens (~20%).
         assert emulated[BETA_ABS_MEAN] == pytest.approx(native[BETA_ABS_MEAN], rel=0.15)
