@@ -154,7 +154,8 @@ def sample(prompts, gen):
     logp_mu, valid = torch.zeros((B, N)), torch.zeros((B, N))
     done, attn, last = torch.zeros(B, dtype=torch.bool), mask, pos[:, -1:]
     for t in range(N):
-        logp = torch.log_softmax(processed(out.logits[:, -1]), dim=-1)  # μ, as sampled from
+        x = processed(out.logits[:, -1])
+        logp = x - torch.logsumexp(x, -1, keepdim=True)  # μ, as sampled from: x − logsumexp(x)
         cdf = logp.double().exp().cumsum(-1)  # in float64: each token's share of [0, 1) is its μ
         tok_t = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
         tok_t = tok_t.clamp(max=logp.shape[-1] - 1)

@@ -301,12 +301,10 @@ def cmd_recipes(args: argparse.Namespace) -> None:
 
 def _recipes_for(framework: str, names: list[str]) -> None:
     """Each recipe as the framework's own settings, ready to paste on its command line."""
-    from parity.config import RECIPES, quoted
+    from parity.config import RECIPES, recipe
     from parity.integrations.verl import VERL_VERSIONS, recipe_overrides
     for name in names:
-        if name not in RECIPES:
-            raise ParityError(f"unknown recipe {quoted(name)}; known recipes: "
-                              f"{', '.join(RECIPES)}")
+        recipe(name)   # an unknown one refused before anything prints
     for name in names or list(RECIPES):
         overrides, missing = recipe_overrides(RECIPES[name].settings)
         print(f"# parity recipe {name} as {framework} {VERL_VERSIONS[-1]} settings "
@@ -317,7 +315,7 @@ def _recipes_for(framework: str, names: list[str]) -> None:
         print()
 
 
-def cmd_audit(args: argparse.Namespace) -> None:
+def cmd_audit(args: argparse.Namespace) -> int | None:
     from parity.audit import command as au
     from parity.audit import scale as ladder
     from parity.config import TASK_DEFAULTS, Config, coerce, field_specs
@@ -348,6 +346,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
     au.print_audit(result)
     kept = f" {out}/rollouts.jsonl (the server's answers)," if a.server else ""
     print(f"wrote {out}/audit.json, {out}/tokens.parquet,{kept} plots and {out}/report.html")
+    # --certify: the certificate's rule is the exit status a CI job reads
+    return 1 if "certificate" in result and not result["certificate"]["holds"] else None
 
 
 SWEEP_AXES = ("recipe", "seed", "task", "model", "out", "threads", "progress")

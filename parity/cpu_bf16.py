@@ -1,4 +1,6 @@
-"""bf16 matrix products on a CPU without bf16 instructions: emulated with fp32 kernels.
+"""parity's overrides of aten's CPU matrix products: bf16 products emulated with fp32 kernels on
+a CPU without bf16 instructions, and rows padded to a fixed tile for the invariant kernels
+(parity/models/invariant.py). One set of overrides does both, as either asks.
 
 torch's bf16 GEMMs are fast only where the CPU has bf16 instructions (AVX512-BF16, AMX). On
 the others (AVX2-only laptops and servers, AVX-512 without BF16) they take a slow path: with
@@ -20,6 +22,12 @@ baddbmm (`torch.library`), so autograd's backward products take it too, and noth
 per model. Attention keeps torch's own bf16 kernel (SDPA), which no bench here has priced on
 such CPUs. The `PARITY_CPU_BF16` environment variable chooses: `auto` (the default: emulate
 where the CPU lacks bf16 instructions), `native` or `emulate`.
+
+Padded (`pad_rows`), a product's rows are made a multiple of a tile with zero rows before the
+kernel runs: a BLAS picks its kernel, and so the order of its sums, by the shape, and a few
+rows take another one than many (docs/zero-mismatch.md). The added term of addmm and baddbmm
+is then added to the rounded product, never inside the kernel, which fuses it at some row
+counts only.
 """
 
 from __future__ import annotations
@@ -42,7 +50,11 @@ SETTINGS = ("auto", "native", "emulate")
 # CPU's kernels: CONTRIBUTING.md).
 _NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
 _BF16, _F32 = torch.bfloat16, torch.float32
+_LOW = (torch.bfloat16, torch.float16)
+CHUNK = 128   # rows of each call of a padded native low-precision product
 _library: torch.library.Library | None = None
+_emulate = False
+_tile = 0
 
 
 def has_bf16_instructions() -> bool:
@@ -71,66 +83,125 @@ def wanted(value: str | None = None) -> bool:
 
 
 def active() -> bool:
-    return _library is not None
+    """bf16 products are emulated in this process."""
+    return _emulate
 
 
-# Each override computes a bf16 product in fp32 and calls the `out=` overload for the product
-# itself: that overload is another aten operator, whose kernel stays torch's own, so the
-# override never calls itself. Other dtypes go the same way into a fresh output, which is what
-# the functional kernel does.
+def padding() -> int:
+    """The multiple a product's rows are padded to in this process (0: none)."""
+    return _tile
 
-def _out(a: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return a.new_empty(shape, dtype=_F32 if a.dtype is _BF16 else a.dtype)
+
+# Each override computes the product and calls the `out=` overload for it: that overload is
+# another aten operator, whose kernel stays torch's own, so the override never calls itself.
+# Emulated, a bf16 product runs in fp32 and is rounded to bf16 once; other dtypes go the same
+# way into a fresh output, which is what the functional kernel does. Padded (the invariant
+# kernels: parity/models/invariant.py), the rows of `a` are made a multiple of the tile with
+# zero rows, and the result's own rows are returned.
+
+def _emulated(a: torch.Tensor) -> bool:
+    return _emulate and a.dtype is _BF16
+
+
+def _step(a: torch.Tensor) -> int:
+    """Rows per kernel call when padded: CHUNK for a native low-precision product, whose
+    kernel picks its blocking by the row count at any multiple of the tile (oneDNN's bf16
+    kernels on a CPU with AMX), so every call has the one shape; the tile otherwise."""
+    return CHUNK if a.dtype in _LOW and not _emulated(a) else _tile
+
+
+def _rows(a: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    """`a` with zero rows appended along `dim` up to a multiple of its step; its own rows."""
+    m = a.shape[dim]
+    step = _step(a) if _tile else 0
+    extra = -m % step if step and m else 0
+    if not extra:
+        return a, m
+    pad = [0, 0] * (a.dim() - 1 - dim) + [0, extra]
+    return torch.nn.functional.pad(a, pad), m
+
+
+def _result(out: torch.Tensor, m: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    out = out if out.shape[dim] == m else out.narrow(dim, 0, m).contiguous()
+    return out.to(dtype) if out.dtype is not dtype else out
+
+
+def _calls(a: torch.Tensor, dim: int) -> list[slice]:
+    """The row slices of `a`'s kernel calls: one call, or CHUNK rows each (`_step`)."""
+    n = a.shape[dim]
+    step = CHUNK if _tile and _step(a) == CHUNK else n
+    return [slice(i, i + step) for i in range(0, n, step or 1)] or [slice(0, 0)]
 
 
 def _mm(a, b):
-    out = _out(a, (a.shape[0], b.shape[1]))
-    if a.dtype is not _BF16:
-        return torch.mm(a, b, out=out)
-    return torch.mm(a.float(), b.float(), out=out).to(_BF16)
+    dtype, (a, m) = a.dtype, _rows(a, 0)
+    wide = _emulated(a)
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=_F32 if wide else dtype)
+    a, b = (a.float(), b.float()) if wide else (a, b)
+    for rows in _calls(a, 0):
+        torch.mm(a[rows], b, out=out[rows])
+    return _result(out, m, 0, dtype)
 
 
 def _bmm(a, b):
-    out = _out(a, (a.shape[0], a.shape[1], b.shape[2]))
-    if a.dtype is not _BF16:
-        return torch.bmm(a, b, out=out)
-    return torch.bmm(a.float(), b.float(), out=out).to(_BF16)
+    dtype, (a, m) = a.dtype, _rows(a, 1)
+    wide = _emulated(a)
+    a, b = (a.float(), b.float()) if wide else (a, b)
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype)
+    if _tile and _step(a) == CHUNK:
+        # a batched kernel picks its blocking by the batch count too: one product per matrix
+        for j in range(a.shape[0]):
+            for rows in _calls(a, 1):
+                torch.mm(a[j, rows], b[j], out=out[j, rows])
+    else:
+        torch.bmm(a, b, out=out)
+    return _result(out, m, 1, dtype)
+
+
+def _added(c, prod, beta, alpha):
+    """beta·c + alpha·prod, elementwise, in the product's dtype. Padded, the added term is
+    added after the product rather than inside the kernel: a BLAS fuses it into the sum at
+    some row counts and adds it to the rounded product at others (oneDNN on a CPU with AMX)."""
+    c = c.to(prod.dtype)
+    prod = prod if alpha == 1 else prod * alpha
+    return prod + (c if beta == 1 else c * beta) if beta != 0 else prod
 
 
 def _addmm(c, a, b, *, beta=1, alpha=1):
-    out = _out(a, (a.shape[0], b.shape[1]))
-    if a.dtype is not _BF16:
-        return torch.addmm(c, a, b, beta=beta, alpha=alpha, out=out)
-    return torch.addmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha,
-                       out=out).to(_BF16)
+    if _tile:
+        return _added(c, _mm(a, b), beta, alpha)
+    dtype, wide = a.dtype, _emulated(a)
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=_F32 if wide else dtype)
+    f = (lambda t: t.float()) if wide else (lambda t: t)
+    torch.addmm(f(c), f(a), f(b), beta=beta, alpha=alpha, out=out)
+    return _result(out, a.shape[0], 0, dtype)
 
 
 def _baddbmm(c, a, b, *, beta=1, alpha=1):
-    out = _out(a, (a.shape[0], a.shape[1], b.shape[2]))
-    if a.dtype is not _BF16:
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha, out=out)
-    return torch.baddbmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha,
-                         out=out).to(_BF16)
+    if _tile:
+        return _added(c, _bmm(a, b), beta, alpha)
+    dtype, wide = a.dtype, _emulated(a)
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=_F32 if wide else dtype)
+    f = (lambda t: t.float()) if wide else (lambda t: t)
+    torch.baddbmm(f(c), f(a), f(b), beta=beta, alpha=alpha, out=out)
+    return _result(out, a.shape[1], 1, dtype)
 
 
 _OVERRIDES = {"mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm}
 
 
-def _install() -> None:
-    global _library
-    if _library is not None:
-        return
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
-        warnings.simplefilter("ignore")
-        for name, fn in _OVERRIDES.items():
-            lib.impl(name, fn, "CPU")
-    _library = lib
-
-
-def _uninstall() -> None:
-    global _library
-    if _library is not None:
+def _set(emulate: bool, tile: int) -> None:
+    """Install the overrides where either is asked for, remove them where neither is."""
+    global _library, _emulate, _tile
+    _emulate, _tile = emulate, tile
+    if (emulate or tile) and _library is None:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch warns that a kernel is overridden: the point
+            warnings.simplefilter("ignore")
+            for name, fn in _OVERRIDES.items():
+                lib.impl(name, fn, "CPU")
+        _library = lib
+    elif not (emulate or tile) and _library is not None:
         _library._destroy()
         _library = None
 
@@ -140,20 +211,26 @@ def install(value: str | None = None) -> bool:
     default) asks for it here; leave torch's kernels otherwise. Returns whether it is active.
     Idempotent: every command calls it when it resolves its device."""
     if wanted(value):
-        _install()
+        _set(True, _tile)
     return active()
 
 
+def pad_rows(tile: int) -> None:
+    """Pad every CPU product's rows to a multiple of `tile` in this process (0: stop)."""
+    _set(_emulate, tile)
+
+
 @contextlib.contextmanager
-def kernels(emulate: bool) -> Iterator[None]:
-    """Within the block, bf16 products run emulated (`emulate`) or natively, whatever the
-    process had; restored after it (the tests and benches compare the two side by side)."""
-    was = active()
-    _install() if emulate else _uninstall()
+def kernels(emulate: bool, tile: int | None = None) -> Iterator[None]:
+    """Within the block, bf16 products run emulated (`emulate`) or natively, and rows are
+    padded to `tile` (None: as the process had), whatever the process had; restored after it
+    (the tests and benches compare the two side by side)."""
+    was = (_emulate, _tile)
+    _set(emulate, was[1] if tile is None else tile)
     try:
         yield
     finally:
-        _install() if was else _uninstall()
+        _set(*was)
 
 
 def describe() -> str:

@@ -25,9 +25,9 @@ import torch
 
 from parity import metric_names as mn
 from parity.engines import Engine
-from parity.logprobs import Rollout, Sampling, processed_logits, row_chunk
-from parity.models.attention import ENGINE_ATTENTION
+from parity.logprobs import Rollout, Sampling, log_softmax, processed_logits, row_chunk
 from parity.models.forward import score
+from parity.models.invariant import engine_attention_of
 from parity.models.precision import cast_weights_into, fp16_kernels, low_precision_copy
 from parity.objectives import LOG_RATIO_CAP, clip_predicate, clipped_tokens, log_ratio
 
@@ -57,7 +57,7 @@ class Shadow:
         if not self.identity and self.engine is None:
             self.model = low_precision_copy(master, engine_dtype, lm_head_fp32)
             if kernels == "engine":  # else the copy keeps the trainer's own attention
-                self.model.set_attn_implementation(ENGINE_ATTENTION)
+                self.model.set_attn_implementation(engine_attention_of(self.model))
 
     @torch.no_grad()
     def logprobs(self, master: torch.nn.Module, r: Rollout, s: Sampling,
@@ -180,7 +180,7 @@ def _exact_kl(mu_logp: torch.Tensor, pi_logits: torch.Tensor, s: Sampling) -> to
     if s.truncates:
         support = torch.isfinite(mu_logp)
         x = torch.where(support & ~torch.isfinite(x), pi_logits.float() / s.temperature, x)
-    nd = torch.log_softmax(x, dim=-1)
+    nd = log_softmax(x)                      # the engine's own log-softmax
     some_out = s.truncates or bool(mu_logp.min() < LOG_MU_FLOOR)
     if some_out:
         keep = mu_logp > LOG_MU_FLOOR

@@ -55,7 +55,7 @@ from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_t
 from parity.errors import ParityError
 from parity.files import LineLog, write_failure
 from parity.logprobs import Rollout, Sampling
-from parity.models import lora, routing
+from parity.models import invariant, lora, routing
 from parity.models.forward import (
     disable_dropout,
     pieces,
@@ -64,7 +64,7 @@ from parity.models.forward import (
     trimmed,
     widened,
 )
-from parity.models.precision import LossScaler, autocast, fp32_head, torch_dtype
+from parity.models.precision import LossScaler, fp32_head, torch_dtype, trainer_precision
 from parity.objectives import (
     OBJECTIVES,
     Loss,
@@ -94,7 +94,7 @@ from parity.runs.model import ModelAndTask, load_model_and_task
 from parity.runs.sources import Rollouts
 from parity.runs.step_metrics import StepPart, json_safe, mean_dicts, step_metrics
 from parity.tasks import PromptSampler, Task
-from parity.ui import progress
+from parity.ui import progress, say
 
 # ---- the loop --------------------------------------------------------------------------------
 
@@ -160,6 +160,8 @@ def _train(run: Run, resume: bool) -> Path:
                     m.pop(mn.KERNEL_GAP_ABS_MEAN, None)
                 metrics_file.write(json.dumps(json_safe(m)) + "\n")
                 loggers.log(step, m)  # after the JSONL line: a failing backend cannot lose it
+                if cfg.kernels == "invariant":
+                    _check_bitwise(step, m, cfg.engine_dtype)
                 bar.advance(1, _step_line(m))
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
                 save(run, step)  # on every rank: FSDP gathers the shards first
@@ -169,6 +171,25 @@ def _train(run: Run, resume: bool) -> Path:
         if run.first_step <= cfg.steps:
             save(run, cfg.steps)
     return run.dir
+
+
+# kernels=invariant's promise, metric by metric: each is exactly 0 where the trainer and the
+# engine computed the same bits, and each names the pair of forwards it compares.
+BITWISE_CHECKS = ((mn.KL_K3, "the trainer at the first update against the engine's decode"),
+                  (mn.KERNEL_GAP_ABS_MEAN, "the shadow at the first update against the "
+                                           "engine's decode"),
+                  (mn.BETA_ABS_MAX, "the trainer against the shadow on the same weights"))
+
+
+def _check_bitwise(step: int, m: dict[str, Any], dtype: str = "bf16") -> None:
+    """One line for a step whose figures say the two sides' bits differed (`dtype`: the run's,
+    both sides')."""
+    for name, pair in BITWISE_CHECKS:
+        if m.get(name) not in (None, 0.0):
+            say(f"kernels=invariant: step {step}: {name} = {m[name]:.3g}, not 0: {pair} "
+                f"differ; `parity audit --engine-dtype {dtype} --trainer-dtype {dtype} "
+                f"--kernels invariant --certify bitwise` names the first op that does")
+            return
 
 
 def _step_line(m: dict[str, Any]) -> str:
@@ -247,7 +268,7 @@ def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
     prep = Prepared(adv=grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards))
     slices = _pieces(run, r)
     if cfg.ratio_source == "recompute" or value_head is not None:
-        with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+        with _precision(run, run.model):
             sc = score_pieces(run.model, r, run.sampling, slices, hidden=value_head is not None,
                               chunk=cfg.logprob_chunk)
         if cfg.ratio_source == "recompute":
@@ -266,10 +287,18 @@ def prepare(run: Run, r: Rollout, rewards: torch.Tensor) -> Prepared:
         if cfg.dpo_ref == "engine":
             prep.ref = r.engine_logprobs
         else:
-            with autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+            with _precision(run, run.ref_model):
                 prep.ref = score_pieces(run.ref_model, r, run.sampling, slices,
                                         chunk=cfg.logprob_chunk).logp
     return prep
+
+
+def _precision(run: Run, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The trainer's forward precision: autocast to trainer_dtype, or with kernels=invariant
+    the engine's own forward, its dtype over the fp32 master weights (parity/models/
+    invariant.py)."""
+    cfg = run.cfg
+    return trainer_precision(cfg.trainer_dtype, run.device, cfg.cpu_fp16, cfg.kernels, model)
 
 
 def _pieces(run: Run, r: Rollout) -> list[slice]:
@@ -387,7 +416,7 @@ def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: 
         kl_rows = kept_rows(data.rollout, g) if first else []
         local = [row - g.start for row in kl_rows]
         with (routing.recording(run.model) if own else contextlib.nullcontext()) as rec, \
-                autocast(cfg.trainer_dtype, run.device, cfg.cpu_fp16):
+                _precision(run, run.model):
             sc = score_full(run.policy, piece, s, hidden=run.value_head is not None,
                             keep_logits=local, chunk=cfg.logprob_chunk)
         if own:   # the piece's columns: its prompt trimmed from the left, completion to t
@@ -509,6 +538,8 @@ def build_run(cfg: Config, dist: Dist, on_model: Callable[[torch.nn.Module], Non
         fp32_head(model)
     if on_model is not None:
         on_model(model)
+    if cfg.kernels == "invariant":   # before the engine's and the shadow's copies are made
+        invariant.use(model)
     engine = _make_engine(cfg, model, model_dir, tok, task, dist.world)
     copies = _model_copies(cfg, model, obj, engine, dist.device)
     state = _loop_state(cfg, task, dist.device, restored, model, engine, copies.value_head)

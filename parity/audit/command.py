@@ -39,7 +39,8 @@ from parity.audit.inputs import (
 from parity.audit.locate_report import locate_sections, print_located
 from parity.audit.measurement import Measurement
 from parity.audit.routing_report import print_routing, routing_sections
-from parity.config import AuditSettings, engine_needs
+from parity.config import AuditSettings
+from parity.config import certificate as cert
 from parity.diagnostics import (
     Shadow,
     exact_kl_rows,
@@ -49,7 +50,7 @@ from parity.engines import Engine, EngineSpec, check_engine, make_engine, stop_t
 from parity.engines.server import Server
 from parity.errors import ParityError
 from parity.logprobs import Sampling
-from parity.models import lora, routing
+from parity.models import invariant, lora, routing
 from parity.models.loading import load_policy, max_positions
 from parity.models.precision import fp32_head
 from parity.objectives import grpo_advantages
@@ -91,7 +92,7 @@ def _sample(a: AuditSettings, model: torch.nn.Module, tok: PreTrainedTokenizerBa
             model_dir: Path, meas: Measurement, shadow: Shadow, s: Sampling, bar: ui.Bar) -> str:
     task, _, prompt_ids, source = _prompts(a, model, tok, model_dir)
     max_len = max(map(len, prompt_ids)) + a.max_new_tokens
-    check_engine(a.engine, model.config, dataclasses.replace(engine_needs(a), max_len=max_len))
+    check_engine(a.engine, model.config, dataclasses.replace(a.engine_needs(), max_len=max_len))
     engine = make_engine(a.engine, EngineSpec(
         model, str(model_dir), a.engine_dtype, stop_token_ids(model, tok), tok.pad_token_id,
         a.seed, max_len, a.batch_size, a.cpu_fp16, a.lm_head_fp32))
@@ -215,12 +216,15 @@ def _locked_audit(a: AuditSettings, out: Path, report: bool, device: torch.devic
     result = {"model": a.model, "model_dir": str(model_dir),
               "n_params": sum(p.numel() for p in model.parameters()),
               "engine_dtype": a.engine_dtype, "trainer_dtype": a.trainer_dtype,
-              "lm_head_fp32": a.lm_head_fp32, "input": source, "eps": a.eps,
+              "lm_head_fp32": a.lm_head_fp32, "kernels": a.kernels, "input": source, "eps": a.eps,
               "max_new_tokens": a.max_new_tokens,
               "seed": a.seed, "device": devices.describe(device),
               "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
               **meas.results(), **meas.located(), **({"server": server} if server else {}),
               "seconds": time.perf_counter() - t0}
+    if a.certify:
+        result["certificate"] = cert.certificate(result, result["metrics"].get(
+            mn.LOG_RATIO_ABS_MAX), meas.exp_gap_mean(), a.certify)
     result["verdict"] = verdict(result)
     result["advice"] = as_json(advise(result, a.fp16_check))
     _write(a, out, result, meas, report)
@@ -254,6 +258,8 @@ def _policy(a: AuditSettings, device: torch.device
     if a.adapter:
         model = lora.from_adapter(model, a.adapter, a.lora_merge)
     model.eval().to(device)  # before the engine's and the shadow's copies are made from it
+    if a.kernels == "invariant":
+        invariant.use(model)
     return model_dir, model, tok
 
 
@@ -349,6 +355,8 @@ def print_audit(result: dict[str, Any]) -> None:
     print_routing(result, console)
     if "locate" in result:
         print_located(result, console)
+    if "certificate" in result:
+        console.print(cert.line(result["certificate"]), highlight=False)
     if "advice" in result:
         print_advice(result, console)
 

@@ -37,7 +37,7 @@ from parity.errors import ParityError
 from parity.models import routing
 from parity.models import trace as tr
 from parity.models.forward import pieces, score_pieces, score_right_padded
-from parity.models.precision import autocast, fp16_kernels, low_precision_copy
+from parity.models.precision import fp16_kernels, low_precision_copy, trainer_precision
 
 if TYPE_CHECKING:
     from parity.config import AuditSettings
@@ -90,13 +90,14 @@ class SelfGap:
     @torch.no_grad()
     def add(self, model: torch.nn.Module, shadow: Shadow, r: Rollout, s: Sampling,
             logp_pi: torch.Tensor, logp_s: torch.Tensor, mask: torch.Tensor,
-            cpu_fp16: str, chunk: int, rows: int) -> None:
+            cpu_fp16: str, chunk: int, rows: int, kernels: str = "default") -> None:
         """Score the batch `r` again with its padding on the right, and its first `rows`
         completions one at a time; add Δℓ against the audit's `logp_pi` (the trainer's) and
         `logp_s` (the shadow's) on the tokens of `mask`."""
         dev = logp_pi.device
         first = slice(0, min(rows, r.completion_ids.shape[0]))
-        sides = [("trainer", logp_pi, model, autocast(self.trainer_dtype, dev, cpu_fp16))]
+        sides = [("trainer", logp_pi, model,
+                  trainer_precision(self.trainer_dtype, dev, cpu_fp16, kernels, model))]
         if shadow.model is not None:
             sides.append(("shadow", logp_s, shadow.model,
                           fp16_kernels(shadow.dtype, dev, cpu_fp16)))
@@ -278,7 +279,7 @@ def locate(model: torch.nn.Module, engine: Engine | None, a: AuditSettings,
     traces = engine.trace(sequences) if engine is not None else none
     decodes = engine.trace_decode(sequences) if engine is not None else none
     for ids, start, eng, dec in zip(sequences, starts or [1] * len(sequences), traces, decodes):
-        with autocast(a.trainer_dtype, dev, a.cpu_fp16):
+        with trainer_precision(a.trainer_dtype, dev, a.cpu_fp16, a.kernels, model):
             ref = tr.trace(model, ids)
         with fp16_kernels(a.engine_dtype, dev, a.cpu_fp16):
             prec = tr.trace(prec_model, ids)

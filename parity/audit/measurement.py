@@ -28,7 +28,7 @@ from parity.engines import Engine
 from parity.logprobs import Rollout, Sampling
 from parity.models import routing
 from parity.models.forward import score_full
-from parity.models.precision import autocast
+from parity.models.precision import trainer_precision
 from parity.runs.finite import LeftOutTally, usable_tokens
 from parity.runs.routing_gap import Tally
 
@@ -72,7 +72,8 @@ class Measurement:
         # The trainer routes for itself (the audit measures the gap, it replays nothing); its
         # own choice is recorded where the engine's was.
         routed, r = r.routed, dataclasses.replace(r, routed=None)
-        with autocast(a.trainer_dtype, dev, a.cpu_fp16), routing.recording(model) as rec:
+        with trainer_precision(a.trainer_dtype, dev, a.cpu_fp16, a.kernels, model), \
+                routing.recording(model) as rec:
             rows = kept_rows(r, slice(0, len(r.completion_ids)))
             sc = score_full(model, r, s, keep_logits=rows, chunk=a.logprob_chunk)
             logp_pi, logits = sc.logp, sc.logits
@@ -83,7 +84,7 @@ class Measurement:
             t0 = time.perf_counter()
             self.traced = list(sequences_of(r, r.completion_mask, a.locate_sequences))
             self.self_gap.add(model, shadow, r, s, logp_pi, logp_s, r.completion_mask,
-                              a.cpu_fp16, a.logprob_chunk, a.locate_rows)
+                              a.cpu_fp16, a.logprob_chunk, a.locate_rows, a.kernels)
             self.locate_s["self_gap"] = time.perf_counter() - t0
         att = self.add_scored(r, logp_pi, logp_s, logits, rows, adv, s, prompt_ids,
                               first_sample)
@@ -138,6 +139,16 @@ class Measurement:
                            "self_gap_note": self.self_gap.note, "layers": self.layers,
                            "seconds": self.locate_s}}
 
+    def _gap(self) -> torch.Tensor:
+        """|ℓ_π − ℓ_μ| of every measured token."""
+        return (torch.cat(self.cols["trainer_logprob"])
+                - torch.cat(self.cols["engine_logprob"])).abs()
+
+    def exp_gap_mean(self) -> float | None:
+        """Mean exp(|ℓ_π − ℓ_μ|) over the measured tokens (NeMo-RL's bar, in float64)."""
+        gap = self._gap()
+        return float(gap.double().exp().mean()) if gap.numel() else None
+
     def results(self) -> dict[str, Any]:
         tok = self.diag.tokens()
         adv = torch.cat(self.adv) if self.has_adv else None
@@ -150,8 +161,7 @@ class Measurement:
         # kernels are not the shadow's (a server) α is not ~0, and β alone leaves part of it out.
         # From ℓ_π and ℓ_μ themselves: α + β, each rounded, loses the digits they share when the
         # shadow is far from both.
-        gap = (torch.cat(self.cols["trainer_logprob"])
-               - torch.cat(self.cols["engine_logprob"])).abs()
+        gap = self._gap()
         if gap.numel():     # none where every token was left out
             metrics.update({mn.LOG_RATIO_ABS_MEAN: float(gap.mean()),
                             mn.LOG_RATIO_ABS_MAX: float(gap.max())})

@@ -27,7 +27,7 @@ from parity.config.fields import (
     own,
     quoted,
 )
-from parity.config.recipes import RECIPE_FIELDS, RECIPES, Recipe, make_config
+from parity.config.recipes import RECIPE_FIELDS, RECIPES, Recipe, make_config, recipe
 from parity.config.run import (
     FIELDS,
     TASK_DEFAULTS,
@@ -42,4 +42,4 @@ __all__ = ["CORRECTIONS", "DTYPES", "FIELDS", "RATIO_SOURCES", "RECIPES", "RECIP
            "TASK_DEFAULTS", "AuditSettings", "Config", "Correction", "CpuFp16", "Dtype",
            "RatioSource", "Recipe", "SamplingArgs", "ShadowKernels", "check_fields",
            "check_value", "coerce", "dump_yaml", "engine_needs", "field_specs", "load_yaml",
-           "make_config", "own", "quoted", "shared"]
+           "make_config", "own", "quoted", "recipe", "shared"]

@@ -4,11 +4,21 @@ its own beside them. They live with the config so that building the CLI imports 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from parity.config.fields import CpuFp16, Dtype, ServerEndpoint, ShadowKernels, check_fields, own
-from parity.config.run import FIELDS, engine_needs, shared
-from parity.engines import SERVER_MIN_TEMPERATURE, refuse_unable
+from parity.config.certificate import RULES
+from parity.config.fields import (
+    CpuFp16,
+    Dtype,
+    Kernels,
+    ServerEndpoint,
+    ShadowKernels,
+    check_fields,
+    own,
+)
+from parity.config.run import FIELDS, check_kernels, engine_needs, shared
+from parity.engines import SERVER_MIN_TEMPERATURE, EngineNeeds, refuse_unable
 from parity.engines.abilities import refuse_temperature
 from parity.errors import ParityError
 
@@ -66,12 +76,19 @@ class AuditSettings:
                                 "distribution is kept for the exact KL(mu||pi) over the "
                                 "vocabulary (0 disables).")
     cpu_fp16: CpuFp16 = shared("cpu_fp16")
+    kernels: Kernels = shared("kernels")
     lm_head_fp32: bool = shared("lm_head_fp32")
     shadow_kernels: ShadowKernels = shared("shadow_kernels")
     locate: bool = own(False, "Also say where the gap comes from: the trainer against itself "
                        "(the first batch scored again with right padding, and completions one "
                        "at a time) and every layer's and op's output of the engine against the "
                        "trainer's model (docs/diagnostics.md, Where the gap comes from).")
+    certify: str | None = own(None, "Judge the trainer and the engine by the zero-mismatch "
+                              "certificate (docs/zero-mismatch.md) under this rule, which sets "
+                              "the exit status (0 passes, 1 fails, 2 bad input); implies "
+                              "--locate. " + " ".join(f"`{r.name}`: {r.summary}."
+                                                      for r in RULES.values()),
+                              choices=RULES, metavar="RULE")
     locate_rows: int = own(8, "With --locate: completions of the first batch scored again one "
                            "at a time (micro-batch 1).", gt=0)
     locate_sequences: int = own(4, "With --locate: completions traced layer by layer.", gt=0)
@@ -87,13 +104,22 @@ class AuditSettings:
     threads: int = shared("threads")
     progress: bool = shared("progress")
 
+    def engine_needs(self) -> EngineNeeds:
+        """What the audit asks of its engine. Not kernels=invariant: that is the trainer's side
+        here, and the audit measures any engine against it (a training run needs an engine
+        that computes the trainer's bits)."""
+        return dataclasses.replace(engine_needs(self), invariant=False)
+
     def validate(self) -> AuditSettings:
         """Refuse bad settings before any work, one line naming the field, as `parity train`
         does: each field's own checks (Config's for the shared ones), then the input."""
         check_fields(self)
+        if self.certify:
+            self.locate = True
         if self.server:
             refuse_temperature(self.temperature, SERVER_MIN_TEMPERATURE, "a vLLM server")
-        refuse_unable(self.engine, engine_needs(self))
+        refuse_unable(self.engine, self.engine_needs())
+        check_kernels(self)
         if len([x for x in (self.task, self.prompts, self.rollouts) if x]) != 1:
             raise ParityError("audit: give exactly one of --task, --prompts, --rollouts")
         if self.model is None:

@@ -28,6 +28,7 @@ DpoRef = Literal["initial", "engine"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
 Parallel = Literal["ddp", "fsdp"]
 CpuFp16 = Literal["emulate", "native"]
+Kernels = Literal["default", "invariant"]
 ServerEndpoint = Literal["auto", "completions", "chat"]
 ShadowKernels = Literal["engine", "independent", "scored"]
 

@@ -26,7 +26,7 @@ class Recipe:
 
 # What every recipe sets.
 RECIPE_FIELDS = ("engine_dtype", "trainer_dtype", "ratio_source", "eps_low", "eps_high",
-                 "seq_eps_low", "seq_eps_high", "correction")
+                 "seq_eps_low", "seq_eps_high", "correction", "kernels")
 
 
 def _mismatch(**kw: Any) -> dict[str, Any]:
@@ -67,7 +67,23 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            _mismatch(trainer_dtype="bf16")),
     Recipe("fp32", "The reference: fp32 engine and fp32 trainer.",
            _mismatch(engine_dtype="fp32")),
+    Recipe("bitwise", "Zero mismatch: bf16 on both sides with the same bits, invariant kernels "
+           "and the trainer's forward the engine's over fp32 master weights (beta exactly 0).",
+           _mismatch(trainer_dtype="bf16", kernels="invariant")),
 ]}
+
+def recipe(name: str, where: str | None = None) -> Recipe:
+    """The recipe `name`, refused in one line where there is none. `where`: an integration
+    that runs each side's own kernels only, where a recipe that needs others is refused too."""
+    if name not in RECIPES:
+        raise ParityError(f"unknown recipe {quoted(name)}; known recipes: {', '.join(RECIPES)}")
+    r = RECIPES[name]
+    if where and r.settings["kernels"] != FIELDS["kernels"].default:
+        raise ParityError(f"recipe {name!r} needs kernels={r.settings['kernels']}, which {where} "
+                          f"do not run yet: train it with `parity train --recipe {name}` "
+                          f"(docs/zero-mismatch.md)")
+    return r
+
 
 def make_config(explicit: dict[str, Any]) -> Config:
     """defaults < recipe < the built-in task's defaults < explicit values (YAML, then flags)."""

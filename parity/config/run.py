@@ -22,6 +22,7 @@ from parity.config.fields import (
     CpuFp16,
     DpoRef,
     Dtype,
+    Kernels,
     LossAgg,
     OptimizerName,
     Parallel,
@@ -47,7 +48,28 @@ def engine_needs(c: Any) -> EngineNeeds:
                        temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                        min_p=getattr(c, "min_p", 0.0),
                        repetition_penalty=getattr(c, "repetition_penalty", 1.0),
-                       trace=bool(getattr(c, "locate", False)))
+                       trace=bool(getattr(c, "locate", False)),
+                       invariant=getattr(c, "kernels", "default") == "invariant")
+
+
+def check_kernels(c: Any) -> None:
+    """Where kernels=invariant cannot make both sides compute the same bits (a Config or
+    AuditSettings `c`), refused in one line."""
+    if c.kernels != "invariant":
+        return
+    if c.trainer_dtype != c.engine_dtype:
+        raise ParityError(f"kernels=invariant runs the trainer's forward in the engine's dtype: "
+                          f"trainer_dtype={c.trainer_dtype} must be engine_dtype="
+                          f"{c.engine_dtype} (the `bitwise` recipe sets both)")
+    for flag, on in (("--lora-rank", getattr(c, "lora_rank", 0)),
+                     ("--adapter", getattr(c, "adapter", None)),
+                     ("--lm-head-fp32", c.lm_head_fp32),
+                     ("--async-engine", getattr(c, "async_engine", False)),
+                     ("--parallel fsdp", getattr(c, "parallel", None) == "fsdp"),
+                     ("--server", getattr(c, "server", None))):
+        if on:
+            raise ParityError(f"kernels=invariant does not hold with {flag} yet: the engine "
+                              f"would not compute the trainer's forward (docs/zero-mismatch.md)")
 
 
 @dataclass(kw_only=True)
@@ -140,6 +162,11 @@ class Config:
                            "to an ulp, the same for any batch shape; fast) or "
                            "`native` (torch's CPU fp16 kernels; several times slower: "
                            "docs/performance.md).")
+    kernels: Kernels = _f("default", "`invariant`: the engine and the trainer compute the same "
+                          "bits (docs/zero-mismatch.md): matrix products with their rows padded "
+                          "to a fixed tile, attention summed in fixed blocks of keys, the "
+                          "trainer's forward in the engine's dtype over the fp32 master weights; "
+                          "parity's engine only. `default`: each side's own kernels.")
     loss_scale_init: float = _f(2.0**16, "fp16 only: initial dynamic loss scale.", gt=0)
     loss_scale_growth_interval: int = _f(400, "fp16 only: overflow-free updates before the loss "
                                          "scale doubles.", gt=0)
@@ -277,6 +304,7 @@ class Config:
         self._check_scale(objective.value_head)
         self._check_lora()
         self._check_engine()
+        check_kernels(self)
         self._check_groups(objective.pairs, objective.value_head)
         if self.model is None:
             raise ParityError(f"task {quoted(self.task)} has no default model: give --model "

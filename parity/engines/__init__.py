@@ -160,7 +160,7 @@ register(EngineEntry(
     name="hf", summary="parity's own: the transformers model in engine precision with a KV "
                        "cache",
     can=EngineCan(score_processed=True, lm_head_fp32=True, lora_unmerged=True, trace=True,
-                  routing=True),
+                  routing=True, invariant=True),
     build=_hf))
 register(EngineEntry(
     name="vllm", summary="vLLM in the trainer's process, its CPU or CUDA build; install: "

@@ -28,6 +28,8 @@ class EngineCan:
     trace: bool = False
     # A mixture of experts' rollout carries the experts each token went through (`routed`).
     routing: bool = False
+    # Its kernels are parity's batch-invariant ones (`kernels=invariant`).
+    invariant: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,7 @@ class EngineNeeds:
     scores: bool = False          # `Engine.score` is called (shadow_kernels=scored)
     trace: bool = False           # `Engine.trace` is called (`parity audit --locate`)
     routing: bool = False         # the rollout's routing is replayed (`routing_replay`)
+    invariant: bool = False       # the engine computes the trainer's bits (`kernels=invariant`)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -60,6 +63,9 @@ def refuse_what_it_cannot(name: str, can: EngineCan, needs: EngineNeeds,
     if needs.routing and not can.routing:
         raise ParityError(f"engine={name} returns no routing to replay: --routing-replay needs "
                           f"{able(lambda c: c.routing)}")
+    if needs.invariant and not can.invariant:
+        raise ParityError(f"engine={name} runs its own kernels, not parity's invariant ones: "
+                          f"kernels=invariant needs {able(lambda c: c.invariant)}")
     if needs.lm_head_fp32 and not can.lm_head_fp32:
         raise ParityError(f"engine={name} runs its LM head in the engine's dtype: "
                           f"--lm-head-fp32 needs {able(lambda c: c.lm_head_fp32)}")

@@ -18,6 +18,7 @@ from parity.logprobs import (
     Sampling,
     keep_last,
     left_pad,
+    log_softmax,
     positions,
     processed_logits,
     prompt_tokens,
@@ -25,8 +26,8 @@ from parity.logprobs import (
     see,
 )
 from parity.models import routing
-from parity.models.attention import ENGINE_ATTENTION
 from parity.models.forward import score
+from parity.models.invariant import engine_attention_of
 from parity.models.precision import (
     cast_weights_into,
     copy_bytes,
@@ -59,7 +60,7 @@ class HFEngine:
         return self
 
     def _setup(self, eos_id: int | list[int], pad_id: int) -> None:
-        self.model.set_attn_implementation(ENGINE_ATTENTION)
+        self.model.set_attn_implementation(engine_attention_of(self.model))
         # transformers renamed the forward's `past_key_values` to `cache` (5.24), and warns at
         # every decode step when given the old name.
         inner = getattr(self.model, "get_base_model", lambda: self.model)()  # an unmerged LoRA copy
@@ -284,7 +285,7 @@ class _Decoding:
 
     def sample(self, t: int, logits: torch.Tensor, s: Sampling, u: torch.Tensor) -> None:
         """Position t's token for every row from `logits` [B, V] and the uniforms `u`."""
-        logp = torch.log_softmax(processed_logits(logits, s, seen=self.seen), dim=-1)
+        logp = log_softmax(processed_logits(logits, s, seen=self.seen))
         if self.keep is not None and t < recorded_positions(logp.shape[-1]):
             self.recorded.append(logp[self.keep])
         tok = sample_rows(logp, u, self.cdf)

@@ -62,14 +62,13 @@ import torch
 from parity import metric_names as mn
 from parity.config import (
     FIELDS,
-    RECIPES,
     CpuFp16,
     Dtype,
     RatioSource,
     ShadowKernels,
     check_fields,
     engine_needs,
-    quoted,
+    recipe,
     shared,
 )
 from parity.diagnostics import Attribution, StepDiagnostics, measure
@@ -160,10 +159,7 @@ class ParityOptions:
     def from_recipe(cls, name: str, **overrides: Any) -> ParityOptions:
         """A parity recipe's precision and ratio source. Recipes whose fix lives elsewhere are
         refused with where to set it instead."""
-        if name not in RECIPES:
-            raise ParityError(f"unknown recipe {quoted(name)}; known recipes: "
-                              f"{', '.join(RECIPES)}")
-        st = RECIPES[name].settings
+        st = recipe(name, "the TRL trainers").settings
         if st["correction"] != "none":
             raise ParityError(f"recipe {name!r} reweights by exp(l_old - l_mu), which TRL's "
                               f"GRPOTrainer applies only to vLLM samples: use "

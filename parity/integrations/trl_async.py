@@ -41,14 +41,13 @@ import torch
 from parity import metric_names as mn
 from parity.config import (
     FIELDS,
-    RECIPES,
     Correction,
     CpuFp16,
     Dtype,
     RatioSource,
     check_fields,
     own,
-    quoted,
+    recipe,
     shared,
 )
 from parity.diagnostics import StepDiagnostics, measure
@@ -263,10 +262,7 @@ class AsyncParityOptions:
     def from_recipe(cls, name: str, **overrides: Any) -> AsyncParityOptions:
         """A recipe's ratio source, correction, clip range and the precisions it expects of
         the server and of AsyncGRPOConfig."""
-        if name not in RECIPES:
-            raise ParityError(f"unknown recipe {quoted(name)}; known recipes: "
-                              f"{', '.join(RECIPES)}")
-        st = RECIPES[name].settings
+        st = recipe(name, "the TRL trainers").settings
         clip = {}
         if st["eps_low"] is None:
             clip = dict(no_clip=True)

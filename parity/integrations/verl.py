@@ -242,6 +242,10 @@ def recipe_overrides(st: dict[str, Any]) -> tuple[list[str], list[str]]:
     if low is None and high is None:
         out.append(f"actor_rollout_ref.actor.clip_ratio_c={NO_CLIP}")  # and no dual clip
     out += _correction(st, missing)
+    if _value(st, "kernels") != FIELDS["kernels"].default:
+        missing.append(f"kernels={st['kernels']}: parity's batch-invariant kernels on both sides "
+                       f"and the trainer's forward in the engine's dtype (docs/zero-mismatch.md); "
+                       f"verl's rollout and actor run their own")
     return out, missing
 
 

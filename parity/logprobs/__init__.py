@@ -10,12 +10,14 @@ from parity.logprobs.scoring import (
     head_chunk,
     head_logprobs,
     kept_tokens,
+    log_softmax,
     logprobs_from_logits,
     recorded_positions,
     row_chunk,
 )
 
 __all__ = ["TOP_TOKEN_ONLY", "Rollout", "Sampling", "Seen", "first_seen", "head_chunk",
-           "head_logprobs", "keep_last", "kept_tokens", "left_pad", "logprobs_from_logits",
+           "head_logprobs", "keep_last", "kept_tokens", "left_pad", "log_softmax",
+           "logprobs_from_logits",
            "positions", "processed_logits", "prompt_tokens", "recorded_positions", "row_chunk",
            "see", "seen_before"]

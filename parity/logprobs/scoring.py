@@ -100,6 +100,25 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling
     return out.reshape(tokens.shape)
 
 
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dimension, a row's bits the same however many rows there are.
+    torch reduces a lone row across its threads, in another order than the one thread per row
+    it gives two or more (a single row of Qwen3's vocabulary: bench.row_invariance), so a lone
+    row is reduced beside a copy of itself."""
+    if x.numel() and x.numel() == x.shape[-1]:
+        return torch.logsumexp(torch.cat([x.reshape(1, -1)] * 2), dim=-1)[:1].reshape(
+            x.shape[:-1])
+    return torch.logsumexp(x, dim=-1)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """x - logsumexp(x) over the last dimension: the log-softmax an engine samples from, the
+    same function as the trainer's log-prob of a token (`_LogSoftmaxAt`), so that where both
+    compute the same logits they give the same log-probs to the bit (torch's fused
+    log_softmax rounds otherwise; docs/zero-mismatch.md)."""
+    return x - logsumexp(x).unsqueeze(-1)
+
+
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: Sampling, keep_sampled: bool,
               seen: torch.Tensor | None) -> torch.Tensor:
     x = processed_logits(logits, s, keep=tokens if keep_sampled else None, seen=seen)
@@ -115,7 +134,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(x, dim=-1)
+        lse = logsumexp(x)
         ctx.save_for_backward(x, tokens, lse)
         return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 

@@ -117,6 +117,18 @@ def autocast(trainer_dtype: str, device: torch.device,
     return stack
 
 
+def trainer_precision(trainer_dtype: str, device: torch.device, cpu_fp16: str = "emulate",
+                      kernels: str = "default", model: torch.nn.Module | None = None
+                      ) -> contextlib.AbstractContextManager:
+    """The trainer's forward precision: autocast to `trainer_dtype`, or with kernels=invariant
+    the engine's own forward, `model`'s parameters read as their casts to that dtype
+    (parity/models/invariant.py)."""
+    if kernels == "invariant":
+        from parity.models import invariant  # its attention registers with transformers
+        return invariant.engine_precision(model, TORCH_DTYPES[trainer_dtype])
+    return autocast(trainer_dtype, device, cpu_fp16)
+
+
 class LossScaler:
     """One optimizer step with overflow protection, whatever the precision.
 
