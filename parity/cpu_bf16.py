@@ -233,6 +233,13 @@ def kernels(emulate: bool, tile: int | None = None) -> Iterator[None]:
         _set(*was)
 
 
+def restored() -> contextlib.AbstractContextManager[None]:
+    """Within the block a run may pad products or emulate (`kernels=invariant` pads them for
+    the process); after it, the process's kernels are what they were (a library caller's next
+    work in the same process is not padded by the last run's recipe)."""
+    return kernels(_emulate, None)
+
+
 def describe() -> str:
     """The path bf16 products take here, in words (run headers, benchmark tables)."""
     if active():

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from parity import devices
+from parity import cpu_bf16, devices
 from parity import metric_names as mn
 from parity.config import Config, dump_yaml, engine_needs
 from parity.diagnostics import (
@@ -109,7 +109,8 @@ def train(cfg: Config, on_model: Callable[[torch.nn.Module], None] | None = None
     dist = distributed.init(cfg.dist_timeout_s, devices.resolve(cfg.device))
     finished = False
     try:
-        out = _train(build_run(cfg, dist, on_model, resume), resume)
+        with cpu_bf16.restored():
+            out = _train(build_run(cfg, dist, on_model, resume), resume)
         finished = True
         return out
     except (RuntimeError, MemoryError) as e:

@@ -5,10 +5,13 @@ and 1 without them, naming the first check that differs; a bad rule exits 2."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from cli_helpers import run_main
+from parity import cpu_bf16
 from parity import metric_names as mn
 from parity.config import certificate as cert
 
@@ -54,11 +57,23 @@ def test_bitwise_holds_only_where_every_check_is_exactly_zero():
 
 
 def test_the_other_frameworks_bars_at_their_edges():
-    ok = cert.certificate(_result(engine=1e-3, kl=0.015), 0.1, 1.05, "nemo-rl")
+    ok = cert.certificate(_result(engine=1e-3, kl=0.015), 0.1, math.log(1.05), "nemo-rl")
     assert ok["holds"] and ok["bars"]["prime-rl"]["holds"] and not ok["checks"][1]["holds"]
-    assert not cert.certificate(_result(), 0.1, 1.0501, "nemo-rl")["holds"]
-    assert not cert.certificate(_result(kl=0.0151), 0.1, 1.0, "prime-rl")["holds"]
+    assert not cert.certificate(_result(), 0.1, math.log(1.0501), "nemo-rl")["holds"]
+    assert not cert.certificate(_result(kl=0.0151), 0.1, 0.0, "prime-rl")["holds"]
     assert not cert.certificate(_result(), None, None, "nemo-rl")["holds"]   # nothing measured
+
+
+def test_nemo_rls_bar_stays_finite_past_exps_range():
+    # hand-computed: mean exp of (0, ln 3) is 2; of (0, 1000) is (1 + e^1000) / 2
+    assert cert.log_mean_exp(torch.tensor([0.0, math.log(3.0)])) == pytest.approx(math.log(2))
+    big = cert.log_mean_exp(torch.tensor([0.0, 1000.0]))
+    assert big == pytest.approx(1000 - math.log(2))
+    c = cert.certificate(_result(), 1000.0, big, "nemo-rl")
+    bar = c["bars"]["nemo-rl"]
+    assert bar["value"] is None and not bar["holds"] and json.dumps(c, allow_nan=False)
+    assert "nemo-rl e^999.3 against 1.05 (fails)" in cert.line(c)
+    assert cert.certificate(_result(), 0.0, 0.0, "nemo-rl")["bars"]["nemo-rl"]["value"] == 1.0
 
 
 @pytest.mark.e2e
@@ -67,8 +82,10 @@ def test_audit_certify_exits_by_the_certificate(tmp_path, text_model):
               "--group", "4", "--max-new-tokens", "12", "--batch-size", "8",
               "--engine-dtype", "bf16", "--trainer-dtype", "bf16", "--certify", "bitwise",
               "--no-progress"]
+    before = cpu_bf16.padding()
     p = run_main(*common, "--kernels", "invariant", "--out", tmp_path / "on")
     assert p.returncode == 0, p.stdout + p.stderr
+    assert cpu_bf16.padding() == before     # the audit's padding ends with it, in this process
     assert "certificate (bitwise: passes): bitwise" in p.stdout.replace("\n", " ")
     res = json.loads((tmp_path / "on" / "audit.json").read_text())
     assert res["certificate"]["holds"] and res["kernels"] == "invariant"

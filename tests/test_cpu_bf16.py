@@ -52,9 +52,9 @@ def _reference(name: str, args) -> torch.Tensor:
 def test_emulated_products_are_the_native_ones_up_to_the_order_of_the_sums(name):
     fn, args = _products()[name]
     want = _reference(name, args)
-    with cpu_bf16.kernels(emulate=False):
+    with cpu_bf16.kernels(emulate=False, tile=0):
         native = fn(*args)
-    with cpu_bf16.kernels(emulate=True):
+    with cpu_bf16.kernels(emulate=True, tile=0):
         emulated = fn(*args)
     assert emulated.dtype == native.dtype == BF16 and emulated.shape == native.shape
     # fp32 sums in another order than float64's move a result over a bf16 rounding boundary
@@ -69,9 +69,9 @@ def test_the_emulation_is_an_fp32_kernel_on_the_bf16_values():
     """Its result is, bit for bit, fp32's product of the same values rounded to bf16: a second
     formulation of the same arithmetic, not an approximation of it."""
     fn, (x, w, b) = _products()["linear+bias"]
-    with cpu_bf16.kernels(emulate=True):
+    with cpu_bf16.kernels(emulate=True, tile=0):
         emulated = fn(x, w, b)
-    with cpu_bf16.kernels(emulate=False):
+    with cpu_bf16.kernels(emulate=False, tile=0):
         fp32 = F.linear(x.float(), w.float(), b.float()).to(BF16)
     assert torch.equal(emulated, fp32)
 
@@ -84,7 +84,7 @@ def test_gradients_through_emulated_products_are_the_native_ones():
     grads = {}
     for emulate in (False, True, None):  # None: the float64 reference
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        with cpu_bf16.kernels(emulate=bool(emulate)):
+        with cpu_bf16.kernels(emulate=bool(emulate), tile=0):
             if emulate is None:
                 y = F.linear(xs.double(), ws.double())
             else:
@@ -110,7 +110,7 @@ def test_other_dtypes_keep_torchs_own_kernels_bit_for_bit():
             r(3, 33, 21)
         results = []
         for emulate in (False, True):
-            with cpu_bf16.kernels(emulate=emulate):
+            with cpu_bf16.kernels(emulate=emulate, tile=0):
                 results.append((torch.mm(a, b), torch.addmm(c, a, b), torch.bmm(a3, b3),
                                 torch.baddbmm(c3, a3, b3), a.T.contiguous().T @ b))
         want, got = results
@@ -119,9 +119,9 @@ def test_other_dtypes_keep_torchs_own_kernels_bit_for_bit():
 
 def test_the_block_restores_what_the_process_had():
     before = cpu_bf16.active()
-    with cpu_bf16.kernels(emulate=not before):
+    with cpu_bf16.kernels(emulate=not before, tile=0):
         assert cpu_bf16.active() is (not before)
-        with cpu_bf16.kernels(emulate=before):
+        with cpu_bf16.kernels(emulate=before, tile=0):
             assert cpu_bf16.active() is before
         assert cpu_bf16.active() is (not before)
     assert cpu_bf16.active() is before
@@ -146,10 +146,10 @@ def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch):
 
 
 def test_the_device_in_words_says_which_path_bf16_takes():
-    with cpu_bf16.kernels(emulate=True):
+    with cpu_bf16.kernels(emulate=True, tile=0):
         assert "bf16 products emulated with fp32 kernels" in devices.describe(
             torch.device("cpu"))
-    with cpu_bf16.kernels(emulate=False):
+    with cpu_bf16.kernels(emulate=False, tile=0):
         assert "bf16 products native" in devices.describe(torch.device("cpu"))
 
 
@@ -173,7 +173,7 @@ def test_a_run_with_emulated_bf16_gives_the_native_runs_figures(tmp_path, text_m
     rows = {}
     for path in ("native", "emulate"):
         monkeypatch.setenv(cpu_bf16.ENV, path)  # what each run's device resolution installs
-        with cpu_bf16.kernels(emulate=path == "emulate"):
+        with cpu_bf16.kernels(emulate=path == "emulate", tile=0):
             out = train(make_config({
                 "model": "text-xs", "recipe": "bf16-engine", "steps": 3, "prompts_per_step": 4,
                 "samples_per_prompt": 4, "max_new_tokens": 12, "threads": 1, "seed": 0,

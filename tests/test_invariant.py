@@ -104,6 +104,26 @@ def test_attention_gives_a_query_the_same_bits_in_decode_prefill_and_any_padding
     assert torch.allclose(full.double(), exact, rtol=tol, atol=tol)
 
 
+def test_attention_over_blocks_of_queries_gives_the_same_bits_and_gradient(monkeypatch):
+    """The queries go QUERIES at a time, each block recomputed in the backward: the output is
+    the one-block output's bits, and the gradient its value up to the order of its sums."""
+    g = torch.Generator().manual_seed(3)
+    H, kv, d, T = 4, 2, 16, 150
+    x = [torch.randn(1, n, T, d, generator=g).requires_grad_() for n in (H, kv, kv)]
+    up = torch.randn(1, T, H, d, generator=g)
+    results = []
+    for blocks in (1024, 32):      # one block of queries; five, the last of 22
+        monkeypatch.setattr(invariant, "QUERIES", blocks)
+        with padded("fp32"):
+            out = _attention(*x, _mask(torch.ones(1, T), T))
+        grads = torch.autograd.grad((out * up).sum(), x)
+        results.append((out.detach(), grads))
+    (one, g1), (many, g2) = results
+    assert torch.equal(one, many)
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_the_trainer_forward_in_engine_precision_carries_the_gradient_to_fp32():
     """Inside engine_precision the model computes what its bf16 copy computes, bit for bit,
     and the fp32 weights get that copy's gradient; parameters() stays fp32; an exception inside
@@ -149,7 +169,14 @@ FAMILIES = {
 
 def _rollout(family: str, tile: int, dtype: str = "bf16"):
     torch.manual_seed(0)
-    master = tf.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    master = tf.AutoModelForCausalLM.from_config(FAMILIES[family.removesuffix("+lora")]()).eval()
+    if family.endswith("+lora"):    # unmerged adapters, B random so that they change the output
+        from parity.models import lora
+        master = lora.wrap(master, 4, None, "all-linear", False, torch.float32)
+        with torch.no_grad():
+            for n, p in master.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
     invariant.use(master)
     cpu_bf16.pad_rows(tile)
     engine = HFEngine(master, dtype, eos_id=999, pad_id=0)
@@ -159,7 +186,7 @@ def _rollout(family: str, tile: int, dtype: str = "bf16"):
     return master, r
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3+lora"])
 def test_the_trainer_reproduces_the_engines_log_probs_bit_for_bit(family):
     """The engine's ℓ_μ, sampled token by token in bf16, against the trainer's forward in
     engine precision: the whole batch, one completion at a time, and right-padded."""
@@ -180,9 +207,10 @@ def test_the_trainer_reproduces_the_engines_log_probs_bit_for_bit(family):
 def test_the_recipe_is_refused_where_it_cannot_hold():
     base = dict(model="text-xs", recipe="bitwise")
     assert make_config(base).kernels == "invariant"
+    assert make_config({**base, "lora_rank": 4, "lora_merge": False}).lora_rank == 4
     for extra, said in ((dict(engine="vllm"), "engine=vllm runs its own kernels"),
                         (dict(trainer_dtype="fp32"), "trainer_dtype=fp32 must be engine_dtype"),
-                        (dict(lora_rank=4), "--lora-rank")):
+                        (dict(lora_rank=4), "needs --no-lora-merge")):
         with pytest.raises(ParityError, match=said):
             make_config({**base, **extra})
 
@@ -199,15 +227,20 @@ def test_a_step_whose_figures_are_not_zero_says_which_forwards_differ(capsys):
 
 
 @pytest.mark.e2e
-def test_a_bitwise_run_has_no_gap_at_any_step(tmp_path, text_model):
+@pytest.mark.parametrize("extra", [(), ("--objective", "gspo", "--lora-rank", "4",
+                                        "--no-lora-merge"), ("--objective", "ppo-value",)],
+                         ids=["grpo", "gspo+lora", "ppo-value"])
+def test_a_bitwise_run_has_no_gap_at_any_step(tmp_path, text_model, extra):
     import json
 
     from cli_helpers import run_main
     from parity import metric_names as mn
+    before = cpu_bf16.padding()
     p = run_main("train", "--model", str(text_model), "--recipe", "bitwise", "--steps", "3",
                  "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens",
-                 "16", "--no-progress", "--out", tmp_path / "run")
+                 "16", "--no-progress", "--out", tmp_path / "run", *extra)
     assert p.returncode == 0, p.stderr
+    assert cpu_bf16.padding() == before     # the run's padding ends with it, in this process
     assert "kernels=invariant:" not in p.stderr
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 3

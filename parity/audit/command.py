@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from rich.table import Table
 
-from parity import devices, testbed, ui
+from parity import cpu_bf16, devices, testbed, ui
 from parity import metric_names as mn
 from parity.audit import locate as lc
 from parity.audit import server as server_audit
@@ -196,7 +196,7 @@ def audit(a: AuditSettings, out: Path | None = None, report: bool = True) -> dic
     refused, never left to overwrite this one's files."""
     t0 = time.perf_counter()
     device, out = _refuse_early(a, out)
-    with lock_dir(out, "audit --out", empty=True):
+    with lock_dir(out, "audit --out", empty=True), cpu_bf16.restored():
         return _locked_audit(a, out, report, device, t0)
 
 
@@ -224,7 +224,7 @@ def _locked_audit(a: AuditSettings, out: Path, report: bool, device: torch.devic
               "seconds": time.perf_counter() - t0}
     if a.certify:
         result["certificate"] = cert.certificate(result, result["metrics"].get(
-            mn.LOG_RATIO_ABS_MAX), meas.exp_gap_mean(), a.certify)
+            mn.LOG_RATIO_ABS_MAX), meas.log_exp_gap_mean(), a.certify)
     result["verdict"] = verdict(result)
     result["advice"] = as_json(advise(result, a.fp16_check))
     _write(a, out, result, meas, report)

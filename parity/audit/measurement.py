@@ -14,6 +14,7 @@ import torch
 from parity import metric_names as mn
 from parity.audit.locate import SelfGap, locate, sequences_of
 from parity.config import AuditSettings
+from parity.config.certificate import log_mean_exp
 from parity.diagnostics import (
     EPS_SWEEP,
     Shadow,
@@ -144,10 +145,10 @@ class Measurement:
         return (torch.cat(self.cols["trainer_logprob"])
                 - torch.cat(self.cols["engine_logprob"])).abs()
 
-    def exp_gap_mean(self) -> float | None:
-        """Mean exp(|ℓ_π − ℓ_μ|) over the measured tokens (NeMo-RL's bar, in float64)."""
-        gap = self._gap()
-        return float(gap.double().exp().mean()) if gap.numel() else None
+    def log_exp_gap_mean(self) -> float | None:
+        """log of the mean exp(|ℓ_π − ℓ_μ|) over the measured tokens (NeMo-RL's bar), in
+        float64 and in log space: a gap past 709 nats overflows exp itself."""
+        return log_mean_exp(self._gap())
 
     def results(self) -> dict[str, Any]:
         tok = self.diag.tokens()

@@ -20,8 +20,12 @@ Imports nothing heavy: the settings check the rule's name with it, and the audit
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:   # the config imports without torch (`parity --help` in a blink)
+    import torch
 
 from parity import metric_names as mn
 
@@ -63,11 +67,13 @@ def _first_nonzero(points: list[str], curve: dict[str, list] | None) -> tuple[st
     return None
 
 
-def certificate(result: dict[str, Any], gap_max: float | None, exp_gap_mean: float | None,
+def certificate(result: dict[str, Any], gap_max: float | None, log_exp_gap: float | None,
                 rule: str) -> dict[str, Any]:
     """The checks and the bars from an audit's `result` (with `locate`), `gap_max` the largest
-    |ℓ_π − ℓ_μ| over the sampled tokens and `exp_gap_mean` the mean of exp(|ℓ_π − ℓ_μ|)
-    (None where no token was measured)."""
+    |ℓ_π − ℓ_μ| over the sampled tokens and `log_exp_gap` the log of the mean of
+    exp(|ℓ_π − ℓ_μ|) (None where no token was measured). The NeMo-RL bar is judged in log
+    space; its `value` is the mean itself, or None where that is past float64's range, with
+    `log_value` beside it."""
     loc = result["locate"]
     layers = loc.get("layers") or {}
     points, curves = layers.get("points", []), layers.get("curves", {})
@@ -95,13 +101,35 @@ def certificate(result: dict[str, Any], gap_max: float | None, exp_gap_mean: flo
                    "holds": at is None, "at": at and at[0], "value": at and at[1]})
     kl = result["metrics"].get(mn.KL_K3)
     c = {"checks": checks,
-         "bars": {"nemo-rl": {"value": exp_gap_mean, "bar": NEMO_BAR,
-                              "holds": exp_gap_mean is not None and exp_gap_mean <= NEMO_BAR},
+         "bars": {"nemo-rl": {"value": _exp(log_exp_gap), "log_value": log_exp_gap,
+                              "bar": NEMO_BAR, "holds": log_exp_gap is not None
+                              and log_exp_gap <= math.log(NEMO_BAR)},
                   "prime-rl": {"value": kl, "bar": PRIME_BAR,
                                "holds": kl is not None and kl <= PRIME_BAR}},
          "rule": rule}
     c["holds"] = RULES[rule].passes(c)
     return c
+
+
+def log_mean_exp(gap: torch.Tensor) -> float | None:
+    """log mean exp(gap) in float64 without forming exp(gap), which overflows past 709."""
+    import torch  # here: the config modules import without torch
+    if not gap.numel():
+        return None
+    return float(torch.logsumexp(gap.double(), 0) - math.log(gap.numel()))
+
+
+def _exp(x: float | None) -> float | None:
+    return math.exp(x) if x is not None and x < math.log(sys.float_info.max) else None
+
+
+def _bar_said(n: str, b: dict[str, Any]) -> str:
+    said = "holds" if b["holds"] else "fails"
+    if b["value"] is not None:
+        return f"{n} {b['value']:.4g} against {b['bar']} ({said})"
+    if b.get("log_value") is not None:
+        return f"{n} e^{b['log_value']:.4g} against {b['bar']} ({said})"
+    return f"{n} not measured"
 
 
 def _said(k: dict[str, Any]) -> str:
@@ -118,9 +146,6 @@ def line(c: dict[str, Any]) -> str:
     much), and the bars."""
     bits = ("bitwise: every check holds to the bit" if all(k["holds"] for k in c["checks"])
             else "not bitwise: " + ", ".join(_said(k) for k in c["checks"]))
-    bars = "; ".join(f"{n} {b['value']:.4g} against {b['bar']} "
-                     f"({'holds' if b['holds'] else 'fails'})"
-                     if b["value"] is not None else f"{n} not measured"
-                     for n, b in c["bars"].items())
+    bars = "; ".join(_bar_said(n, b) for n, b in c["bars"].items())
     verdict = "passes" if c["holds"] else "fails"
     return f"certificate ({c['rule']}: {verdict}): {bits}; {bars}"

@@ -61,9 +61,12 @@ def check_kernels(c: Any) -> None:
         raise ParityError(f"kernels=invariant runs the trainer's forward in the engine's dtype: "
                           f"trainer_dtype={c.trainer_dtype} must be engine_dtype="
                           f"{c.engine_dtype} (the `bitwise` recipe sets both)")
-    for flag, on in (("--lora-rank", getattr(c, "lora_rank", 0)),
-                     ("--adapter", getattr(c, "adapter", None)),
-                     ("--lm-head-fp32", c.lm_head_fp32),
+    adapters = getattr(c, "lora_rank", 0) or getattr(c, "adapter", None)
+    if adapters and getattr(c, "lora_merge", True):
+        raise ParityError("kernels=invariant with LoRA needs --no-lora-merge: the engine must "
+                          "apply the adapters as the trainer does, W x + (α/r) B (A x), not "
+                          "the merged W + (α/r) B A (docs/zero-mismatch.md)")
+    for flag, on in (("--lm-head-fp32", c.lm_head_fp32),
                      ("--async-engine", getattr(c, "async_engine", False)),
                      ("--parallel fsdp", getattr(c, "parallel", None) == "fsdp"),
                      ("--server", getattr(c, "server", None))):

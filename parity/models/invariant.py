@@ -6,7 +6,10 @@ Three things make two forwards of the same weights differ on a CPU, and each has
   another order of the sums, for a few rows than for many (`python -m bench.row_invariance`).
   A decode step multiplies B rows, the trainer B x T.
   Padded to a multiple of `TILE` rows, every product takes the many-rows kernel
-  (parity/cpu_bf16.py installs the padding with its overrides of aten's products).
+  (parity/cpu_bf16.py installs the padding with its overrides of aten's products). Where
+  that is not enough (oneDNN's native bf16 kernels on a CPU with AMX pick their blocking by
+  the row count at any multiple), a low-precision product runs as calls of `cpu_bf16.CHUNK`
+  rows, one matrix at a time: every call has one shape, whatever the batch.
 - Attention sums over the keys, and the engine's decode has t + 1 keys where the trainer's
   forward has the whole sequence, laid out with other padding. `invariant_attention` sums in
   fixed blocks of `BLOCK` keys counted from each row's first token, the blocks one after the
@@ -28,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -37,6 +41,7 @@ from parity.models.attention import ENGINE_ATTENTION
 
 TILE = 16     # a product's rows, padded to a multiple of this
 BLOCK = 64    # keys summed together in attention
+QUERIES = 256  # queries whose scores are computed together
 INVARIANT_ATTENTION = "parity_invariant"
 _MIN = torch.finfo(torch.float32).min
 
@@ -63,7 +68,9 @@ def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     every block; exp; then one product of the block's weights with [v | 1], which gives the
     block's numerator and denominator. The blocks are summed in order (cumsum), so blocks past
     the query's last key, all zero weights, add exact zeros. One rounding to the model's dtype
-    at the end. `parity_kv_len`: the filled part of a static cache (the engine's decode)."""
+    at the end. The queries go QUERIES at a time, each block of them recomputed in the backward
+    rather than kept (`_attend`), so memory is QUERIES x keys per head, not the sequence
+    squared. `parity_kv_len`: the filled part of a static cache (the engine's decode)."""
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None \
             or kwargs.get("sliding_window"):
         raise ParityError("kernels=invariant: capped logits, attention sinks and sliding "
@@ -72,8 +79,7 @@ def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         key, value = key[:, :, :parity_kv_len], value[:, :, :parity_kv_len]
     B, H, q, d = query.shape
     kv, L = key.shape[1], key.shape[2]
-    g = H // kv    # query heads per key/value head, in repeat_kv's order (head = j·g + i)
-    dev, dtype = query.device, query.dtype
+    dev = query.device
     allowed = _allowed(attention_mask, B, q, L, dev)
     first = allowed[:, -1].int().argmax(-1)                       # [B]
     nb = -(-L // BLOCK)
@@ -84,18 +90,35 @@ def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     keep = inside[:, None, :, None]
     k = torch.where(keep, key.gather(2, take).float(), 0.0).view(B, kv, nb, BLOCK, d)
     v = torch.where(keep, value.gather(2, take).float(), 0.0).view(B, kv, nb, BLOCK, d)
+    v1 = torch.cat([v, torch.ones((B, kv, nb, BLOCK, 1), device=dev)], dim=-1)
     seen = allowed.gather(2, slot[:, None].expand(B, q, nb * BLOCK)) & inside[:, None]
+    scale = d ** -0.5 if scaling is None else scaling
+    keep_graph = torch.is_grad_enabled() and q > QUERIES
+    outs = []
+    for i in range(0, q, QUERIES):
+        args = (query[:, :, i:i + QUERIES], k, v1, seen[:, i:i + QUERIES], scale)
+        outs.append(checkpoint(_attend, *args, use_reentrant=False) if keep_graph
+                    else _attend(*args))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(query: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, seen: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """[B, H, q, d] from queries [B, H, q, d], keys [B, kv, nb, BLOCK, d], [v | 1]
+    [B, kv, nb, BLOCK, d + 1] and `seen` [B, q, nb·BLOCK] (invariant_attention)."""
+    B, H, q, d = query.shape
+    kv, nb = k.shape[1], k.shape[2]
+    g = H // kv    # query heads per key/value head, in repeat_kv's order (head = j·g + i)
     # [B, 1, nb, 1, q, BLOCK]: rows of a block's scores are (head in group, query)
-    seen = seen.view(B, q, nb, BLOCK).permute(0, 2, 1, 3)[:, None, :, None]
+    seen = seen.reshape(B, q, nb, BLOCK).permute(0, 2, 1, 3)[:, None, :, None]
     qf = query.float().reshape(B, kv, 1, g * q, d)
-    s = torch.matmul(qf, k.transpose(-1, -2)) * (d ** -0.5 if scaling is None else scaling)
+    s = torch.matmul(qf, k.transpose(-1, -2)) * scale
     s = torch.where(seen, s.view(B, kv, nb, g, q, BLOCK), _MIN)
     w = (s - s.amax(dim=(2, 5), keepdim=True)).exp_().view(B, kv, nb, g * q, BLOCK)
-    ones = torch.ones((B, kv, nb, BLOCK, 1), device=dev)
-    parts = torch.matmul(w, torch.cat([v, ones], dim=-1))        # [B, kv, nb, g·q, d + 1]
+    parts = torch.matmul(w, v1)                                   # [B, kv, nb, g·q, d + 1]
     total = parts.cumsum(dim=2)[:, :, -1]
-    out = (total[..., :d] / total[..., d:]).to(dtype).view(B, H, q, d)
-    return out.transpose(1, 2).contiguous(), None
+    return (total[..., :d] / total[..., d:]).to(query.dtype).view(B, H, q, d)
 
 
 AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)
