@@ -31,11 +31,18 @@ def _ops() -> list[tuple[str, torch.dtype, tuple[int, ...], object]]:
     w = {(o, i, dt): torch.randn(o, i, generator=g).to(dt)
          for o, i in ((1536, 576), (576, 1536)) for dt in _DTYPES}
     wb = {dt: torch.randn(BATCH, 1536, 576, generator=g).to(dt) for dt in _DTYPES}
+    keys = torch.randn(2 * BATCH, 64, 64, generator=g)    # a block of 64 keys, a 64-wide head
     return [(f"F.linear ({i} -> {o})", dt, (PRODUCT_ROWS, i),
              lambda x, w=w[o, i, dt]: F.linear(x, w))
             for o, i in ((1536, 576), (576, 1536)) for dt in _DTYPES] + [
         ("bmm (m matrices of 300 x 1536 by 1536 x 576)", dt, (BATCH, 300, 1536),
          lambda x, w=wb[dt]: torch.bmm(x, w[:x.shape[0]])) for dt in _DTYPES] + [
+        # parity's invariant attention: fp32 scores of (query, head) rows against a key block
+        ("attention's scores, m query rows (bmm of 16 x m x 64 by 64 x 64)", torch.float32,
+         (PRODUCT_ROWS, 2 * BATCH, 64),
+         lambda x: torch.bmm(x.transpose(0, 1), keys).transpose(0, 1)),
+        ("attention's scores, m matrices (bmm of m x 300 x 64 by 64 x 64)", torch.float32,
+         (2 * BATCH, 300, 64), lambda x: torch.bmm(x, keys[:x.shape[0]]))] + [
         ("log_softmax", torch.float32, (ROWS, 151936), lambda x: torch.log_softmax(x, -1)),
         ("logsumexp", torch.float32, (ROWS, 151936), lambda x: torch.logsumexp(x, -1)),
         ("parity's logsumexp (parity/logprobs/scoring.py)", torch.float32, (ROWS, 151936),
@@ -60,8 +67,9 @@ def table() -> Table:
     t = Table("row_invariance",
               f"the row counts m (1..{ROWS}, then multiples of 16) at which an op on m rows "
               f"gives any row other bits than the whole batch does (m matrices for bmm); "
-              f"invariant: kernels=invariant's products (rows padded to {invariant.TILE}, "
-              f"native bf16 in calls of {cpu_bf16.CHUNK} rows, a matrix at a time)",
+              f"invariant: kernels=invariant's products (calls of {cpu_bf16.CHUNK} rows; a "
+              f"native bf16 batch a matrix at a time, an fp32 one padded to "
+              f"{invariant.TILE} rows)",
               [("op", None), ("dtype", None), ("width", "{}"), ("threads", "{}"),
                ("own kernels", None), ("invariant", None)])
     threads = torch.get_num_threads()

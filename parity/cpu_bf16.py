@@ -51,7 +51,7 @@ SETTINGS = ("auto", "native", "emulate")
 _NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
 _BF16, _F32 = torch.bfloat16, torch.float32
 _LOW = (torch.bfloat16, torch.float16)
-CHUNK = 128   # rows of each call of a padded native low-precision product
+CHUNK = 128   # rows of each kernel call of a padded matrix product
 _library: torch.library.Library | None = None
 _emulate = False
 _tile = 0
@@ -103,17 +103,24 @@ def _emulated(a: torch.Tensor) -> bool:
     return _emulate and a.dtype is _BF16
 
 
-def _step(a: torch.Tensor) -> int:
-    """Rows per kernel call when padded: CHUNK for a native low-precision product, whose
-    kernel picks its blocking by the row count at any multiple of the tile (oneDNN's bf16
-    kernels on a CPU with AMX), so every call has the one shape; the tile otherwise."""
-    return CHUNK if a.dtype in _LOW and not _emulated(a) else _tile
+def _step(a: torch.Tensor, batched: bool) -> int:
+    """Rows per kernel call when padded. A matrix product (mm, addmm) runs as calls of CHUNK
+    rows each, so every call has one shape: a BLAS picks its blocking, and so the order of its
+    sums, by the row count at any multiple of the tile (oneDNN's native bf16 kernels on a CPU
+    with AMX; MKL's fp32 ones over two threads at K 1536: `python -m bench.row_invariance`).
+    A native low-precision batched product likewise, one matrix at a time, since its kernel
+    picks by the batch count too. An fp32 batched product (attention's scores and weighted
+    sums, K a head's width) is one call padded to the tile, which that bench finds holds."""
+    if not batched or (a.dtype in _LOW and not _emulated(a)):
+        return CHUNK
+    return _tile
 
 
 def _rows(a: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-    """`a` with zero rows appended along `dim` up to a multiple of its step; its own rows."""
+    """`a` with zero rows appended along `dim` (1: a batched product) up to a multiple of its
+    step; its own rows."""
     m = a.shape[dim]
-    step = _step(a) if _tile else 0
+    step = _step(a, dim == 1) if _tile else 0
     extra = -m % step if step and m else 0
     if not extra:
         return a, m
@@ -126,10 +133,8 @@ def _result(out: torch.Tensor, m: int, dim: int, dtype: torch.dtype) -> torch.Te
     return out.to(dtype) if out.dtype is not dtype else out
 
 
-def _calls(a: torch.Tensor, dim: int) -> list[slice]:
-    """The row slices of `a`'s kernel calls: one call, or CHUNK rows each (`_step`)."""
-    n = a.shape[dim]
-    step = CHUNK if _tile and _step(a) == CHUNK else n
+def _calls(n: int, step: int) -> list[slice]:
+    """The row slices of the kernel calls over `n` rows, `step` rows each."""
     return [slice(i, i + step) for i in range(0, n, step or 1)] or [slice(0, 0)]
 
 
@@ -138,20 +143,20 @@ def _mm(a, b):
     wide = _emulated(a)
     out = a.new_empty((a.shape[0], b.shape[1]), dtype=_F32 if wide else dtype)
     a, b = (a.float(), b.float()) if wide else (a, b)
-    for rows in _calls(a, 0):
+    for rows in _calls(a.shape[0], CHUNK if _tile else a.shape[0]):
         torch.mm(a[rows], b, out=out[rows])
     return _result(out, m, 0, dtype)
 
 
 def _bmm(a, b):
     dtype, (a, m) = a.dtype, _rows(a, 1)
+    one_by_one = _tile and _step(a, True) == CHUNK
     wide = _emulated(a)
     a, b = (a.float(), b.float()) if wide else (a, b)
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype)
-    if _tile and _step(a) == CHUNK:
-        # a batched kernel picks its blocking by the batch count too: one product per matrix
+    if one_by_one:
         for j in range(a.shape[0]):
-            for rows in _calls(a, 1):
+            for rows in _calls(a.shape[1], CHUNK):
                 torch.mm(a[j, rows], b[j], out=out[j, rows])
     else:
         torch.bmm(a, b, out=out)
