@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.report import Table, json_option, publish
+from bench.report import ROOT, Table, json_option, publish
 
 
 def _mode(name: str) -> dict:
@@ -105,12 +105,14 @@ def main() -> None:
             for mode in a.modes.split(","):
                 with tempfile.TemporaryDirectory() as tmp:
                     res = Path(tmp) / "r.json"
-                    cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--result",
-                           str(res), "--model", a.model, "--recipe", a.recipe, "--completions",
-                           str(n), "--tokens", str(tokens), "--group", str(a.group), "--steps",
-                           str(a.steps), "--lr", str(a.lr), "--seed", str(a.seed)]
+                    # -m from the repository's root: the worker imports `bench` as this does
+                    cmd = [sys.executable, "-m", "bench.memory", "--worker", "--mode", mode,
+                           "--result", str(res), "--model", a.model, "--recipe", a.recipe,
+                           "--completions", str(n), "--tokens", str(tokens), "--group",
+                           str(a.group), "--steps", str(a.steps), "--lr", str(a.lr), "--seed",
+                           str(a.seed)]
                     cmd += ["--chat-template"] if a.chat_template else []
-                    p = subprocess.run(cmd, capture_output=True, text=True)
+                    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                     # a cell that failed is reported as failed, not as a number
                     if p.returncode != 0:
                         why = (p.stderr.strip().splitlines() or ["?"])[-1][:80]

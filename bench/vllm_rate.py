@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from bench.report import Table, json_option, publish
+from bench.report import ROOT, Table, json_option, publish
 
 
 def measure(side: str, model: str, n: int, tokens: int, repeats: int) -> dict:
@@ -94,10 +94,11 @@ def main() -> None:
     for run in range(1, a.runs + 1):
         for side in ("vllm", "parity"):
             print(f"{side}, run {run} ...", flush=True)
-            out = subprocess.run([sys.executable, __file__, "--side", side, "--model", a.model,
+            out = subprocess.run([sys.executable, "-m", "bench.vllm_rate", "--side", side,
+                                  "--model", a.model,
                                   "--completions", str(a.completions), "--tokens",
                                   str(a.tokens), "--repeats", str(a.repeats), "--json", ""],
-                                 check=True, capture_output=True, text=True).stdout
+                                 check=True, capture_output=True, text=True, cwd=ROOT).stdout
             rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
     publish("vllm_rate", [table(rows, a)], a)
 

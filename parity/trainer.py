@@ -64,7 +64,13 @@ from parity.models.forward import (
     trimmed,
     widened,
 )
-from parity.models.precision import LossScaler, fp32_head, torch_dtype, trainer_precision
+from parity.models.precision import (
+    LossScaler,
+    backward_precision,
+    fp32_head,
+    torch_dtype,
+    trainer_precision,
+)
 from parity.objectives import (
     OBJECTIVES,
     Loss,
@@ -442,7 +448,8 @@ def _forward_backward(run: Run, data: StepData, idx: slice, mb: Rollout, first: 
             exact_kl.append(exact_kl_of_rows(data.rollout, sc.logits, kl_rows,
                                              piece.completion_mask[local], s))
         del sc  # its kept logits, freed before the backward
-        with run.dist.accumulating([run.policy, run.value], last=k == len(slices) - 1):
+        with run.dist.accumulating([run.policy, run.value], last=k == len(slices) - 1), \
+                backward_precision(cfg.trainer_dtype, cfg.kernels, run.model):
             run.scaler.backward(loss.total)
         done.append(_detached(batch, mb.completion_ids.shape[1]))
     if whole:

@@ -227,9 +227,11 @@ def test_a_step_whose_figures_are_not_zero_says_which_forwards_differ(capsys):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("extra", [(), ("--objective", "gspo", "--lora-rank", "4",
-                                        "--no-lora-merge"), ("--objective", "ppo-value",)],
-                         ids=["grpo", "gspo+lora", "ppo-value"])
+@pytest.mark.parametrize("extra", [
+    (), ("--objective", "gspo", "--lora-rank", "4", "--no-lora-merge"),
+    # every log-prob chunk and every layer recomputed in the backward
+    ("--objective", "ppo-value", "--logprob-chunk", "8", "--gradient-checkpointing")],
+                         ids=["grpo", "gspo+lora", "ppo-value+recomputed"])
 def test_a_bitwise_run_has_no_gap_at_any_step(tmp_path, text_model, extra):
     import json
 

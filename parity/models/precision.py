@@ -129,6 +129,18 @@ def trainer_precision(trainer_dtype: str, device: torch.device, cpu_fp16: str = 
     return autocast(trainer_dtype, device, cpu_fp16)
 
 
+def backward_precision(trainer_dtype: str, kernels: str = "default",
+                       model: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+    """Where the trainer's backward runs. With kernels=invariant, inside the engine's precision
+    again: what a checkpoint recomputes there (the chunked log-probs, gradient checkpointing's
+    layers) reads the parameters as their casts, as the forward did, not as the fp32 master.
+    Autocast needs nothing: a checkpoint restores autocast's state itself."""
+    if kernels == "invariant":
+        from parity.models import invariant  # its attention registers with transformers
+        return invariant.engine_precision(model, TORCH_DTYPES[trainer_dtype])
+    return contextlib.nullcontext()
+
+
 class LossScaler:
     """One optimizer step with overflow protection, whatever the precision.
 
