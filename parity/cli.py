@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from parity import metric_names as mn
+from parity import ui
 from parity.errors import ParityError
 from parity.files import cache_dir, ensure_writable, json_lines
 
@@ -109,13 +110,11 @@ def resume_config(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from parity import devices
     from parity.trainer import train
     cfg = resume_config(args) if args.resume else config_from_args(args)
     device = devices.resolve(cfg.device)  # a device this machine lacks: one line, no header
-    console = Console(stderr=True)
+    console = ui.console(stderr=True)
     # One line however long (soft_wrap): piped to a log, rich would break it at 80 columns.
     # Once the model is loaded and every check passed (the trainer's model hook): a refusal
     # while loading is then the only line printed.
@@ -149,7 +148,6 @@ def _stop_on_sigterm() -> None:
 
 
 def _summary(rows: list[dict], run, seconds: float) -> None:
-    from rich.console import Console
     from rich.table import Table
     first, last = rows[0], rows[-1]
     t = Table(title=f"{run}  ({len(rows)} steps, {seconds / 60:.1f} min)")
@@ -166,7 +164,7 @@ def _summary(rows: list[dict], run, seconds: float) -> None:
             pick = max if k == mn.REWARD_MEAN else min if k == mn.LEN_MEAN else None
             t.add_row(k, _fmt(first.get(k)), _fmt(last.get(k)),
                       _fmt(pick(seen)) if pick and seen else "")
-    Console().print(t)
+    ui.console().print(t)
 
 
 def _fmt(v: Any) -> str:
@@ -174,7 +172,6 @@ def _fmt(v: Any) -> str:
 
 
 def cmd_testbed(args: argparse.Namespace) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from parity import testbed
@@ -201,7 +198,7 @@ def cmd_testbed(args: argparse.Namespace) -> None:
             t.add_row(*("yes" if v is True else "" if v in (None, False) else str(v)
                         for v in r.values()))
         # Piped, rich would fit the table to 80 columns; a pipe has no width to fit.
-        Console(width=None if sys.stdout.isatty() else 1000).print(t)
+        ui.console(1000).print(t)
         return
     known = testbed.known_models()
     names = list(testbed.SPECS) if args.names == ["all"] else args.names
@@ -274,7 +271,6 @@ def cmd_recipes(args: argparse.Namespace) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from parity import ui
     from parity.config import FIELDS
     console = ui.console()
     for title, (head, rows) in (

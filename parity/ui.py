@@ -13,11 +13,12 @@ from typing import Any, Iterator
 _shown: list["Bar"] = []
 
 
-def console(width: int = 140) -> Any:
-    """A rich Console; piped output gets `width` columns instead of being squeezed to 80."""
+def console(width: int = 140, stderr: bool = False) -> Any:
+    """A rich Console on stdout (or `stderr`); piped output gets `width` columns instead of
+    being squeezed to 80."""
     from rich.console import Console
-    c = Console()
-    return c if c.is_terminal else Console(width=width)
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(width=width, stderr=stderr)
 
 
 class Bar:
