@@ -96,8 +96,8 @@ def padding() -> int:
 # another aten operator, whose kernel stays torch's own, so the override never calls itself.
 # Emulated, a bf16 product runs in fp32 and is rounded to bf16 once; other dtypes go the same
 # way into a fresh output, which is what the functional kernel does. Padded (the invariant
-# kernels: parity/models/invariant.py), the rows of `a` are made a multiple of the tile with
-# zero rows, and the result's own rows are returned.
+# kernels: parity/models/invariant.py), a product runs in calls of a fixed number of rows
+# (`_step`), the rows of `a` filled up with zero rows, and the result's own rows are returned.
 
 def _emulated(a: torch.Tensor) -> bool:
     return _emulate and a.dtype is _BF16

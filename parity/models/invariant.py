@@ -4,12 +4,11 @@ Three things make two forwards of the same weights differ on a CPU, and each has
 
 - A matrix product's rows depend on how many rows it has: the BLAS takes another kernel, so
   another order of the sums, for a few rows than for many (`python -m bench.row_invariance`).
-  A decode step multiplies B rows, the trainer B x T.
-  Padded to a multiple of `TILE` rows, every product takes the many-rows kernel
-  (parity/cpu_bf16.py installs the padding with its overrides of aten's products). Where
-  that is not enough (oneDNN's native bf16 kernels on a CPU with AMX pick their blocking by
-  the row count at any multiple), a low-precision product runs as calls of `cpu_bf16.CHUNK`
-  rows, one matrix at a time: every call has one shape, whatever the batch.
+  A decode step multiplies B rows, the trainer B x T. Every matrix product runs as calls of
+  `cpu_bf16.CHUNK` rows, zero rows filling the last, so every call has one shape whatever
+  the batch (a bf16 batched product one matrix at a time; an fp32 one, attention's, as one
+  call padded to `TILE` rows): parity/cpu_bf16.py installs this with its overrides of aten's
+  products.
 - Attention sums over the keys, and the engine's decode has t + 1 keys where the trainer's
   forward has the whole sequence, laid out with other padding. `invariant_attention` sums in
   fixed blocks of `BLOCK` keys counted from each row's first token, the blocks one after the
@@ -39,7 +38,7 @@ from parity import cpu_bf16
 from parity.errors import ParityError
 from parity.models.attention import ENGINE_ATTENTION
 
-TILE = 16     # a product's rows, padded to a multiple of this
+TILE = 16     # an fp32 batched product's rows, padded to a multiple of this
 BLOCK = 64    # keys summed together in attention
 QUERIES = 256  # queries whose scores are computed together
 INVARIANT_ATTENTION = "parity_invariant"
@@ -127,7 +126,8 @@ AttentionMaskInterface.register(INVARIANT_ATTENTION, eager_mask)
 
 def use(model: torch.nn.Module) -> None:
     """The invariant kernels for `model` and every copy made of it (the engine's, the
-    shadow's): its attention, and every CPU product in this process padded to TILE rows."""
+    shadow's): its attention, and every CPU product in this process run invariantly
+    (parity/cpu_bf16.py)."""
     model.set_attn_implementation(INVARIANT_ATTENTION)
     cpu_bf16.pad_rows(TILE)
 
