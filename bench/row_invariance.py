@@ -69,7 +69,7 @@ def table() -> Table:
               f"gives any row other bits than the whole batch does (m matrices for bmm); "
               f"invariant: kernels=invariant's products (calls of {cpu_bf16.CHUNK} rows; a "
               f"native bf16 batch a matrix at a time, an fp32 one padded to "
-              f"{invariant.TILE} rows)",
+              f"{invariant.TILE} rows where the CPU has bf16 instructions)",
               [("op", None), ("dtype", None), ("width", "{}"), ("threads", "{}"),
                ("own kernels", None), ("invariant", None)])
     threads = torch.get_num_threads()

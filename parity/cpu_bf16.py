@@ -55,6 +55,7 @@ CHUNK = 128   # rows of each kernel call of a padded matrix product
 _library: torch.library.Library | None = None
 _emulate = False
 _tile = 0
+_batched_one_call = True   # an fp32 batched product padded to the tile holds: set with the tile
 
 
 def has_bf16_instructions() -> bool:
@@ -110,8 +111,10 @@ def _step(a: torch.Tensor, batched: bool) -> int:
     with AMX; MKL's fp32 ones over two threads at K 1536: `python -m bench.row_invariance`).
     A native low-precision batched product likewise, one matrix at a time, since its kernel
     picks by the batch count too. An fp32 batched product (attention's scores and weighted
-    sums, K a head's width) is one call padded to the tile, which that bench finds holds."""
-    if not batched or (a.dtype in _LOW and not _emulated(a)):
+    sums, K a head's width) is one call padded to the tile where the CPU has bf16
+    instructions, which that bench finds holds there; with AVX2's kernels it does not (31 and
+    32 rows of 64 differ), so there it too runs a matrix at a time."""
+    if not batched or (a.dtype in _LOW and not _emulated(a)) or not _batched_one_call:
         return CHUNK
     return _tile
 
@@ -197,8 +200,9 @@ _OVERRIDES = {"mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm}
 
 def _set(emulate: bool, tile: int) -> None:
     """Install the overrides where either is asked for, remove them where neither is."""
-    global _library, _emulate, _tile
+    global _library, _emulate, _tile, _batched_one_call
     _emulate, _tile = emulate, tile
+    _batched_one_call = has_bf16_instructions()
     if (emulate or tile) and _library is None:
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # torch warns that a kernel is overridden: the point
