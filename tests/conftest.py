@@ -128,9 +128,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """A test worker of `pytest -n N` takes its share of the cores for torch's threads: N
+    """wandb's own off switch for every run the suite starts, in its processes and theirs:
+    `report_to=auto` then leaves wandb out (1.5-2.5 s a run; tests/test_loggers.py asks for it
+    by name). A test worker of `pytest -n N` takes its share of the cores for torch's threads: N
     workers at torch's default (every core) would oversubscribe them, and idle OpenMP threads
     spin, so two workers would take twice the CPU time for the same wall time."""
+    os.environ.setdefault("WANDB_MODE", "disabled")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         import torch

@@ -90,6 +90,24 @@ def test_backends_log_the_jsonl_numbers(tmp_path, text_model, capfd):
         assert_same(history, rows, rel=1e-12)
 
 
+@needs_wandb
+def test_auto_leaves_out_wandb_under_its_own_off_switch_and_a_named_wandb_still_logs(
+        tmp_path, text_model, monkeypatch):
+    """`WANDB_MODE=disabled` (wandb's switch; the suite sets it, tests/conftest.py): `auto`
+    takes TensorBoard alone and does not import wandb; `--report-to wandb` still logs."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    auto, named = tmp_path / "auto", tmp_path / "named"
+    assert main(["train", *RUN, "--steps", "1", "--report-to", "auto", "--out", str(auto)]) == 0
+    assert (auto / "tensorboard").is_dir() and not (auto / "wandb").exists()
+    assert main(["train", *RUN, "--steps", "1", "--report-to", "wandb", "--out", str(named)]) == 0
+    [(_, _, history)] = wandb_segments(named)
+    assert_same(history, jsonl(named), rel=1e-12)
+    monkeypatch.delenv("WANDB_MODE")
+    assert main(["train", *RUN, "--steps", "1", "--report-to", "auto",
+                 "--out", str(tmp_path / "on")]) == 0
+    assert (tmp_path / "on" / "wandb").is_dir()
+
+
 def test_resume_logs_each_step_once(tmp_path, text_model):
     """A run that stopped after step 6's metrics but before its checkpoint resumes from step 4:
     the backends drop 5 and 6 with metrics.jsonl and hold the recomputed ones (whose timings

@@ -297,7 +297,7 @@ class Config:
     progress: bool = _f(True, "Show a progress bar.")
     report_to: str = _f("auto", "Metric backends besides metrics.jsonl (always written), "
                         "comma-separated: `tensorboard`, `wandb` (offline mode); `auto`: each one "
-                        "that is installed; `none`.")
+                        "that is installed (wandb not under WANDB_MODE=disabled); `none`.")
 
     def validate(self) -> "Config":
         """Refuse bad settings before any work starts, with one line naming the field: every

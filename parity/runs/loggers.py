@@ -49,6 +49,13 @@ def _import(name: str) -> Any:
     return SummaryWriter
 
 
+def _switched_off(name: str) -> bool:
+    """`WANDB_MODE=disabled`, wandb's own switch, keeps `auto` from taking wandb: a user who set
+    it expects no W&B run, and importing wandb and starting wandb-core costs 1.5-2.5 s a run
+    (a sweep of short runs pays it per run). Asked for by name, wandb still logs, offline."""
+    return name == "wandb" and os.environ.get("WANDB_MODE", "").strip().lower() == "disabled"
+
+
 def check_backends(report_to: str) -> list[str]:
     """The backends `report_to` selects (names already validated by Config). A named one that does
     not import is a ParityError; `auto` takes each one that imports. Call it before writing
@@ -56,7 +63,7 @@ def check_backends(report_to: str) -> list[str]:
     names = {n.strip() for n in report_to.split(",")}
     chosen = []
     for b in BACKENDS:
-        if b not in names and "auto" not in names:
+        if b not in names and ("auto" not in names or _switched_off(b)):
             continue
         try:
             _import(b)
