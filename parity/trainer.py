@@ -32,11 +32,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 from parity import cpu_bf16, devices
 from parity import metric_names as mn
@@ -746,6 +741,11 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module, st
                           f"state FSDP cannot load: resume it with one process, as it was "
                           f"started")
     else:
+        # start-up time: only FSDP needs torch's distributed checkpointing (save, below)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
         set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
 
 
@@ -755,6 +755,12 @@ def save(run: Run, step: int) -> None:
     """Called on every rank: under FSDP each gathers its shards first; rank 0 writes."""
     model_state = opt_state = None
     if run.fsdp:
+        # Imported here: torch's distributed checkpointing takes 1.4 s to import, which every
+        # run would pay at start-up, and only FSDP needs it.
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
         model_state = {k: full_tensor(v) for k, v in run.model.state_dict().items()}
         opt_state = get_optimizer_state_dict(run.model, run.opt, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))

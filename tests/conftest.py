@@ -5,11 +5,19 @@ test's time limit scaled to the host (tests/budgets.py)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from budgets import REFERENCE_S, SCALE_ENV, pinned_scale, scale_of, time_reference
+
+# pytest rewrites each test module's asserts on import and keeps the result as bytecode beside
+# it. Where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE, set on some
+# shared hosts), it rewrites all of them on every run: 15 s of the fast tier's 22 s of
+# collection on 2 cores. The cache is the checkout's own (__pycache__ is git-ignored), so the
+# suite writes it regardless; the test runs it starts read it.
+sys.dont_write_bytecode = False
 
 # tests/test_tiers.py and tests/test_budgets.py run pytest on made-up test files to check the
 # tier rule and the budgets below.
@@ -99,11 +107,15 @@ def unmarked_e2e(items) -> list[str]:
             and item.get_closest_marker("e2e") is None]
 
 
+def fast_tier(config) -> bool:
+    return config.getoption("markexpr", "") == "not e2e"
+
+
 def pytest_ignore_collect(collection_path, config):
     """The fast tier (`-m "not e2e"`) does not even import a test module marked e2e as a whole
     (`pytestmark = ...e2e...`): none of its tests would run, and importing TRL, vLLM or verl for
     them costs the tier more time than its own tests take."""
-    if (config.getoption("markexpr", "") == "not e2e" and collection_path.suffix == ".py"
+    if (fast_tier(config) and collection_path.suffix == ".py"
             and collection_path.name.startswith("test_")
             and any(line.startswith("pytestmark") and "e2e" in line
                     for line in collection_path.read_text().splitlines())):
@@ -134,6 +146,12 @@ def pytest_configure(config):
     workers at torch's default (every core) would oversubscribe them, and idle OpenMP threads
     spin, so two workers would take twice the CPU time for the same wall time."""
     os.environ.setdefault("WANDB_MODE", "disabled")
+    if fast_tier(config) and config.getoption("dist", None) == "loadfile" and not any(
+            a.startswith("--dist") for a in config.invocation_params.args):
+        # pyproject.toml keeps a file's tests on one worker for its module fixtures (engines,
+        # servers); the fast tier has none, and one file's tests on one worker left the other
+        # idle for a third of its time.
+        config.option.dist = "load"
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         import torch

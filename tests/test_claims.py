@@ -424,7 +424,8 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, gpt2_model, moe
                             scale_models=["text-xs", "text-gpt2-xs"], sweep_model="text-gpt2-xs",
                             seeds=[0], steps=3, small_lr_steps=2, arith_steps=2, arith_seeds=[0],
                             arith_recipes=STALL_RECIPES + ["tis", "seq-mis"],
-                            arith_model="arith-xs", async_seeds=[0], drivers=True,
+                            arith_model="arith-xs", async_seeds=[0],
+                            async_recipes=["fp32", "bf16-engine", "tis"], drivers=True,
                             long_tokens=32, horizon_steps=3)
     res = reproduce(plan, tmp_path / "r", workers=2, progress=False)
     assert [c["id"] for c in res["claims"]] == ["1a", "1b", "1c", "2a", "2b", "3", "3-arith",
@@ -437,6 +438,7 @@ def test_quick_reproduction_on_test_models(tmp_path, text_model, gpt2_model, moe
         f"sweeps/arith/runs/{name}") for name, r in long["runs"].items())
     asy = json.loads((tmp_path / "r" / "sweeps" / "arith-async" / "summary.json").read_text())
     assert all(r["ok"] for r in asy["runs"].values())   # the asynchronous engine really ran
+    assert sorted(r["recipe"] for r in asy["runs"].values()) == ["bf16-engine", "fp32", "tis"]
     # claim 10's position axis from the long audit's own tokens
     drivers = json.loads((tmp_path / "r" / "drivers.json").read_text())
     from parity.experiments.reproduce import beta_by_position

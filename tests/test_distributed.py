@@ -248,8 +248,13 @@ def test_fsdp_scoring_in_chunks_gives_the_whole_logits_step(text_model, tmp_path
 def test_two_ranks_bf16_engine_first_step_matches(text_model, tmp_path, one_process):
     """The default recipe: the first step's rollout, rewards, α/β split and clip attribution
     across two ranks equal one process's. (After an update, fp32 sums in another order can move
-    a master weight across a bf16 rounding boundary, and the runs part within a few steps.)"""
-    cfg = COMMON + ["--steps", "1", "--max-new-tokens", "12"]
+    a master weight across a bf16 rounding boundary, and the runs part within a few steps.)
+    The one process decodes and trains in each rank's shapes (4 prompts a rollout call, 32
+    completions a forward): a bf16 product's bits can depend on how many rows it holds (with
+    fp32 kernels emulating bf16 on a CPU without bf16 instructions, ℓ_μ of the whole batch in
+    one call was 2.3e-4 from the ranks' halves), and the bound is for the order of sums."""
+    cfg = COMMON + ["--steps", "1", "--max-new-tokens", "12", "--rollout-batch", "4",
+                    "--micro-batch", "32"]
     one = one_process(cfg)
     two = parity(["train", *cfg, "--out", str(tmp_path / "two")], TORCHRUN)
     assert two.returncode == 0, two.stderr[-3000:]

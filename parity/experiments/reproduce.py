@@ -82,6 +82,8 @@ class ReproductionPlan:
     algorithms: list[str] = field(default_factory=list)
     algorithm_seeds: list[int] = field(default_factory=list)
     async_seeds: list[int] = field(default_factory=list)   # claim 3-async; [] skips it
+    # its recipes: fp32, bf16-engine and any of the fixes (claims.async_stall_and_fixes)
+    async_recipes: list[str] = field(default_factory=lambda: list(ASYNC_RECIPES))
     lora_seeds: list[int] = field(default_factory=list)    # claim 11 (LoRA); [] skips it
     # claim 3-scored: bf16-shadow with the shadow the engine scores itself; [] skips it
     scored_seeds: list[int] = field(default_factory=list)
@@ -350,7 +352,7 @@ def _arith(plan: ReproductionPlan, out: Path, workers: int, progress: bool, stag
                                        **_token_clip(obj, eps)}, workers, progress)
     if plan.async_seeds:
         with stage("arith async sweep"):
-            sw["async"] = _sweep(plan, out / "sweeps" / "arith-async", ASYNC_RECIPES,
+            sw["async"] = _sweep(plan, out / "sweeps" / "arith-async", plan.async_recipes,
                                  plan.async_seeds, "arith", plan.arith_model, {**clip, **ASYNC},
                                  workers, progress)
     if plan.lora_seeds:
@@ -579,8 +581,8 @@ def _sweeps_said(plan: ReproductionPlan) -> list[str]:
         sweeps.append(f"arith {', '.join(HORIZON_RECIPES)} trained on to {plan.horizon_steps} "
                       f"steps (claim 5b-arith)")
     if plan.arith_steps and plan.async_seeds:
-        sweeps.append(f"arith asynchronous ({ASYNC_SETTING}; {', '.join(ASYNC_RECIPES)}; seeds "
-                      f"{plan.async_seeds})")
+        sweeps.append(f"arith asynchronous ({ASYNC_SETTING}; {', '.join(plan.async_recipes)}; "
+                      f"seeds {plan.async_seeds})")
     if plan.arith_steps and plan.scored_seeds:
         sweeps.append(f"arith bf16-shadow with the shadow the engine scores itself "
                       f"(`--shadow-kernels scored`; seeds {plan.scored_seeds})")
