@@ -741,7 +741,8 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module, st
                           f"state FSDP cannot load: resume it with one process, as it was "
                           f"started")
     else:
-        # start-up time: only FSDP needs torch's distributed checkpointing (save, below)
+        # start-up time: torch's distributed checkpointing takes over a second to import
+        # (python -X importtime -c "import parity.trainer"), and only FSDP needs it
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
@@ -755,8 +756,7 @@ def save(run: Run, step: int) -> None:
     """Called on every rank: under FSDP each gathers its shards first; rank 0 writes."""
     model_state = opt_state = None
     if run.fsdp:
-        # Imported here: torch's distributed checkpointing takes 1.4 s to import, which every
-        # run would pay at start-up, and only FSDP needs it.
+        # start-up time, as in _load_optimizer_state
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,

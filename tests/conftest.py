@@ -14,9 +14,9 @@ from budgets import REFERENCE_S, SCALE_ENV, pinned_scale, scale_of, time_referen
 
 # pytest rewrites each test module's asserts on import and keeps the result as bytecode beside
 # it. Where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE, set on some
-# shared hosts), it rewrites all of them on every run: 15 s of the fast tier's 22 s of
-# collection on 2 cores. The cache is the checkout's own (__pycache__ is git-ignored), so the
-# suite writes it regardless; the test runs it starts read it.
+# shared hosts), it rewrites all of them on every run (CONTRIBUTING.md, "Test time", gives the
+# collection's time with and without). The cache is the checkout's own (__pycache__ is
+# git-ignored), so the suite writes it regardless; the test runs it starts read it.
 sys.dont_write_bytecode = False
 
 # tests/test_tiers.py and tests/test_budgets.py run pytest on made-up test files to check the
@@ -149,8 +149,8 @@ def pytest_configure(config):
     if fast_tier(config) and config.getoption("dist", None) == "loadfile" and not any(
             a.startswith("--dist") for a in config.invocation_params.args):
         # pyproject.toml keeps a file's tests on one worker for its module fixtures (engines,
-        # servers); the fast tier has none, and one file's tests on one worker left the other
-        # idle for a third of its time.
+        # servers); the fast tier has none, and a file's tests on one worker kept the other
+        # idle (CONTRIBUTING.md, "Test time").
         config.option.dist = "load"
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:

@@ -50,10 +50,10 @@ def _import(name: str) -> Any:
 
 
 def _switched_off(name: str) -> bool:
-    """`WANDB_MODE=disabled`, wandb's own switch, keeps `auto` from taking wandb: a user who set
-    it expects no W&B run, and importing wandb and starting wandb-core costs 1.5-2.5 s a run
-    (a sweep of short runs pays it per run). Asked for by name, wandb still logs, offline."""
-    return name == "wandb" and os.environ.get("WANDB_MODE", "").strip().lower() == "disabled"
+    """Whether the backend's own off switch (its class's OFF: an environment variable and the
+    value that turns it off) keeps `auto` from taking it. Asked for by name, it still logs."""
+    off = _OPEN[name].OFF
+    return off is not None and os.environ.get(off[0], "").strip().lower() == off[1]
 
 
 def check_backends(report_to: str) -> list[str]:
@@ -84,6 +84,8 @@ def _is_number(v: Any) -> bool:
 
 
 class _TensorBoard:
+    OFF = None
+
     def __init__(self, run: Path, config: dict[str, Any], resume_step: int | None):
         SummaryWriter = _import("tensorboard")
         # purge_step: readers drop the earlier events from this step on, as resume truncates
@@ -102,6 +104,10 @@ class _TensorBoard:
 
 class _WandB:
     ID_FILE = "wandb-id"
+    # wandb's own switch: a user who set it expects no W&B run, and importing wandb and starting
+    # wandb-core costs seconds a run, which a sweep of short runs pays per run
+    # (docs/performance.md, "report_to=auto and wandb").
+    OFF = ("WANDB_MODE", "disabled")
 
     def __init__(self, run: Path, config: dict[str, Any], resume_step: int | None):
         wandb = _import("wandb")
