@@ -36,6 +36,12 @@ E2E_FIXTURES = frozenset({"text_model", "arith_model", "gpt2_model", "moe_model"
 # Both are seconds on the machine the budgets were set on; tests/budgets.py scales them to this
 # host.
 DEFAULT_BUDGET_S = 30.0
+# A call fails only past this many times its scaled budget; between 1 and this it is listed at
+# the end. On two workers a call shares the 2 cores with whatever the other worker runs, and
+# between two idle CI runs on one host a test's time differed by up to 2.36 times
+# (scripts/call_spread.py; CONTRIBUTING.md, "Test time"): a tighter line fails a landing on
+# which test happened to run beside which, and this one still fails a test that doubled.
+TOLERANCE = 2.0
 SCALE = pytest.StashKey[tuple]()
 
 
@@ -79,24 +85,35 @@ def budget_scale(config) -> str:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under --budget a passing call over its budget times the host's scale is reported failed,
-    so a budget is raised on purpose and not by drift."""
+    """Under --budget a passing call over TOLERANCE times its budget times the host's scale is
+    reported failed, so a budget is raised on purpose and not by drift; one over its scaled
+    budget but within that is listed at the end of the run."""
     report = (yield).get_result()
     if not (call.when == "call" and report.passed and SCALE in item.config.stash
             and "slow" not in item.keywords):
         return
     scale, _ = item.config.stash[SCALE]
-    if report.duration > budget_s(item) * scale:
+    limit = budget_s(item) * scale
+    if report.duration > TOLERANCE * limit:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s, over its budget of "
-                           f"{budget_s(item):g} s × {budget_scale(item.config)} = "
-                           f"{budget_s(item) * scale:.1f} s: make it faster, or raise the "
-                           f"budget on purpose (@pytest.mark.budget and CONTRIBUTING.md's table)")
+        report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s, over {TOLERANCE:g} "
+                           f"times its budget of {budget_s(item):g} s × "
+                           f"{budget_scale(item.config)} = {limit:.1f} s: make it faster, or "
+                           f"raise the budget on purpose (@pytest.mark.budget and "
+                           f"CONTRIBUTING.md's table)")
+    elif report.duration > limit:   # on the report, which xdist carries back from its worker
+        report.user_properties.append(("over_budget", f"{report.duration:.1f} s against "
+                                                      f"{limit:.1f} s"))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if SCALE in config.stash:
         terminalreporter.write_line(f"budgets: {budget_scale(config)}")
+        for report in terminalreporter.stats.get("passed", []):
+            for key, value in report.user_properties:
+                if key == "over_budget":
+                    terminalreporter.write_line(f"over budget, within {TOLERANCE:g} times it: "
+                                                f"{report.nodeid} {value}")
 
 
 def unmarked_e2e(items) -> list[str]:

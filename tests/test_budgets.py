@@ -1,4 +1,5 @@
-"""`pytest --budget` fails a test over its budget times the host's scale, and only there: the
+"""`pytest --budget` fails a test over twice its budget times the host's scale and lists one
+over its scaled budget, and only there: the
 scale is how much slower than the budgets' machine this host runs the reference workload
 (tests/budgets.py), or what PARITY_BUDGET_SCALE pins it to."""
 
@@ -13,7 +14,9 @@ import pytest
 import budgets
 
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
-INI = "[pytest]\nmarkers =\n    e2e: end to end\n    slow: long\n    budget(seconds): budget\n"
+# pythonpath: the inner conftest imports tests/budgets.py, in xdist's workers too
+INI = ("[pytest]\nmarkers =\n    e2e: end to end\n    slow: long\n    budget(seconds): budget\n"
+       f"pythonpath = {Path(__file__).parent}\n")
 
 
 def test_the_scale_is_how_much_slower_the_host_is_and_never_below_one():
@@ -60,8 +63,7 @@ def _inner(pytester, monkeypatch, default_budget_s=None):
     pytester.makeini(INI)
 
 
-def test_a_test_fails_over_its_budget_times_the_scale_and_only_under_budget(pytester,
-                                                                             monkeypatch):
+def test_a_test_fails_past_twice_its_scaled_budget_and_only_under_budget(pytester, monkeypatch):
     _inner(pytester, monkeypatch, default_budget_s=0.03)
     pytester.makepyfile(test_times="""
         import time
@@ -69,34 +71,40 @@ def test_a_test_fails_over_its_budget_times_the_scale_and_only_under_budget(pyte
 
         @pytest.fixture
         def slow_setup():
-            time.sleep(0.2)   # set-up is not the test's own call
+            time.sleep(0.4)   # set-up is not the test's own call
 
         def test_over():
-            time.sleep(0.25)
+            time.sleep(0.4)   # over twice the scaled budget of 0.15 s
+
+        def test_listed():
+            time.sleep(0.2)   # over the scaled budget, within twice it
 
         def test_within_the_scaled_budget(slow_setup):
             time.sleep(0.06)   # twice the budget, within 5 times it
 
         @pytest.mark.budget(5)
         def test_raised():
-            time.sleep(0.2)
+            time.sleep(0.4)
 
         @pytest.mark.slow
         def test_slow_ones_are_not_budgeted():
-            time.sleep(0.2)
+            time.sleep(0.4)
         """)
     monkeypatch.setenv("PARITY_BUDGET_SCALE", "5")
-    r = pytester.runpytest("--budget", "--runslow", "-q")
-    r.assert_outcomes(passed=3, failed=1)
-    out = r.stdout.str()
-    assert re.search(r"test_over took 0\.\d s, over its budget of 0\.03 s × scale 5\.00 "
-                     r"\(pinned by PARITY_BUDGET_SCALE\) = 0\.1 s", out), out
-    assert "budgets: scale 5.00 (pinned by PARITY_BUDGET_SCALE)" in out, out
+    for workers in ([], ["-p", "xdist", "-n", "2"]):   # CI's two workers report back the same
+        r = pytester.runpytest("--budget", "--runslow", "-q", *workers)
+        r.assert_outcomes(passed=4, failed=1)
+        out = r.stdout.str()
+        assert re.search(r"test_over took 0\.\d s, over 2 times its budget of 0\.03 s × scale "
+                         r"5\.00 \(pinned by PARITY_BUDGET_SCALE\) = 0\.1 s", out), out
+        assert "budgets: scale 5.00 (pinned by PARITY_BUDGET_SCALE)" in out, out
+        listed = re.findall(r"over budget, within 2 times it: (\S+) 0\.\d s against 0\.1 s", out)
+        assert listed == ["test_times.py::test_listed"], out
 
     monkeypatch.setenv("PARITY_BUDGET_SCALE", "1")   # the scale is what let it pass
     r = pytester.runpytest("--budget", "-q", "-k", "within")
     r.assert_outcomes(failed=1)
-    assert "over its budget of 0.03 s × scale 1.00" in r.stdout.str()
+    assert "over 2 times its budget of 0.03 s × scale 1.00" in r.stdout.str()
 
     r = pytester.runpytest("-q", "-k", "over")
     r.assert_outcomes(passed=1)
