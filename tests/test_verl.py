@@ -211,6 +211,21 @@ def test_a_batch_without_rollout_log_probs_says_once_which_setting_gives_them(ca
     assert "actor_rollout_ref.rollout.calculate_log_probs=True" in warned[0]
 
 
+@needs_verl
+def test_a_mixture_of_experts_batch_gets_the_dense_figures_and_one_line_why_no_routing(caplog):
+    dense = step_figures(_batch(), RunSettings())
+    batch, run = _batch(), RunSettings()
+    rows, t = batch.batch["response_mask"].shape
+    # as verl holds it: [batch, prompt + response, layers, top_k]
+    batch.batch["routed_experts"] = torch.randint(0, 8, (rows, 4 + t, 2, 2), dtype=torch.int16)
+    with caplog.at_level(logging.WARNING, logger="parity.integrations.verl"):
+        assert step_figures(batch, run) == dense and step_figures(batch, run) == dense
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "one side's routing" in warned[0], warned
+    assert "no routing/ figures" in warned[0] and "docs/moe.md" in warned[0]
+    assert not any(k.startswith("parity/routing/") for k in dense) and dense
+
+
 _VERL_FUNCTIONS = r"""
 import json, sys
 import torch

@@ -74,6 +74,7 @@ class RunSettings:
     bypass: bool = False
     verl_corrects: bool = False      # verl's rollout correction runs, logging rollout_corr/*
     said_no_mu: bool = False         # the line on a batch without the engine's log-probs
+    said_routing: bool = False       # the line on a mixture of experts' batch
     left_out: LeftOutTally = field(default_factory=lambda: LeftOutTally("verl's batch"))
 
 
@@ -81,6 +82,13 @@ RUN = RunSettings()
 NO_MU = ("parity: verl's batch has no rollout_log_probs, the engine's log-probs every figure "
          "is measured against, so parity logs none: set actor_rollout_ref.rollout."
          "calculate_log_probs=True (docs/verl.md)")
+
+# verl refuses router_replay R2 together with the rollout's routing (ray_trainer.py), so its
+# batch holds one side's experts, and the routing gap needs both (docs/moe.md).
+ONE_SIDES_ROUTING = ("parity: verl's batch carries routed_experts, one side's routing (the "
+                     "rollout's under router_replay R3, the actor's under R2) and never both, so "
+                     "parity logs the dense figures and no routing/ figures; under R3 the "
+                     "actor's old_log_probs already route as the rollout did (docs/moe.md)")
 
 
 def _warn(message: str) -> None:
@@ -100,6 +108,9 @@ def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
             run.said_no_mu = True
             logger.warning(NO_MU)
         return {}
+    if "routed_experts" in b.keys() and not run.said_routing:
+        run.said_routing = True
+        logger.warning(ONE_SIDES_ROUTING)
     mask = b["response_mask"].double()
     mask, (old, mu), left_out = usable_tokens(mask, b["old_log_probs"].double(),
                                               b["rollout_log_probs"].double())
