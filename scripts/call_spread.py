@@ -7,7 +7,9 @@ the figure behind `pytest --budget`'s tolerance (tests/conftest.py, TOLERANCE; C
 
 For each test in both files that took at least --min-s seconds in each, the ratio of its longer
 time to its shorter; it prints their count, median, 90th and 95th percentiles and largest, then
-the tests with the largest ratios.
+the tests with the largest ratios. A JUnit time holds the test's set-up too, and a shared engine
+or server starts in whichever test of a worker asks first, which can be another test in the
+other run: the spread of the calls alone, which the budgets time, is at most this.
 """
 
 from __future__ import annotations
