@@ -48,10 +48,11 @@ SCALE = pytest.StashKey[tuple]()
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the long end-to-end runs")
     parser.addoption("--budget", action="store_true",
-                     help=f"fail a test (not marked slow) whose call takes longer than its "
-                          f"budget ({DEFAULT_BUDGET_S:g} s, or @pytest.mark.budget(seconds)) "
-                          f"times how much slower than the budgets' machine this host runs a "
-                          f"reference workload ({SCALE_ENV} pins it)")
+                     help=f"fail a test (not marked slow) whose call takes longer than "
+                          f"{TOLERANCE:g} times its budget ({DEFAULT_BUDGET_S:g} s, or "
+                          f"@pytest.mark.budget(seconds)) times how much slower than the "
+                          f"budgets' machine this host runs a reference workload ({SCALE_ENV} "
+                          f"pins it), and list at the end those over their scaled budget")
 
 
 def budget_s(item) -> float:
