@@ -94,11 +94,12 @@ def pytest_runtest_makereport(item, call):
             and "slow" not in item.keywords):
         return
     scale, _ = item.config.stash[SCALE]
-    limit = budget_s(item) * scale
+    budget = budget_s(item)
+    limit = budget * scale
     if report.duration > TOLERANCE * limit:
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s, over {TOLERANCE:g} "
-                           f"times its budget of {budget_s(item):g} s × "
+                           f"times its budget of {budget:g} s × "
                            f"{budget_scale(item.config)} = {limit:.1f} s: make it faster, or "
                            f"raise the budget on purpose (@pytest.mark.budget and "
                            f"CONTRIBUTING.md's table)")

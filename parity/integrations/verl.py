@@ -73,8 +73,7 @@ class RunSettings:
     clip: str | None = "token"       # CLIP_OF_LOSS's value; None: the loss does not clip
     bypass: bool = False
     verl_corrects: bool = False      # verl's rollout correction runs, logging rollout_corr/*
-    said_no_mu: bool = False         # the line on a batch without the engine's log-probs
-    said_routing: bool = False       # the line on a mixture of experts' batch
+    said: set[str] = field(default_factory=set)   # the once-a-run lines already said
     left_out: LeftOutTally = field(default_factory=lambda: LeftOutTally("verl's batch"))
 
 
@@ -95,6 +94,12 @@ def _warn(message: str) -> None:
     logger.warning("parity: %s", message)
 
 
+def _say_once(run: RunSettings, line: str) -> None:
+    if line not in run.said:
+        run.said.add(line)
+        logger.warning(line)
+
+
 def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
     """parity's figures of one verl batch (a DataProto after `compute_advantage`), under
     parity's metric names with PREFIX; empty where the batch cannot give them. A log-prob
@@ -104,13 +109,10 @@ def step_figures(batch: Any, run: RunSettings) -> dict[str, float]:
     if run.bypass or "old_log_probs" not in b.keys():
         return {}
     if "rollout_log_probs" not in b.keys():
-        if not run.said_no_mu:
-            run.said_no_mu = True
-            logger.warning(NO_MU)
+        _say_once(run, NO_MU)
         return {}
-    if "routed_experts" in b.keys() and not run.said_routing:
-        run.said_routing = True
-        logger.warning(ONE_SIDES_ROUTING)
+    if "routed_experts" in b.keys():
+        _say_once(run, ONE_SIDES_ROUTING)
     mask = b["response_mask"].double()
     mask, (old, mu), left_out = usable_tokens(mask, b["old_log_probs"].double(),
                                               b["rollout_log_probs"].double())
