@@ -175,6 +175,13 @@ def pytest_configure(config):
     if workers > 1:
         import torch
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    # The bf16 products every parity command runs here (devices.resolve installs them): on a
+    # CPU without bf16 instructions, emulated. Otherwise a test's kernels would depend on
+    # whether a run in the same worker had resolved a device before it, and a library-level
+    # test there would run torch's native bf16 products, 7-50x slower than fp32's
+    # (docs/performance.md).
+    from parity import cpu_bf16
+    cpu_bf16.install()
 
 
 @pytest.fixture(autouse=True)
