@@ -224,6 +224,12 @@ def install(value: str | None = None) -> bool:
     return active()
 
 
+def install_for(device: torch.device) -> bool:
+    """`install` for work whose products run on `device`: on the CPU only (a trainer that
+    resolves its device itself, as TRL's do through accelerate)."""
+    return device.type == "cpu" and install()
+
+
 def pad_rows(tile: int) -> None:
     """Pad every CPU product's rows to a multiple of `tile` in this process (0: stop)."""
     _set(_emulate, tile)

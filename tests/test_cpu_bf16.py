@@ -222,3 +222,16 @@ def test_a_run_with_emulated_bf16_gives_the_native_runs_figures(tmp_path, text_m
         assert emulated[KL_K3] == pytest.approx(native[KL_K3], rel=0.3)
         # the shadow's gap to the engine stays fp32 rounding's (1e-7 measured), not bf16's
         assert emulated[KERNEL_GAP_ABS_MEAN] < 1e-5 and native[KERNEL_GAP_ABS_MEAN] < 1e-5
+
+
+def test_a_trainer_on_the_cpu_installs_the_products_a_command_runs_there(monkeypatch):
+    """`install_for`, which TRL's trainers call with accelerate's device: on the CPU, what
+    `PARITY_CPU_BF16` asks (here forced each way); on any other device, nothing."""
+    for setting, emulated in (("emulate", True), ("native", False)):
+        monkeypatch.setenv(cpu_bf16.ENV, setting)
+        with cpu_bf16.kernels(emulate=False):
+            assert cpu_bf16.install_for(torch.device("cpu")) is emulated
+            assert cpu_bf16.active() is emulated
+    monkeypatch.setenv(cpu_bf16.ENV, "emulate")
+    with cpu_bf16.kernels(emulate=False):
+        assert cpu_bf16.install_for(torch.device("meta")) is False and not cpu_bf16.active()

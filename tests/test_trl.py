@@ -577,3 +577,15 @@ def test_a_row_of_positive_engine_log_probs_is_left_out_counted_and_named_once(c
         f"parity: {T} token log-probs from the engine (l_mu) or the trainer's forwards are "
         "positive, up to 9: these look like logits, not log-probs (a log-prob is <= 0), and are "
         "left out of every figure (counted in mismatch/positive_tokens)"]
+
+
+def test_on_the_cpu_the_trainer_runs_the_bf16_products_parity_train_runs(text_model, tmp_path,
+                                                                         monkeypatch):
+    """On a CPU without bf16 instructions a TRL user gets parity's emulated bf16 products, as
+    `parity train` there (docs/performance.md); PARITY_CPU_BF16 forces each path here."""
+    from parity import cpu_bf16
+    for setting, emulated in (("emulate", True), ("native", False)):
+        monkeypatch.setenv(cpu_bf16.ENV, setting)
+        with cpu_bf16.kernels(emulate=False):
+            _trainer(text_model, tmp_path / setting, steps=1)
+            assert cpu_bf16.active() is emulated, setting

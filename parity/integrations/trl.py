@@ -59,6 +59,7 @@ from typing import Any
 import datasets
 import torch
 
+from parity import cpu_bf16
 from parity import metric_names as mn
 from parity.config import (
     FIELDS,
@@ -215,6 +216,8 @@ class ParityGRPOTrainer(GRPOTrainer):
         bound.arguments["args"] = trl_config.adapted(a, self.parity)
         with trl_vllm.parity_generation(self.parity.engine_dtype):
             super().__init__(*bound.args[1:], **bound.kwargs)
+        if cpu_bf16.install_for(self.accelerator.device):   # as `parity train` on this CPU
+            logger.info("parity: %s", cpu_bf16.describe())
         a = self.args
         if self.tools or self.rollout_func is not None:
             raise ParityError("ParityGRPOTrainer trains on one turn of text: tools and "
