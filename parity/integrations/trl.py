@@ -190,6 +190,14 @@ def _count_positions_as_the_engine(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def install_cpu_bf16(accelerator: Any) -> None:
+    """On the CPU, the bf16 products `parity train` runs there (emulated where the CPU has no
+    bf16 instructions: parity/cpu_bf16.py), said in one INFO line; accelerate, not parity,
+    resolved the device."""
+    if cpu_bf16.install_for(accelerator.device):
+        logger.info("parity: %s", cpu_bf16.describe())
+
+
 def install_cpu_fp16_scaler(accelerator: Any) -> None:
     """accelerate runs fp16 on CPU as plain fp32 with no scaler. With native_amp on, its
     autocast() turns fp16, and clip_grad_norm_ unscales before clipping; the scaler is the one
@@ -216,8 +224,7 @@ class ParityGRPOTrainer(GRPOTrainer):
         bound.arguments["args"] = trl_config.adapted(a, self.parity)
         with trl_vllm.parity_generation(self.parity.engine_dtype):
             super().__init__(*bound.args[1:], **bound.kwargs)
-        if cpu_bf16.install_for(self.accelerator.device):   # as `parity train` on this CPU
-            logger.info("parity: %s", cpu_bf16.describe())
+        install_cpu_bf16(self.accelerator)
         a = self.args
         if self.tools or self.rollout_func is not None:
             raise ParityError("ParityGRPOTrainer trains on one turn of text: tools and "

@@ -27,7 +27,6 @@ advantages, packing, TRL's loss and logging to TRL, and changes four things:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import re
@@ -39,7 +38,6 @@ from typing import Any
 import datasets
 import torch
 
-from parity import cpu_bf16
 from parity import metric_names as mn
 from parity.config import (
     FIELDS,
@@ -55,7 +53,7 @@ from parity.config import (
 from parity.diagnostics import StepDiagnostics, measure
 from parity.errors import ParityError
 from parity.integrations import trl_config
-from parity.integrations.trl import install_cpu_fp16_scaler
+from parity.integrations.trl import install_cpu_bf16, install_cpu_fp16_scaler
 from parity.integrations.trl_updates import UpdateGuard
 from parity.integrations.weight_sync import PROBE_TOLERANCE, DirectoryWeightTransfer, Server
 from parity.models.forward import disable_dropout
@@ -76,7 +74,6 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("parity.integrations.trl_async needs TRL >= 1.16: "
                       "pip install 'parity[trl]'") from e
 
-logger = logging.getLogger(__name__)
 TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
 
 
@@ -364,8 +361,7 @@ class ParityAsyncGRPOTrainer(AsyncGRPOTrainer):
             super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer,
                              **kwargs)
         use_cpu_tree_attention()
-        if cpu_bf16.install_for(self.accelerator.device):   # as `parity train` on this CPU
-            logger.info("parity: %s", cpu_bf16.describe())
+        install_cpu_bf16(self.accelerator)
         self._check_prompts_fit()
         self.guard = UpdateGuard(self, p.max_consecutive_skips)
         self.add_callback(self.guard)
