@@ -212,7 +212,8 @@ def test_the_recipe_is_refused_where_it_cannot_hold():
     assert make_config({**base, "lora_rank": 4, "lora_merge": False}).lora_rank == 4
     for extra, said in ((dict(engine="vllm"), "engine=vllm runs its own kernels"),
                         (dict(trainer_dtype="fp32"), "trainer_dtype=fp32 must be engine_dtype"),
-                        (dict(lora_rank=4), "needs --no-lora-merge")):
+                        (dict(lora_rank=4), "needs --no-lora-merge"),
+                        (dict(parallel="fsdp"), "does not hold with --parallel fsdp yet")):
         with pytest.raises(ParityError, match=said):
             make_config({**base, **extra})
 
@@ -226,14 +227,22 @@ def test_a_step_whose_figures_are_not_zero_says_which_forwards_differ(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step 4: mismatch/kernel_gap_abs_mean = 2e-09, not 0" in err[0]
     assert "the shadow at the first update against the engine's decode differ" in err[0]
+    # a stale rollout's gap to the engine holds the updates it missed; one set of weights still
+    # judges the trainer against the shadow
+    stale = {mn.ASYNC_STALENESS: 1, mn.KL_K3: 3e-4, mn.BETA_ABS_MAX: 0.0}
+    _check_bitwise(4, stale)
+    assert capsys.readouterr().err == ""
+    _check_bitwise(4, {**stale, mn.BETA_ABS_MAX: 1e-3})
+    assert "beta_abs_max = 0.001, not 0: the trainer against the shadow" in capsys.readouterr().err
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("extra", [
     (), ("--objective", "gspo", "--lora-rank", "4", "--no-lora-merge"),
     # every log-prob chunk and every layer recomputed in the backward
-    ("--objective", "ppo-value", "--logprob-chunk", "8", "--gradient-checkpointing")],
-                         ids=["grpo", "gspo+lora", "ppo-value+recomputed"])
+    ("--objective", "ppo-value", "--logprob-chunk", "8", "--gradient-checkpointing"),
+    ("--lm-head-fp32",)],
+                         ids=["grpo", "gspo+lora", "ppo-value+recomputed", "fp32-head"])
 def test_a_bitwise_run_has_no_gap_at_any_step(tmp_path, text_model, extra):
     import json
 
@@ -253,6 +262,32 @@ def test_a_bitwise_run_has_no_gap_at_any_step(tmp_path, text_model, extra):
                   mn.CLIP_FRAC if m[mn.STEP] == 1 else mn.BETA_MEAN):
             assert m[k] == 0, (m[mn.STEP], k, m[k])
     assert steps[-1][mn.REWARD_MEAN] != steps[0][mn.REWARD_MEAN]   # it trained
+
+
+@pytest.mark.e2e
+def test_a_bitwise_run_with_the_engine_in_its_own_process_has_no_gap(tmp_path, text_model):
+    """The asynchronous engine samples in another process, on its own threads: with the
+    trainer's padding installed there, a rollout on the trainer's weights (staleness 0) is the
+    trainer's bits, and a stale one differs only by the updates it missed."""
+    import json
+
+    from cli_helpers import run_main
+    from parity import metric_names as mn
+    # 2 rows: few enough that an unpadded fp32 product takes another kernel on some CPUs; 32
+    # tokens and lr 1e-2, so that the first update moves the policy
+    p = run_main("train", "--model", str(text_model), "--recipe", "bitwise", "--steps", "3",
+                 "--prompts-per-step", "1", "--samples-per-prompt", "2", "--max-new-tokens",
+                 "32", "--async-engine", "--max-staleness", "1", "--lr", "1e-2", "--no-progress",
+                 "--out", tmp_path / "run")
+    assert p.returncode == 0, p.stderr
+    assert "kernels=invariant:" not in p.stderr
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m[mn.ASYNC_STALENESS] for m in steps] == [0, 1, 1]
+    for k in (mn.BETA_ABS_MAX, mn.KL_K3, mn.KL_EXACT, mn.KERNEL_GAP_ABS_MEAN, mn.PHANTOM_FRAC,
+              mn.CLIP_FRAC):
+        assert steps[0][k] == 0, k
+    assert all(m[mn.BETA_ABS_MAX] == 0 for m in steps)   # the trainer is the shadow's bits
+    assert steps[1][mn.KL_K3] > 0   # sampled before the first update: the policy moved
 
 
 def test_a_lone_rows_log_sum_exp_is_its_bits_in_a_batch():

@@ -66,9 +66,7 @@ def check_kernels(c: Any) -> None:
         raise ParityError("kernels=invariant with LoRA needs --no-lora-merge: the engine must "
                           "apply the adapters as the trainer does, W x + (α/r) B (A x), not "
                           "the merged W + (α/r) B A (docs/zero-mismatch.md)")
-    for flag, on in (("--lm-head-fp32", c.lm_head_fp32),
-                     ("--async-engine", getattr(c, "async_engine", False)),
-                     ("--parallel fsdp", getattr(c, "parallel", None) == "fsdp"),
+    for flag, on in (("--parallel fsdp", getattr(c, "parallel", None) == "fsdp"),
                      ("--server", getattr(c, "server", None))):
         if on:
             raise ParityError(f"kernels=invariant does not hold with {flag} yet: the engine "

@@ -26,7 +26,7 @@ The log-prob of a token is the same function on both sides: x[token] - logsumexp
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -140,18 +140,22 @@ def engine_attention_of(model: torch.nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def engine_precision(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def engine_precision(model: torch.nn.Module, dtype: torch.dtype,
+                     keep: Callable[[torch.nn.Module], bool] = lambda m: False) -> Iterator[None]:
     """Within the block every floating parameter of `model` reads as its cast to `dtype` (one
     cast per tensor, shared where weights are tied), so the model's forward is its
     low-precision copy's, and the gradient flows through the casts to the fp32 parameters.
-    Buffers stay as they are, as the engine's copy keeps RoPE's tables (parity/models/
-    precision.py)."""
+    Buffers stay as they are, as the engine's copy keeps RoPE's tables, and so do the
+    parameters of a module that `keep` names (an fp32 head, which the engine's copy keeps in
+    fp32: parity/models/precision.py)."""
     casts: dict[int, torch.Tensor] = {}
     swapped: list[tuple[torch.nn.Module, str]] = []
     # An instance attribute is found before nn.Module's lookup of its parameters, so the cast
     # shadows the parameter for the block; `parameters()` and the optimizer still see fp32.
     try:
         for m in model.modules():
+            if keep(m):
+                continue
             for n, p in m._parameters.items():
                 if p is not None and p.is_floating_point():
                     if id(p) not in casts:

@@ -125,7 +125,7 @@ def trainer_precision(trainer_dtype: str, device: torch.device, cpu_fp16: str = 
     (parity/models/invariant.py)."""
     if kernels == "invariant":
         from parity.models import invariant  # its attention registers with transformers
-        return invariant.engine_precision(model, TORCH_DTYPES[trainer_dtype])
+        return invariant.engine_precision(model, TORCH_DTYPES[trainer_dtype], is_fp32_head)
     return autocast(trainer_dtype, device, cpu_fp16)
 
 
@@ -137,7 +137,7 @@ def backward_precision(trainer_dtype: str, kernels: str = "default",
     Autocast needs nothing: a checkpoint restores autocast's state itself."""
     if kernels == "invariant":
         from parity.models import invariant  # its attention registers with transformers
-        return invariant.engine_precision(model, TORCH_DTYPES[trainer_dtype])
+        return invariant.engine_precision(model, TORCH_DTYPES[trainer_dtype], is_fp32_head)
     return contextlib.nullcontext()
 
 
@@ -244,6 +244,11 @@ def _fp32_head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias)
+
+
+def is_fp32_head(module: torch.nn.Module) -> bool:
+    """Whether `module` is a head that `fp32_head` made compute in fp32."""
+    return getattr(module.forward, "__func__", None) is _fp32_head_forward
 
 
 def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
