@@ -230,6 +230,17 @@ def install_for(device: torch.device) -> bool:
     return device.type == "cpu" and install()
 
 
+def state() -> tuple[bool, int]:
+    """This process's bf16 path and row padding, for another process to take (`set_state`)."""
+    return _emulate, _tile
+
+
+def set_state(kept: tuple[bool, int]) -> None:
+    """Products as `state()` found them in another process: an engine process computes what
+    the trainer's would."""
+    _set(*kept)
+
+
 def pad_rows(tile: int) -> None:
     """Pad every CPU product's rows to a multiple of `tile` in this process (0: stop)."""
     _set(_emulate, tile)

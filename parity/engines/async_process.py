@@ -59,17 +59,16 @@ class Sampled:
 
 def _serve(build: Any, spec: dict[str, Any], s: Sampling, max_new_tokens: int, threads: int,
            gen_state: torch.Tensor, inbox: Any, outbox: Any, parent: int, device: str,
-           bf16: str, tile: int) -> None:
+           products: tuple[bool, int]) -> None:
     """The engine process: load pushed weights, answer requests in order, until told to stop
     or the trainer is gone. Weights arrive and rollouts leave on the CPU (a CUDA tensor sent
     between processes lives only as long as its sender keeps it); it samples on `device`
-    with the engine `build(device=..., **spec)` makes (Engine.replica), its bf16 products on
-    the trainer's path (`bf16`: parity/cpu_bf16.py) and its rows padded as the trainer's
-    (`tile`: kernels=invariant), so it samples what a synchronous engine would."""
+    with the engine `build(device=..., **spec)` makes (Engine.replica), its products as the
+    trainer's process runs them (`products`: the bf16 path and the row padding of
+    kernels=invariant, parity/cpu_bf16.py), so it samples what a synchronous engine would."""
     try:
         torch.set_num_threads(threads)
-        cpu_bf16.install(bf16)
-        cpu_bf16.pad_rows(tile)
+        cpu_bf16.set_state(products)
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -127,8 +126,7 @@ class AsyncEngine:
         build, spec = mirror.replica()
         self.proc = ctx.Process(target=_serve, daemon=True, args=(
             build, spec, s, max_new_tokens, threads, gen.get_state(), self.inbox, self.outbox,
-            os.getpid(), str(mirror.device), "emulate" if cpu_bf16.active() else "native",
-            cpu_bf16.padding()))
+            os.getpid(), str(mirror.device), cpu_bf16.state()))
         self.proc.start()
         for v in sorted(self.pushed):
             self.inbox.put(("weights", v, self.pushed[v]))
